@@ -1,0 +1,93 @@
+import socket
+import sys
+
+from django.conf import settings
+from django.core.management import call_command, get_commands
+from django.core.management.base import BaseCommand, CommandError
+
+from launcher import services
+
+
+class Command(BaseCommand):
+    help = "Run llmgw on this machine: Redis if needed, the admin server, the byte listener and the workers."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--node", default=socket.gethostname().split(".")[0], help="this host's node name")
+
+    def handle(self, *args, node, **options):
+        supervisor = services.Supervisor(settings.VAR_DIR)
+        try:
+            if services.redis_answers(settings.REDIS_URL):
+                self.stdout.write(f"Using the Redis at {settings.REDIS_URL}")
+            else:
+                self.stdout.write(f"Nothing answers at {settings.REDIS_URL}; starting a private redis-server.")
+                supervisor.adopt("redis", services.start_private_redis(settings.REDIS_URL, settings.VAR_DIR / "redis"))
+            call_command("migrate", interactive=False, verbosity=0)
+            note = services.ensure_staff_user()
+            settings.MIRROR_ROOT.mkdir(parents=True, exist_ok=True)
+        except services.StartError as error:
+            supervisor.stop()
+            raise CommandError(str(error)) from None
+
+        py = services.python()
+        admin_host, admin_port = settings.ADMIN_ADDR
+        supervisor.start(
+            "admin server",
+            [
+                py,
+                "-m",
+                "gunicorn",
+                "llmgw_site.wsgi:application",
+                "--bind",
+                f"{admin_host}:{admin_port}",
+                "--worker-class",
+                "gthread",
+                "--workers",
+                "2",
+                "--threads",
+                "8",
+                "--timeout",
+                "120",
+                "--name",
+                "llmgw-admin",
+            ],
+        )
+        supervisor.start("byte listener", [py, "manage.py", "byte_listener"])
+        supervisor.start(
+            "control worker",
+            [
+                py,
+                "-m",
+                "celery",
+                "-A",
+                "llmgw_site",
+                "worker",
+                "--beat",
+                "-Q",
+                "control",
+                "-n",
+                f"control@{node}",
+                "--concurrency",
+                "2",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                str(settings.VAR_DIR / "celerybeat-schedule"),
+            ],
+        )
+        if "agent" in get_commands():
+            supervisor.start("agent", [py, "manage.py", "agent", "--node", node])
+
+        self.stdout.write("")
+        self.stdout.write("llmgw is up. Ctrl-C stops everything it started.")
+        self.stdout.write(f"  admin:         http://{admin_host}:{admin_port}/admin/")
+        self.stdout.write(f"  API:           http://{admin_host}:{admin_port}/api/  (schema at /api/schema/)")
+        self.stdout.write(f"  byte listener: {settings.BYTES_URL}")
+        self.stdout.write(f"  mirror:        {settings.MIRROR_ROOT}  (copy files into <model>/<version>/)")
+        if note:
+            self.stdout.write(f"  {note}")
+        sys.stdout.flush()
+        code = supervisor.wait()
+        self.stdout.write("llmgw stopped.")
+        if code:
+            raise CommandError("a service stopped unexpectedly; its output above says why")

@@ -1,0 +1,170 @@
+"""Starting llmgw's processes on one machine, and stopping them cleanly."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import redis
+from django.conf import settings
+from django.contrib.auth import get_user_model
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", ""}
+
+
+class StartError(Exception):
+    """Something llmgw cannot start without; the message says what and how to fix it."""
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping())
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+def ensure_redis_server_installed() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    if os.geteuid() != 0:
+        raise StartError(
+            "redis-server is not installed and nothing answers at REDIS_URL. Install it with "
+            "`sudo apt-get install redis-server`, or set REDIS_URL to a Redis that is running."
+        )
+    print("redis-server is not installed; installing Debian's package…", flush=True)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=False, env=env)
+    done = subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], env=env)
+    found = shutil.which("redis-server")
+    if done.returncode != 0 or not found:
+        raise StartError("installing redis-server with apt-get failed; its output above says why.")
+    return found
+
+
+def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen:
+    """A redis-server of our own on the port REDIS_URL names, with its data under var/."""
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+    if host not in LOCAL_HOSTS:
+        raise StartError(f"nothing answers at REDIS_URL ({url}), and it is not on this machine to start.")
+    binary = ensure_redis_server_installed()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(data_dir),
+            "--save",
+            "60",
+            "1",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "yes",
+        ],
+        stdout=open(data_dir / "redis.log", "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    for _ in range(50):
+        if redis_answers(url):
+            return process
+        if process.poll() is not None:
+            break
+        time.sleep(0.1)
+    process.terminate()
+    raise StartError(f"redis-server did not start on port {port}; {data_dir / 'redis.log'} says why.")
+
+
+def ensure_staff_user() -> str | None:
+    """The staff account: from LLMGW_ADMIN_USER/LLMGW_ADMIN_PASSWORD, or made once and printed."""
+    User = get_user_model()
+    username = os.environ.get("LLMGW_ADMIN_USER", "").strip()
+    password = os.environ.get("LLMGW_ADMIN_PASSWORD", "")
+    if username:
+        user, _ = User.objects.get_or_create(username=username)
+        user.is_staff = user.is_superuser = True
+        if password:
+            user.set_password(password)
+        user.save()
+        return None
+    if User.objects.filter(is_superuser=True).exists():
+        return None
+    password = secrets.token_urlsafe(12)
+    User.objects.create_superuser("admin", "", password)
+    return f"Created the staff account admin with password {password} (shown this once)."
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    env: dict | None = None
+    process: subprocess.Popen | None = None
+
+
+class Supervisor:
+    """Starts services in order and stops them in reverse; one that dies stops the rest."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.services: list[Service] = []
+        self.extra: list[subprocess.Popen] = []
+        self.stopping = False
+
+    def adopt(self, name: str, process: subprocess.Popen) -> None:
+        self.services.append(Service(name, [], process=process))
+
+    def start(self, name: str, argv: list[str], env: dict | None = None) -> None:
+        service = Service(name, argv, env)
+        # Own session: Ctrl-C reaches us alone, and we stop each service in turn.
+        service.process = subprocess.Popen(argv, env=env, start_new_session=True, cwd=settings.BASE_DIR)
+        self.services.append(service)
+
+    def wait(self) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        while not self.stopping:
+            for service in self.services:
+                code = service.process.poll()
+                if code is not None:
+                    print(f"\n{service.name} stopped unexpectedly (exit {code}); stopping the rest.", flush=True)
+                    self.stop()
+                    return 1
+            time.sleep(0.5)
+        self.stop()
+        return 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = True
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            if service.process.poll() is None:
+                service.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for service in reversed(self.services):
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                service.process.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                print(f"{service.name} did not stop in time; killing it.", flush=True)
+                os.killpg(service.process.pid, signal.SIGKILL)
+                service.process.wait()
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,199 @@
+"""llmgw's settings: every value comes from the environment, with defaults that
+run everything on one machine (SQLite and the mirror under var/, a local Redis).
+
+The byte listener runs the same settings with LLMGW_ROLE=bytes, which swaps in
+its own URLconf and drops sessions, auth and the admin: it serves files and
+manifests to nodes and nothing else.
+"""
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+from .env import env_addr, env_bool, env_int, env_path, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = env_path("LLMGW_VAR", Path("var"), BASE_DIR)
+
+ROLE = env_str("LLMGW_ROLE", "control")
+
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", "")
+if not SECRET_KEY:
+    # One machine: a key made once and kept under var/, so sessions survive a restart.
+    _key_file = VAR_DIR / "secret_key"
+    if _key_file.exists():
+        SECRET_KEY = _key_file.read_text().strip()
+    else:
+        import secrets
+
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        SECRET_KEY = secrets.token_urlsafe(50)
+        _key_file.write_text(SECRET_KEY)
+        _key_file.chmod(0o600)
+
+DEBUG = env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = [h.strip() for h in env_str("DJANGO_ALLOWED_HOSTS", "*").split(",") if h.strip()]
+CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
+
+# --- where things are -------------------------------------------------------
+
+MIRROR_ROOT = env_path("LLMGW_MIRROR_ROOT", VAR_DIR / "mirror", BASE_DIR)
+ADMIN_ADDR = env_addr("LLMGW_ADMIN_ADDR", "127.0.0.1:8000")
+BYTES_ADDR = env_addr("LLMGW_BYTES_ADDR", "127.0.0.1:8001")
+# The byte listener as nodes reach it, which is not always where it listens
+# (0.0.0.0 is an address to bind, not one to connect to).
+_bytes_host = "127.0.0.1" if BYTES_ADDR[0] in {"0.0.0.0", "::", ""} else BYTES_ADDR[0]
+BYTES_URL = env_str("LLMGW_BYTES_URL", f"http://{_bytes_host}:{BYTES_ADDR[1]}/").rstrip("/") + "/"
+MIRROR_SCAN_INTERVAL_S = env_int("LLMGW_SCAN_INTERVAL_S", 20, minimum=1)
+BYTES_THREADS = env_int("LLMGW_BYTES_THREADS", 32, minimum=1)
+BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
+
+# --- applications -------------------------------------------------------------
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django.contrib.humanize",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "django_htmx",
+    "mirror",
+    "catalog",
+    "fleet",
+    "agent",
+    "launcher",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+ROOT_URLCONF = "llmgw_site.urls"
+
+if ROLE == "bytes":
+    # Files and manifests only: no sessions, no CSRF, no auth. The byte listener
+    # is what every node talks to, so nothing administrative may be reachable there.
+    ROOT_URLCONF = "llmgw_site.urls_bytes"
+    MIDDLEWARE = []
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+WSGI_APPLICATION = "llmgw_site.wsgi.application"
+
+# --- database -----------------------------------------------------------------
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'llmgw.sqlite3'}"),
+        conn_max_age=60,
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Several processes (web, byte listener, the control worker) share one file:
+    # wait for a lock rather than failing with "database is locked".
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
+    )
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    # Tests run real worker processes against the test database, so it has to
+    # be a file they can open, not an in-memory database of the test process.
+    DATABASES["default"]["TEST"] = {"NAME": str(env_path("LLMGW_TEST_DB", VAR_DIR / "test.sqlite3", BASE_DIR))}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+# The admin's own CSS and JS, served by the admin server itself: one process, no nginx needed.
+WHITENOISE_USE_FINDERS = True
+
+LOGIN_URL = "admin:login"
+
+# --- API ----------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    # Closed unless a view says otherwise: staff only.
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "llmgw API",
+    "DESCRIPTION": "Mirror, catalog, fleet and serving of a private LLM fleet.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# --- Celery -------------------------------------------------------------------
+
+REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_TASK_DEFAULT_QUEUE = "control"
+CELERY_TASK_ROUTES = {
+    "mirror.*": {"queue": "control"},
+    "catalog.*": {"queue": "control"},
+    "fleet.*": {"queue": "control"},
+}
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Longer than the longest fetch: Redis re-delivers an unacknowledged task after
+# this, and a multi-hour download must not be started a second time underneath itself.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("LLMGW_VISIBILITY_TIMEOUT_S", 12 * 3600, minimum=60)}
+CELERY_BEAT_SCHEDULE = {
+    "mirror-scan": {"task": "mirror.scan", "schedule": float(MIRROR_SCAN_INTERVAL_S)},
+}
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LLMGW_LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}
+
+os.environ.setdefault("LLMGW_ROLE", ROLE)

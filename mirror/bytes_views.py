@@ -1,0 +1,237 @@
+"""The byte listener: the mirror's files, manifests and listings, GET and HEAD only.
+
+Every node fetches from here, so it answers only what a fetch needs and every
+refusal is the same short JSON sentence. Files go out through the WSGI server's
+file wrapper, which gunicorn sends with sendfile(2): the bytes never pass
+through Python, ranged or whole.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from email.utils import formatdate, parsedate_to_datetime
+
+from django.db import DatabaseError
+from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+
+from . import disk
+from .scan import known_hashes
+
+
+def _error(status: int, sentence: str, **headers) -> JsonResponse:
+    response = JsonResponse({"error": sentence}, status=status)
+    for name, value in headers.items():
+        response[name.replace("_", "-")] = value
+    return response
+
+
+def not_found(request: HttpRequest, exception=None, **kwargs) -> JsonResponse:
+    return _error(404, "nothing here: the mirror has no such model, version or file")
+
+
+def server_error(request: HttpRequest) -> JsonResponse:
+    return _error(500, "the byte listener failed to answer; its log says why")
+
+
+def _only_get_and_head(view):
+    def wrapped(request: HttpRequest, *args, **kwargs):
+        if request.method not in ("GET", "HEAD"):
+            return _error(405, "the byte listener answers GET and HEAD only", Allow="GET, HEAD")
+        return view(request, *args, **kwargs)
+
+    wrapped.__name__ = view.__name__
+    wrapped.__doc__ = view.__doc__
+    return wrapped
+
+
+@_only_get_and_head
+def model_list(request: HttpRequest) -> JsonResponse:
+    base = request.build_absolute_uri("/")
+    return JsonResponse({"models": [{"name": m, "url": f"{base}{m}/"} for m in disk.model_names()]})
+
+
+@_only_get_and_head
+def version_list(request: HttpRequest, model: str) -> JsonResponse:
+    if disk.resolve(model) is None or model not in disk.model_names():
+        return not_found(request)
+    base = request.build_absolute_uri(f"/{model}/")
+    versions = [{"version": v, "url": f"{base}{v}/"} for v in disk.version_names(model)]
+    return JsonResponse({"model": model, "versions": versions})
+
+
+@_only_get_and_head
+def manifest(request: HttpRequest, model: str, version: str) -> JsonResponse:
+    """What a version consists of, built from the directory at this moment.
+
+    Not from a file written beside the weights, and not from the index: both are
+    second records that disagree the first time somebody copies a file in by hand.
+    The index only lends a sha256, and only for a file whose size and mtime are
+    the ones that were hashed.
+    """
+    if model not in disk.model_names():
+        return not_found(request)
+    files = disk.version_files(model, version)
+    if files is None:
+        return not_found(request)
+    try:
+        hashes = known_hashes(model, version)
+    except DatabaseError:
+        # The manifest is still right without hashes; fetches then check sizes only.
+        hashes = {}
+    entries = []
+    for f in files:
+        entry = {"name": f.name, "bytes": f.bytes}
+        known = hashes.get(f.name)
+        if known and known[0] == f.bytes and known[1] == f.mtime_ns:
+            entry["sha256"] = known[2]
+        entries.append(entry)
+    return JsonResponse({"model": model, "version": version, "files": entries, "bytes": sum(f.bytes for f in files)})
+
+
+class _RangeFile:
+    """An open file limited to [start, start+length), for the file wrapper.
+
+    gunicorn's sendfile path reads the descriptor's offset and the response's
+    Content-Length, so seeking to `start` is all zero-copy needs; `read` keeps
+    any server without sendfile to the same bytes.
+    """
+
+    def __init__(self, fh, start: int, length: int):
+        self._fh = fh
+        self._left = length
+        fh.seek(start)
+
+    def fileno(self) -> int:
+        return self._fh.fileno()
+
+    def read(self, size: int = -1) -> bytes:
+        if self._left <= 0:
+            return b""
+        if size is None or size < 0 or size > self._left:
+            size = self._left
+        data = self._fh.read(size)
+        self._left -= len(data)
+        return data
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _etag(st: os.stat_result) -> str:
+    return f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | None | str:
+    """(start, end inclusive), None to ignore the header, or "unsatisfiable".
+
+    One range only: a multi-range request is answered whole (RFC 9110 allows a
+    server to ignore Range), since no fetcher of ours asks for one.
+    """
+    unit, _, spec = header.partition("=")
+    if unit.strip().lower() != "bytes" or "," in spec:
+        return None
+    first, dash, last = spec.strip().partition("-")
+    if not dash:
+        return None
+    first, last = first.strip(), last.strip()
+    try:
+        if first == "":
+            if not last.isdigit():
+                return None
+            suffix = int(last)
+            if suffix == 0 or size == 0:
+                return "unsatisfiable"
+            return max(0, size - suffix), size - 1
+        if not first.isdigit() or (last and not last.isdigit()):
+            return None
+        start = int(first)
+        end = int(last) if last else size - 1
+    except ValueError:
+        return None
+    if start >= size:
+        return "unsatisfiable"
+    if end < start:
+        return None
+    return start, min(end, size - 1)
+
+
+def _if_range_allows(request: HttpRequest, etag: str, last_modified: str) -> bool:
+    """If-Range: the range applies only to the representation the client already has."""
+    value = request.headers.get("If-Range")
+    if value is None:
+        return True
+    value = value.strip()
+    if value.startswith('"') or value.startswith("W/"):
+        return value == etag  # strong comparison; a weak tag never matches
+    return value == last_modified
+
+
+def _not_modified(request: HttpRequest, etag: str, mtime: float) -> bool:
+    if_none_match = request.headers.get("If-None-Match")
+    if if_none_match is not None:
+        tags = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
+        return "*" in tags or etag in tags
+    since = request.headers.get("If-Modified-Since")
+    if since:
+        try:
+            return int(mtime) <= parsedate_to_datetime(since).timestamp()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return False
+    return False
+
+
+@_only_get_and_head
+def file(request: HttpRequest, model: str, version: str, name: str) -> HttpResponse:
+    path = disk.resolve(model, version, name)
+    if path is None:
+        return not_found(request)
+    try:
+        fh = open(os.path.realpath(path), "rb")
+    except OSError:
+        return not_found(request)
+    st = os.fstat(fh.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        fh.close()
+        return not_found(request)
+
+    size = st.st_size
+    etag = _etag(st)
+    last_modified = formatdate(st.st_mtime, usegmt=True)
+    common = {"ETag": etag, "Last-Modified": last_modified, "Accept-Ranges": "bytes"}
+
+    if _not_modified(request, etag, st.st_mtime):
+        fh.close()
+        response = HttpResponse(status=304)
+        for k, v in common.items():
+            response[k] = v
+        return response
+
+    status, start, length = 200, 0, size
+    range_header = request.headers.get("Range")
+    if range_header and _if_range_allows(request, etag, last_modified):
+        parsed = _parse_range(range_header, size)
+        if parsed == "unsatisfiable":
+            fh.close()
+            response = _error(416, f"the range {range_header} is outside a file of {size} bytes")
+            response["Content-Range"] = f"bytes */{size}"
+            for k, v in common.items():
+                response[k] = v
+            return response
+        if parsed is not None:
+            first, last = parsed
+            status, start, length = 206, first, last - first + 1
+
+    if request.method == "HEAD":
+        fh.close()
+        response = HttpResponse(status=status, content_type="application/octet-stream")
+    else:
+        response = FileResponse(_RangeFile(fh, start, length), status=status, content_type="application/octet-stream")
+        # Without this Django would read the file in 4 KiB blocks where there is no sendfile.
+        response.block_size = 1 << 20
+    response["Content-Length"] = str(length)
+    if status == 206:
+        response["Content-Range"] = f"bytes {start}-{start + length - 1}/{size}"
+    for k, v in common.items():
+        response[k] = v
+    return response

@@ -1,0 +1,130 @@
+"""What the mirror directory holds, read from disk at the moment of asking.
+
+The directory is the truth: operators copy files in by hand, so every answer
+here comes from listing and stat-ing it, never from the index in the database.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+
+
+def name_problem(name: str) -> str | None:
+    """Why this is not a plain name for a model, version or file, or None.
+
+    A name is joined onto a path under the mirror root, and the mirror is a place
+    files are copied into by hand: anything that could climb out, hide, or mean
+    a half-written download is refused rather than trusted.
+    """
+    if not name:
+        return "the name is empty"
+    if name in {".", ".."}:
+        return f"{name!r} is not a name"
+    if "/" in name or "\\" in name:
+        return f"{name!r} contains a path separator"
+    if "\x00" in name:
+        return f"{name!r} contains a NUL byte"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return f"{name!r} contains a control character"
+    if name.startswith("."):
+        return f"{name!r} is hidden"
+    if name.endswith(".part"):
+        return f"{name!r} is an unfinished download"
+    if len(name.encode("utf-8", "surrogateescape")) > 255:
+        return f"{name[:40]!r}... is longer than 255 bytes"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{name!r} is not valid UTF-8"
+    return None
+
+
+def root() -> Path:
+    return Path(settings.MIRROR_ROOT)
+
+
+def _real_root() -> Path:
+    return Path(os.path.realpath(root()))
+
+
+def resolve(*names: str) -> Path | None:
+    """The path of root/names..., or None when it is not a plain name or leaves the root.
+
+    The real path is checked as well as the names, because a symlink is one
+    name that can point anywhere.
+    """
+    for name in names:
+        if name_problem(name) is not None:
+            return None
+    path = root().joinpath(*names)
+    real_root = _real_root()
+    real = Path(os.path.realpath(path))
+    if real != real_root and real_root not in real.parents:
+        return None
+    return path
+
+
+@dataclass(frozen=True)
+class DiskFile:
+    name: str
+    bytes: int
+    mtime_ns: int
+
+
+def _entries(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as it:
+            return sorted(it, key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+
+
+def model_names() -> list[str]:
+    base = resolve()
+    if base is None:
+        return []
+    return [e.name for e in _entries(base) if name_problem(e.name) is None and _is_dir_inside(base / e.name)]
+
+
+def version_names(model: str) -> list[str]:
+    base = resolve(model)
+    if base is None:
+        return []
+    return [e.name for e in _entries(base) if name_problem(e.name) is None and _is_dir_inside(base / e.name)]
+
+
+def version_files(model: str, version: str) -> list[DiskFile] | None:
+    """The files of a version as they are now, or None when there is no such version."""
+    base = resolve(model, version)
+    if base is None or not base.is_dir():
+        return None
+    files = []
+    for entry in _entries(base):
+        if name_problem(entry.name) is not None:
+            continue
+        st = _stat_inside(base / entry.name)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            continue
+        files.append(DiskFile(entry.name, st.st_size, st.st_mtime_ns))
+    return files
+
+
+def _is_dir_inside(path: Path) -> bool:
+    st = _stat_inside(path)
+    return st is not None and stat.S_ISDIR(st.st_mode)
+
+
+def _stat_inside(path: Path) -> os.stat_result | None:
+    real_root = _real_root()
+    real = Path(os.path.realpath(path))
+    if real_root not in real.parents:
+        return None
+    try:
+        return os.stat(real)
+    except OSError:
+        return None

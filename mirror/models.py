@@ -1,0 +1,76 @@
+"""The mirror's index: a copy of what the directory holds, refreshed by a scan.
+
+Never a second record that can disagree for long: `mirror.scan.scan_mirror`
+makes these rows match the disk, and anything that must be exact at the moment
+(the byte listener's manifest) reads the disk instead.
+"""
+
+from django.db import models
+from django.db.models import Count, Q, Sum
+
+
+class MirrorVersionQuerySet(models.QuerySet):
+    def with_totals(self):
+        return self.annotate(
+            file_count=Count("files"),
+            total_bytes=Sum("files__bytes"),
+            unhashed_count=Count("files", filter=Q(files__sha256="")),
+        )
+
+
+class MirrorVersion(models.Model):
+    class State(models.TextChoices):
+        EMPTY = "empty", "empty"
+        HASHING = "hashing", "hashing"
+        COMPLETE = "complete", "complete"
+
+    model = models.CharField(max_length=255)
+    version = models.CharField(max_length=255)
+    first_seen = models.DateTimeField(auto_now_add=True)
+    scanned_at = models.DateTimeField(help_text="When a scan last found it on disk.")
+
+    objects = MirrorVersionQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["model", "version"]
+        constraints = [models.UniqueConstraint(fields=["model", "version"], name="mirror_version_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.model}/{self.version}"
+
+    @property
+    def address(self) -> str:
+        """The version's address on the byte listener, which is where nodes fetch it."""
+        from django.conf import settings
+
+        return f"{settings.BYTES_URL}{self.model}/{self.version}/"
+
+    @property
+    def state(self) -> str:
+        files = list(self.files.all())
+        if not files:
+            return self.State.EMPTY
+        if any(not f.sha256 for f in files):
+            return self.State.HASHING
+        return self.State.COMPLETE
+
+
+class MirrorFile(models.Model):
+    version = models.ForeignKey(MirrorVersion, related_name="files", on_delete=models.CASCADE)
+    name = models.CharField(max_length=255)
+    bytes = models.BigIntegerField()
+    mtime_ns = models.BigIntegerField(help_text="Modification time on disk, in nanoseconds.")
+    # Valid for exactly the (bytes, mtime_ns) above: a scan that finds either
+    # changed clears it, so a stale hash is never offered for new content.
+    sha256 = models.CharField(max_length=64, blank=True, default="")
+    hashed_at = models.DateTimeField(null=True, blank=True)
+    # Claimed by the worker hashing it, so a scan every few seconds does not
+    # start a second read of a 100 GB file that is already being hashed.
+    hashing_since = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [models.UniqueConstraint(fields=["version", "name"], name="mirror_file_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.version}/{self.name}"
