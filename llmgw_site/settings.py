@@ -46,6 +46,9 @@ BYTES_ADDR = env_addr("LLMGW_BYTES_ADDR", "127.0.0.1:8001")
 _bytes_host = "127.0.0.1" if BYTES_ADDR[0] in {"0.0.0.0", "::", ""} else BYTES_ADDR[0]
 BYTES_URL = env_str("LLMGW_BYTES_URL", f"http://{_bytes_host}:{BYTES_ADDR[1]}/").rstrip("/") + "/"
 MIRROR_SCAN_INTERVAL_S = env_int("LLMGW_SCAN_INTERVAL_S", 20, minimum=1)
+HEARTBEAT_S = env_int("LLMGW_HEARTBEAT_S", 15, minimum=1)
+# A node is not ready after this many heartbeats in a row have not arrived.
+HEARTBEATS_MISSED = env_int("LLMGW_HEARTBEATS_MISSED", 3, minimum=1)
 BYTES_THREADS = env_int("LLMGW_BYTES_THREADS", 32, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
 

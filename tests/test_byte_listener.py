@@ -51,7 +51,12 @@ def test_head_gives_the_headers_and_no_body(byte_listener, weights):
 
 @pytest.mark.parametrize(
     "header, start, end",
-    [("bytes=100-199", 100, 199), ("bytes=10000-", 10000, 10239), ("bytes=-40", 10200, 10239), ("bytes=10200-99999", 10200, 10239)],
+    [
+        ("bytes=100-199", 100, 199),
+        ("bytes=10000-", 10000, 10239),
+        ("bytes=-40", 10200, 10239),
+        ("bytes=10200-99999", 10200, 10239),
+    ],
 )
 def test_a_single_range_is_answered_206_with_exactly_those_bytes(byte_listener, weights, header, start, end):
     r = requests.get(byte_listener + "m/v1/model.gguf", headers={"Range": header})
@@ -91,7 +96,11 @@ def test_the_manifest_follows_a_hand_copy_at_once(byte_listener, weights):
     (weights / "c.safetensors").write_bytes(b"123")
     after = requests.get(byte_listener + "m/v1/").json()
     assert after["model"] == "m" and after["version"] == "v1"
-    assert {f["name"]: f["bytes"] for f in after["files"]} == {"b.bin": 10, "model.gguf": len(CONTENT), "c.safetensors": 3}
+    assert {f["name"]: f["bytes"] for f in after["files"]} == {
+        "b.bin": 10,
+        "model.gguf": len(CONTENT),
+        "c.safetensors": 3,
+    }
     assert after["bytes"] == 10 + len(CONTENT) + 3
 
 
