@@ -49,6 +49,10 @@ MIRROR_SCAN_INTERVAL_S = env_int("LLMGW_SCAN_INTERVAL_S", 20, minimum=1)
 HEARTBEAT_S = env_int("LLMGW_HEARTBEAT_S", 15, minimum=1)
 # A node is not ready after this many heartbeats in a row have not arrived.
 HEARTBEATS_MISSED = env_int("LLMGW_HEARTBEATS_MISSED", 3, minimum=1)
+# The agent's cache on a node: fetched files and sets, under <host>_<port>/<path>.
+AGENT_CACHE = env_path("LLMGW_AGENT_CACHE", VAR_DIR / "agent-cache", BASE_DIR)
+# Files of one set fetched at once: one TCP stream rarely fills a fast link.
+FETCH_PARALLEL = env_int("LLMGW_FETCH_PARALLEL", 4, minimum=1)
 BYTES_THREADS = env_int("LLMGW_BYTES_THREADS", 32, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
 
@@ -179,9 +183,15 @@ CELERY_TASK_ROUTES = {
     "mirror.*": {"queue": "control"},
     "catalog.*": {"queue": "control"},
     "fleet.*": {"queue": "control"},
+    # Reports from nodes go to the control plane; a fetch goes to the node
+    # named when it is sent (queue="node.NAME"), never to a default queue.
+    "agent.fetch_finished": {"queue": "control"},
 }
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Fetch tasks set acks_late and reject_on_worker_lost themselves (they are safe
+# to run twice): a worker that dies mid-download leaves the task to run again,
+# and the part on disk makes the rerun resume rather than start over.
 # Longer than the longest fetch: Redis re-delivers an unacknowledged task after
 # this, and a multi-hour download must not be started a second time underneath itself.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("LLMGW_VISIBILITY_TIMEOUT_S", 12 * 3600, minimum=60)}

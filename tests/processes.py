@@ -117,3 +117,112 @@ def start_celery_worker(name: str, queues: str, log_dir: Path, **env: str) -> Pr
     if not process.alive():
         raise AssertionError(f"{name} exited:\n{process.output()}")
     return process
+
+
+class CountingProxy:
+    """A loopback HTTP proxy in front of the byte listener that counts, slows and misbehaves.
+
+    It counts the body bytes it passes on, so a test can assert what a resumed
+    fetch transferred; it can send slowly, so "halfway" lasts long enough to be
+    seen; and it can act out the servers a fetch must survive: one that ignores
+    Range, one that cuts a body short, one that answers anything for a path.
+    """
+
+    def __init__(self, upstream: str, rate: int | None = None):
+        import http.server
+        import threading
+        from urllib.parse import urlparse
+
+        self.upstream = urlparse(upstream)
+        self.rate = rate  # body bytes a second, over all requests; None for as fast as it goes
+        self.ignore_range = False
+        self.truncate_after: int | None = None  # cut each GET body after this many bytes
+        self.overrides: dict[str, tuple[int, str, bytes]] = {}  # path -> (status, content type, body)
+        self.body_bytes = 0
+        self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                proxy._relay(self, "HEAD")
+
+            def do_GET(self):
+                proxy._relay(self, "GET")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _send_body(self, handler, data_iter, limit: int | None) -> None:
+        sent = 0
+        started = time.monotonic()
+        for chunk in data_iter:
+            if limit is not None and sent + len(chunk) > limit:
+                chunk = chunk[: limit - sent]
+            if chunk:
+                handler.wfile.write(chunk)
+                handler.wfile.flush()
+                sent += len(chunk)
+                with self._lock:
+                    self.body_bytes += len(chunk)
+            if limit is not None and sent >= limit:
+                break
+            if self.rate:
+                ahead = sent / self.rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+    def _relay(self, handler, method: str) -> None:
+        import http.client
+
+        path = handler.path
+        with self._lock:
+            self.requests.append((method, path, handler.headers.get("Range", "")))
+        if path in self.overrides:
+            status, content_type, body = self.overrides[path]
+            handler.send_response(status)
+            handler.send_header("Content-Type", content_type)
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            if method == "GET":
+                self._send_body(handler, [body], None)
+            return
+        headers = {}
+        for name in ("Range", "If-Range", "Accept"):
+            if handler.headers.get(name) and not (self.ignore_range and name in ("Range", "If-Range")):
+                headers[name] = handler.headers[name]
+        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=30)
+        try:
+            conn.request(method, path, headers=headers)
+            response = conn.getresponse()
+            handler.send_response(response.status)
+            for name, value in response.getheaders():
+                if name.lower() not in ("connection", "transfer-encoding", "keep-alive", "date", "server"):
+                    handler.send_header(name, value)
+            handler.send_header("Connection", "close")
+            handler.end_headers()
+            if method == "GET":
+                chunk_size = 64 * 1024 if not self.rate else max(1024, self.rate // 20)
+                self._send_body(handler, iter(lambda: response.read(chunk_size), b""), self.truncate_after)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            conn.close()
+            handler.close_connection = True
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.body_bytes = 0
+            self.requests = []
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

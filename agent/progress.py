@@ -1,0 +1,244 @@
+"""Progress of a fetch: what a node is doing with a source, told to whoever waits on it.
+
+Published to Redis under the source's own address (a version's address for a
+set), because that is what everything waiting on it asked for: progress under
+each file's URL reaches nobody. One hash per address, one field per node, so
+two nodes fetching the same version do not overwrite each other.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+STATES = ("queued", "waiting", "fetching", "verifying", "complete", "failed")
+
+KEY_PREFIX = "llmgw:progress:"
+# Every address with progress, newest first: what the fleet page lists.
+SOURCES_KEY = "llmgw:progress-sources"
+CANCEL_PREFIX = "llmgw:fetch-cancel:"
+# Long enough to read what happened overnight, short enough not to pile up.
+KEEP_S = 7 * 24 * 3600
+# A few updates a second: enough for a live bar, few enough that a fast local
+# fetch does not spend its time talking to Redis.
+MIN_INTERVAL_S = 0.25
+
+
+class Cancelled(Exception):
+    """Staff cancelled this fetch; raised from a progress update so the fetch stops between chunks."""
+
+
+class Progress:
+    """What a fetch reports, and when. This one keeps the numbers and tells nobody.
+
+    Thread-safe: a set's files are fetched in parallel and all report here.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.state = "queued"
+        self.bytes_done = 0
+        self.bytes_total = 0
+        self.files_done = 0
+        self.files_total = 0
+        self.current_file = ""
+        self.error = ""
+        self.started = time.time()
+        self._rate_mark = (time.monotonic(), 0)
+        self.rate = 0.0
+
+    # --- what the fetch calls ------------------------------------------------
+
+    def begin(self, *, bytes_total: int, files_total: int, bytes_done: int = 0, files_done: int = 0) -> None:
+        with self._lock:
+            self.bytes_total, self.files_total = bytes_total, files_total
+            self.bytes_done, self.files_done = bytes_done, files_done
+            self._rate_mark = (time.monotonic(), bytes_done)
+        self.set_state("fetching")
+
+    def file_started(self, name: str) -> None:
+        with self._lock:
+            self.current_file = name
+        self._publish(force=False)
+
+    def advanced(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_done += nbytes
+        self._publish(force=False)
+
+    def restarted(self, nbytes_discarded: int) -> None:
+        """A part was thrown away (the server ignored Range, the file changed)."""
+        with self._lock:
+            self.bytes_done = max(0, self.bytes_done - nbytes_discarded)
+        self._publish(force=False)
+
+    def file_done(self, name: str) -> None:
+        with self._lock:
+            self.files_done += 1
+        self._publish(force=True)
+
+    def set_state(self, state: str) -> None:
+        assert state in STATES, state
+        with self._lock:
+            self.state = state
+        self._publish(force=True)
+
+    def failed(self, sentence: str) -> None:
+        with self._lock:
+            self.state, self.error = "failed", sentence
+        self._publish(force=True)
+
+    def complete(self) -> None:
+        with self._lock:
+            self.state, self.current_file = "complete", ""
+            self.bytes_done = max(self.bytes_done, self.bytes_total)
+            self.files_done = self.files_total
+        self._publish(force=True)
+
+    # --- what is published ---------------------------------------------------
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            now = time.monotonic()
+            mark_t, mark_b = self._rate_mark
+            if now - mark_t >= 1.0:
+                self.rate = max(0.0, (self.bytes_done - mark_b) / (now - mark_t))
+                self._rate_mark = (now, self.bytes_done)
+            return {
+                "state": self.state,
+                "bytes_done": self.bytes_done,
+                "bytes_total": self.bytes_total,
+                "files_done": self.files_done,
+                "files_total": self.files_total,
+                "current_file": self.current_file,
+                "rate": round(self.rate),
+                "error": self.error,
+                "started": self.started,
+                "updated": time.time(),
+            }
+
+    def _publish(self, force: bool) -> None:
+        """Overridden by the publishers; the base keeps the numbers only."""
+
+
+class Throttled(Progress):
+    """Publishes at most every MIN_INTERVAL_S, except state changes, which always go out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last_sent = 0.0
+        self._send_lock = threading.Lock()
+
+    def _publish(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_sent < MIN_INTERVAL_S:
+            return
+        # One sender at a time; a thread that finds it busy skips this update
+        # rather than queueing behind it, unless it carries a state change.
+        if not self._send_lock.acquire(blocking=force):
+            return
+        try:
+            self._last_sent = now
+            self.send(self.snapshot())
+        finally:
+            self._send_lock.release()
+
+    def send(self, snapshot: dict) -> None:
+        raise NotImplementedError
+
+
+def progress_key(source: str) -> str:
+    return KEY_PREFIX + source
+
+
+def cancel_key(node: str, source: str) -> str:
+    return f"{CANCEL_PREFIX}{node}:{source}"
+
+
+class RedisProgress(Throttled):
+    """A node's progress on one source, in Redis under the source's address.
+
+    Also where a cancel from staff arrives: a flag checked with each update, so
+    a fetch stops between chunks rather than being killed mid-write.
+    """
+
+    def __init__(self, client, source: str, node: str) -> None:
+        self.client, self.source, self.node = client, source, node
+        super().__init__()
+
+    def send(self, snapshot: dict) -> None:
+        snapshot = dict(snapshot, source=self.source, node=self.node)
+        key = progress_key(self.source)
+        pipe = self.client.pipeline()
+        pipe.hset(key, self.node, json.dumps(snapshot))
+        pipe.expire(key, KEEP_S)
+        pipe.zadd(SOURCES_KEY, {self.source: snapshot["updated"]})
+        pipe.exists(cancel_key(self.node, self.source))
+        *_, cancelled = pipe.execute()
+        if cancelled and snapshot["state"] not in ("complete", "failed"):
+            raise Cancelled(f"the fetch of {self.source} onto {self.node} was cancelled by staff")
+
+
+def read(client, source: str) -> dict[str, dict]:
+    """Every node's progress on this source: {node: snapshot}."""
+    raw = client.hgetall(progress_key(source))
+    out = {}
+    for node, value in raw.items():
+        node = node.decode() if isinstance(node, bytes) else node
+        try:
+            out[node] = json.loads(value)
+        except ValueError:
+            continue
+    return dict(sorted(out.items()))
+
+
+def recent_sources(client, limit: int = 200) -> list[str]:
+    return [s.decode() if isinstance(s, bytes) else s for s in client.zrevrange(SOURCES_KEY, 0, limit - 1)]
+
+
+def request_cancel(client, node: str, source: str) -> None:
+    client.set(cancel_key(node, source), "1", ex=KEEP_S)
+
+
+def clear_cancel(client, node: str, source: str) -> None:
+    client.delete(cancel_key(node, source))
+
+
+def redis_client():
+    import redis
+    from django.conf import settings
+
+    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class TerminalProgress(Throttled):
+    """A one-line bar on a terminal, for `manage.py fetch`."""
+
+    def __init__(self, source: str, stream=None) -> None:
+        self.source = source
+        self.stream = stream or sys.stderr
+        super().__init__()
+
+    def send(self, s: dict) -> None:
+        total = s["bytes_total"] or 0
+        fraction = min(1.0, s["bytes_done"] / total) if total else 0.0
+        width = 30
+        bar = "#" * int(fraction * width) + "-" * (width - int(fraction * width))
+        line = (
+            f"\r[{bar}] {fraction * 100:5.1f}% {human_bytes(s['bytes_done'])} of {human_bytes(total)}"
+            f"  files {s['files_done']}/{s['files_total']}  {human_bytes(s['rate'])}/s  {s['state']}"
+        )
+        self.stream.write(line.ljust(100))
+        if s["state"] in ("complete", "failed"):
+            self.stream.write("\n")
+        self.stream.flush()

@@ -1,0 +1,37 @@
+"""What a node's worker knows about itself, set by `manage.py agent` before the worker starts.
+
+Environment variables rather than settings, so that the pool's child processes
+and any task module (the engine tasks too) read the same values without a
+database or a second configuration file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from django.conf import settings
+
+NODE_NAME = "LLMGW_NODE_NAME"
+AGENT_CACHE = "LLMGW_AGENT_CACHE"
+NODE_TOKEN = "LLMGW_NODE_TOKEN"
+
+
+def node_name() -> str:
+    return os.environ.get(NODE_NAME, "").strip()
+
+
+def cache_dir() -> Path:
+    raw = os.environ.get(AGENT_CACHE, "").strip()
+    if raw:
+        path = Path(raw)
+        return path if path.is_absolute() else Path(settings.BASE_DIR) / path
+    return Path(settings.AGENT_CACHE)
+
+
+def token() -> str:
+    return os.environ.get(NODE_TOKEN, "").strip()
+
+
+def node_queue(name: str) -> str:
+    return f"node.{name}"
