@@ -252,7 +252,7 @@ def _copy_body(response, part: Path, mode: str, url: str, have: int, progress: P
             if cancel is not None and cancel.is_set():
                 raise FetchError("stopped")
             try:
-                chunk = response.raw.read(CHUNK, decode_content=False)
+                chunk = response.raw.read1(CHUNK, decode_content=False)
             except Exception as error:  # urllib3's ProtocolError, IncompleteRead, ReadTimeoutError
                 out.flush()
                 reason = "timed out" if "timed out" in str(error).lower() else "the connection ended early"

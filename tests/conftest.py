@@ -36,3 +36,16 @@ def control_worker(mirror_root, tmp_path, django_db_setup):
     process = start_celery_worker("control", "control", tmp_path, LLMGW_MIRROR_ROOT=mirror_root)
     yield process
     process.stop()
+
+
+@pytest.fixture
+def enrolled_node(transactional_db):
+    """A node enrolled on the control plane: (name, token)."""
+    from fleet.enrolment import issue_token
+
+    return "n1", issue_token("n1")
+
+
+@pytest.fixture
+def agent_cache(tmp_path) -> Path:
+    return tmp_path / "agent-cache"

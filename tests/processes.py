@@ -134,12 +134,15 @@ class CountingProxy:
         from urllib.parse import urlparse
 
         self.upstream = urlparse(upstream)
-        self.rate = rate  # body bytes a second, over all requests; None for as fast as it goes
+        self.rate = rate  # body bytes a second, for each request; None for as fast as it goes
         self.ignore_range = False
         self.truncate_after: int | None = None  # cut each GET body after this many bytes
         self.overrides: dict[str, tuple[int, str, bytes]] = {}  # path -> (status, content type, body)
         self.body_bytes = 0
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
+        # Bytes of a request that began before reset_counts (say, to a process
+        # just killed) are not counted after it.
+        self._generation = 0
         self._lock = threading.Lock()
         proxy = self
 
@@ -162,6 +165,7 @@ class CountingProxy:
         self._thread.start()
 
     def _send_body(self, handler, data_iter, limit: int | None) -> None:
+        generation = self._generation
         sent = 0
         started = time.monotonic()
         for chunk in data_iter:
@@ -172,7 +176,8 @@ class CountingProxy:
                 handler.wfile.flush()
                 sent += len(chunk)
                 with self._lock:
-                    self.body_bytes += len(chunk)
+                    if generation == self._generation:
+                        self.body_bytes += len(chunk)
             if limit is not None and sent >= limit:
                 break
             if self.rate:
@@ -222,7 +227,35 @@ class CountingProxy:
         with self._lock:
             self.body_bytes = 0
             self.requests = []
+            self._generation += 1
 
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def unreachable_database_url() -> str:
+    """A PostgreSQL address where nothing listens: a node must work without a database."""
+    return f"postgres://llmgw:llmgw@127.0.0.1:{free_port()}/llmgw"
+
+
+def start_agent(node: str, token: str, cache: Path, log_dir: Path, **env: str) -> Process:
+    """`manage.py agent --node NODE` as a node runs it: broker, byte listener and token, no database."""
+    environment = process_env(
+        LLMGW_NODE_TOKEN=token, DATABASE_URL=unreachable_database_url(), LLMGW_HEARTBEAT_S=1, **env
+    )
+    argv = [sys.executable, "manage.py", "agent", "--node", node, "--cache", str(cache), "--labels", "zone=test"]
+    process = Process(f"agent-{node}", argv, environment, log_dir)
+    wait_until(lambda: "ready." in process.output() or not process.alive(), timeout=60, what=f"agent {node} to start")
+    if not process.alive():
+        raise AssertionError(f"agent {node} exited:\n{process.output()}")
+    return process
+
+
+def children_of(pid: int) -> list[int]:
+    """The pool processes of a Celery worker, from /proc."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(p) for p in fh.read().split()]
+    except OSError:
+        return []

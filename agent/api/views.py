@@ -1,0 +1,25 @@
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework.exceptions import ValidationError
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from .. import progress
+from .serializers import ProgressSerializer
+
+
+class ProgressView(APIView):
+    """Every node's progress on a source, read from Redis under the source's address."""
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("source", str, required=True, description="a mirror address; a version ends in /")
+        ],
+        responses=ProgressSerializer,
+    )
+    def get(self, request):
+        source = request.query_params.get("source", "").strip()
+        if not source:
+            raise ValidationError({"source": "say which source: ?source=http://mirror:8001/<model>/<version>/"})
+        snapshots = progress.read(progress.redis_client(), source)
+        nodes = [dict(snapshot, node=node) for node, snapshot in snapshots.items()]
+        return Response(ProgressSerializer({"source": source, "nodes": nodes}).data)

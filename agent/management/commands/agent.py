@@ -1,0 +1,114 @@
+import importlib
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from agent import facts, runtime
+
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")
+
+
+class Command(BaseCommand):
+    help = (
+        "Run this host's agent: a Celery worker on queue node.NAME, with a heartbeat every LLMGW_HEARTBEAT_S "
+        "seconds. Needs REDIS_URL, the byte listener's address and LLMGW_NODE_TOKEN; no database."
+    )
+    # A node has no database, and system checks must not go looking for one.
+    requires_system_checks = []
+
+    def add_arguments(self, parser):
+        parser.add_argument("--node", required=True, help="this node's name, as enrolled on the control plane")
+        parser.add_argument("--labels", default="", help="k=v,k2=v2: what profiles' node selectors match")
+        parser.add_argument("--cache", type=Path, help="where fetched weights are kept; default LLMGW_AGENT_CACHE")
+        parser.add_argument("--concurrency", type=int, default=2, help="tasks at once (fetches, engine tasks)")
+        parser.add_argument("--loglevel", default="INFO")
+
+    def handle(self, *args, node, labels, cache=None, concurrency=2, loglevel="INFO", **options):
+        if not NODE_NAME.fullmatch(node):
+            raise CommandError(
+                f"{node!r} cannot be a node name: letters, digits, '.', '_' and '-', starting with a letter or digit"
+            )
+        try:
+            parsed_labels = facts.parse_labels(labels)
+        except ValueError as error:
+            raise CommandError(f"--labels: {error}") from None
+        cache = (cache or runtime.cache_dir()).resolve()
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise CommandError(f"the cache {cache} cannot be made: {error.strerror}") from None
+        token = runtime.token() or self.enrol_this_host(node)
+        self.check_broker()
+
+        # Where the tasks (and the pool's children, and the engine tasks) read who they are.
+        os.environ[runtime.NODE_NAME] = node
+        os.environ[runtime.AGENT_CACHE] = str(cache)
+        os.environ[runtime.NODE_TOKEN] = token
+        os.environ["LLMGW_NODE_LABELS"] = json.dumps(parsed_labels)
+
+        try:
+            from agent import supervisor
+        except ImportError:
+            supervisor = None
+        if supervisor is not None:
+            supervisor.start()
+
+        from agent import worker
+        from llmgw_site.celery import app
+
+        worker.install(app)
+        argv = [
+            "worker",
+            "--queues",
+            runtime.node_queue(node),
+            "--hostname",
+            f"agent@{node}",
+            "--concurrency",
+            str(concurrency),
+            "--pool",
+            "prefork",
+            "--loglevel",
+            loglevel,
+            "--without-gossip",
+            "--without-mingle",
+        ]
+        if importlib.util.find_spec("agent.engine_tasks") is not None:
+            argv += ["--include", "agent.engine_tasks"]
+        self.stdout.write(
+            f"Agent for node {node}: queue {runtime.node_queue(node)}, cache {cache}, "
+            f"heartbeat every {settings.HEARTBEAT_S} s, broker {settings.REDIS_URL}"
+        )
+        self.stdout.flush()
+        app.worker_main(argv)
+
+    def enrol_this_host(self, node: str) -> str:
+        """No token given: enrol from the database when this host has one (`make run`), else say what to do."""
+        from django.db import DatabaseError, connections
+
+        try:
+            from fleet.enrolment import issue_token
+
+            token = issue_token(node)
+        except DatabaseError:
+            raise CommandError(
+                "LLMGW_NODE_TOKEN is not set. A node needs the enrolment token the control plane made for it: "
+                f"run `manage.py node_token {node}` on the control plane and set LLMGW_NODE_TOKEN to what it prints."
+            ) from None
+        finally:
+            # The worker forks; no child may inherit this connection.
+            connections.close_all()
+        self.stdout.write(f"Enrolled this host as node {node} from the local database.")
+        return token
+
+    def check_broker(self) -> None:
+        import redis
+
+        try:
+            redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=3).ping()
+        except (redis.RedisError, OSError, ValueError) as error:
+            raise CommandError(f"nothing answers at REDIS_URL ({settings.REDIS_URL}): {error}") from None

@@ -1,0 +1,110 @@
+"""The agent's tasks: a fetch on a node's own queue, and its report on the control plane's.
+
+A node has no database. What it has to say goes to `control` as a task, with its
+enrolment token, and the control plane believes the token, not the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+from celery import current_app, shared_task
+
+from . import progress, runtime
+from .fetch import FetchError, fetch_source
+
+log = logging.getLogger(__name__)
+
+RETRIES = 5
+
+
+def report(source: str, state: str, snapshot: dict, path: str = "", error: str = "", started: float = 0.0) -> None:
+    """Tell the control plane how a fetch ended. Sent, never waited on: the node has no database."""
+    payload = {
+        "node": runtime.node_name(),
+        "source": source,
+        "state": state,
+        "path": path,
+        "error": error,
+        "bytes_total": snapshot.get("bytes_total", 0),
+        "files_total": snapshot.get("files_total", 0),
+        "seconds": round(time.time() - started, 3) if started else 0,
+        "started": started,
+    }
+    try:
+        current_app.send_task("agent.fetch_finished", args=[runtime.token(), payload], queue="control")
+    except Exception:
+        # The fetch itself is done or failed either way; the progress key in Redis still says which.
+        log.exception("could not report the fetch of %s to the control plane", source)
+
+
+# Late acknowledgement with reject-on-worker-lost: a worker killed mid-download
+# leaves the task to run again, and because a fetch is safe to run twice the
+# rerun finds the parts on disk and resumes them.
+@shared_task(name="agent.fetch", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def fetch(self, source: str) -> None:
+    node = runtime.node_name()
+    client = progress.redis_client()
+    started = time.time()
+    if client.exists(progress.cancel_key(node, source)):
+        report(source, "cancelled", {}, error="cancelled by staff before it started", started=started)
+        return
+    live = progress.RedisProgress(client, source, node)
+    try:
+        path = fetch_source(source, runtime.cache_dir(), live)
+    except FetchError as error:
+        sentence = str(error)
+        if client.exists(progress.cancel_key(node, source)):
+            progress.clear_cancel(client, node, source)
+            report(source, "cancelled", live.snapshot(), error=sentence, started=started)
+            return
+        if _transient(sentence) and self.request.retries < RETRIES:
+            # Backoff with jitter, so a mirror that restarts is not met by every node at once.
+            countdown = min(300, 5 * 2**self.request.retries) + random.uniform(0, 5)
+            log.warning("fetch of %s failed, trying again in %.0f s: %s", source, countdown, sentence)
+            raise self.retry(countdown=countdown, queue=runtime.node_queue(node)) from None
+        log.warning("fetch of %s failed: %s", source, sentence)
+        report(source, "failed", live.snapshot(), error=sentence, started=started)
+        return
+    report(source, "complete", live.snapshot(), path=str(path), started=started)
+
+
+def _transient(sentence: str) -> bool:
+    """Worth trying again by itself: the network, not the mirror's content or this disk."""
+    return "could not connect" in sentence or "timed out" in sentence or "the part is kept" in sentence
+
+
+@shared_task(name="agent.fetch_finished", ignore_result=True)
+def fetch_finished(token: str, payload: dict) -> None:
+    """A node's report of how a fetch ended; arrives on the control queue."""
+    from fleet.enrolment import node_for_token
+
+    from .models import Fetch
+
+    node = node_for_token(token, claimed_name=payload.get("node"))
+    if node is None:
+        log.warning("fetch report refused: the token does not enrol a node called %r", payload.get("node"))
+        return
+    Fetch.objects.record(node, payload)
+
+
+def send_heartbeat(static: dict | None = None) -> None:
+    """One heartbeat from this node: its facts and its token, as a task on `control`."""
+    import json
+    import os
+
+    from . import facts
+
+    labels = json.loads(os.environ.get("LLMGW_NODE_LABELS", "{}") or "{}")
+    payload = facts.collect(runtime.node_name(), labels, runtime.cache_dir(), static)
+    current_app.send_task(
+        "fleet.heartbeat",
+        args=[runtime.token(), payload],
+        queue="control",
+        # A broker that is away is tried again at the next beat, not retried here:
+        # the worker's event loop runs this and must not stall on it.
+        retry=True,
+        retry_policy={"max_retries": 1, "interval_start": 0.5, "interval_step": 0.5},
+    )

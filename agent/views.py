@@ -1,0 +1,72 @@
+"""The fleet's fetches, live: a page per node, and the progress of one source.
+
+One view serves each page and its fragment, switching on request.htmx, so the
+page and its refresh can never show two different things.
+"""
+
+from __future__ import annotations
+
+from django.contrib.admin.views.decorators import staff_member_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
+
+from . import progress
+from .models import Fetch
+
+
+def fleet_fetches() -> list[dict]:
+    """Per node: its recorded fetches joined with what Redis says is happening now."""
+    from fleet.models import Node
+
+    client = progress.redis_client()
+    live: dict[tuple[str, str], dict] = {}
+    for source in progress.recent_sources(client):
+        for node, snapshot in progress.read(client, source).items():
+            live[(node, source)] = snapshot
+    records = {(f.node.name, f.source): f for f in Fetch.objects.select_related("node")}
+    names = sorted({n for n, _ in live} | {n for n, _ in records} | set(Node.objects.values_list("name", flat=True)))
+    out = []
+    for name in names:
+        sources = sorted({s for n, s in live if n == name} | {s for n, s in records if n == name})
+        rows = [_row(source, live.get((name, source)), records.get((name, source))) for source in sources]
+        out.append({"node": name, "fetches": rows})
+    return out
+
+
+def _row(source: str, snapshot: dict | None, record: Fetch | None) -> dict:
+    snapshot = snapshot or {}
+    total = snapshot.get("bytes_total") or (record.bytes_total if record else 0)
+    done = snapshot.get("bytes_done") or 0
+    state = snapshot.get("state") or (record.state if record else "")
+    if record is not None and record.state in (Fetch.State.REQUESTED,) and not snapshot:
+        state = "queued"
+    return {
+        "source": source,
+        "state": state,
+        "bytes_done": done,
+        "bytes_total": total,
+        "percent": round(100 * done / total, 1) if total else (100.0 if state == "complete" else 0.0),
+        "files_done": snapshot.get("files_done", 0),
+        "files_total": snapshot.get("files_total") or (record.files_total if record else 0),
+        "current_file": snapshot.get("current_file", ""),
+        "rate": snapshot.get("rate", 0),
+        "error": snapshot.get("error") or (record.error if record else ""),
+        "record": record,
+    }
+
+
+@staff_member_required
+def fetches(request: HttpRequest) -> HttpResponse:
+    context = {"nodes": fleet_fetches(), "title": "Fetches on the fleet"}
+    if request.htmx:
+        return render(request, "agent/partials/fetches.html", context)
+    return render(request, "agent/fetches.html", context)
+
+
+@staff_member_required
+def source_progress(request: HttpRequest) -> HttpResponse:
+    """One source's progress on every node: the fragment the mirror version page polls."""
+    source = request.GET.get("source", "")
+    snapshots = progress.read(progress.redis_client(), source) if source else {}
+    rows = [dict(_row(source, snapshot, None), node=node) for node, snapshot in snapshots.items()]
+    return render(request, "agent/partials/progress.html", {"source": source, "rows": rows})

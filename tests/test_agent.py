@@ -1,0 +1,249 @@
+"""The agent as a node runs it: a real worker process with no database, a real byte listener, a real Redis."""
+
+import hashlib
+import os
+import signal
+import time
+
+import pytest
+from celery import current_app
+
+from agent import progress
+from agent.fetch import cache_path
+from agent.models import Fetch
+from fleet.models import Node
+
+from .conftest import put
+from .processes import CountingProxy, children_of, start_agent, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FILE_BYTES = 1_000_000
+NAMES = ["model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors", "config.json", "tokenizer.json"]
+
+
+def content(name: str, size: int) -> bytes:
+    seed = hashlib.sha256(name.encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+@pytest.fixture
+def four_files(mirror_root):
+    files = {name: content(name, FILE_BYTES) for name in NAMES}
+    put(mirror_root, "m", "v1", files)
+    return files
+
+
+@pytest.fixture
+def redis_client():
+    return progress.redis_client()
+
+
+def send_fetch(node: str, source: str) -> None:
+    current_app.send_task("agent.fetch", args=[source], queue=f"node.{node}")
+
+
+def live(redis_client, source: str, node: str) -> dict:
+    return progress.read(redis_client, source).get(node, {})
+
+
+def test_the_agent_heartbeats_with_no_database_reachable(enrolled_node, control_worker, agent_cache, tmp_path):
+    name, token = enrolled_node
+    agent = start_agent(name, token, agent_cache, tmp_path)
+    try:
+        node = wait_until(
+            lambda: Node.objects.filter(name=name, last_heartbeat__isnull=False).first(),
+            timeout=30,
+            what="a heartbeat to reach the control plane",
+        )
+        assert node.labels == {"zone": "test"}
+        assert node.disk_free_bytes > 0
+        assert node.memory_gb > 0
+        assert node.agent_version
+        first = node.last_heartbeat
+        wait_until(lambda: Node.objects.get(name=name).last_heartbeat > first, timeout=15, what="a second heartbeat")
+        assert agent.alive()
+        assert "Traceback" not in agent.output()
+    finally:
+        agent.stop()
+
+
+def test_a_heartbeat_with_a_wrong_token_changes_nothing(enrolled_node, control_worker, agent_cache, tmp_path):
+    name, _ = enrolled_node
+    agent = start_agent(name, "llmgw-node-not-the-token", agent_cache, tmp_path)
+    try:
+        wait_until(lambda: "heartbeat refused" in control_worker.output(), timeout=30, what="the refusal")
+        assert Node.objects.get(name=name).last_heartbeat is None
+    finally:
+        agent.stop()
+
+
+def test_a_fetch_sent_to_the_node_queue_is_fetched_whole_and_recorded(
+    enrolled_node, control_worker, byte_listener, four_files, agent_cache, tmp_path, redis_client
+):
+    name, token = enrolled_node
+    source = byte_listener + "m/v1/"
+    agent = start_agent(name, token, agent_cache, tmp_path)
+    try:
+        send_fetch(name, source)
+        fetch = wait_until(
+            lambda: Fetch.objects.filter(node__name=name, source=source).first(), timeout=60, what="the report"
+        )
+        assert fetch.state == "complete", fetch.error
+        directory = cache_path(source, agent_cache)
+        assert fetch.path == str(directory)
+        assert fetch.bytes_total == 4 * FILE_BYTES and fetch.files_total == 4
+        for name_, data in four_files.items():
+            assert (directory / name_).read_bytes() == data
+        snapshot = live(redis_client, source, name)
+        assert snapshot["state"] == "complete"
+        assert snapshot["bytes_done"] == snapshot["bytes_total"] == 4 * FILE_BYTES
+        assert snapshot["files_done"] == snapshot["files_total"] == 4
+    finally:
+        agent.stop()
+
+
+def part_bytes(directory) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*.part")) if directory.exists() else 0
+
+
+def test_a_worker_killed_halfway_resumes_and_transfers_only_what_was_missing(
+    enrolled_node, control_worker, byte_listener, four_files, agent_cache, tmp_path, redis_client
+):
+    name, token = enrolled_node
+    proxy = CountingProxy(byte_listener, rate=400_000)  # per file: about 2.5 s for each
+    source = proxy.url + "m/v1/"
+    directory = cache_path(source, agent_cache)
+    marker = directory / ".complete"
+    agent = start_agent(name, token, agent_cache, tmp_path)
+    try:
+        send_fetch(name, source)
+
+        def halfway():
+            assert not marker.exists(), ".complete appeared before the set was whole"
+            snapshot = live(redis_client, source, name)
+            return snapshot.get("bytes_done", 0) >= 0.4 * 4 * FILE_BYTES
+
+        wait_until(halfway, timeout=60, interval=0.05, what="the fetch to be halfway")
+        agent.kill(signal.SIGKILL)
+        assert not marker.exists()
+        kept = part_bytes(directory) + sum((directory / n).stat().st_size for n in NAMES if (directory / n).exists())
+        assert 0 < kept < 4 * FILE_BYTES
+
+        proxy.reset_counts()
+        agent = start_agent(name, token, agent_cache, tmp_path)
+        # Redis gives an unacknowledged task back only after the visibility
+        # timeout (hours, for hour-long fetches); asking again now is what the
+        # control plane does, and it is safe because a fetch is safe to run twice.
+        send_fetch(name, source)
+
+        def finished():
+            snapshot = live(redis_client, source, name)
+            if snapshot.get("state") != "complete":
+                assert not marker.exists(), ".complete appeared before the progress said complete"
+                return False
+            return True
+
+        wait_until(finished, timeout=90, interval=0.05, what="the resumed fetch to finish")
+        assert marker.exists()
+        for n, data in four_files.items():
+            assert (directory / n).read_bytes() == data
+        # What the proxy sent after the restart, less the manifest: exactly the bytes that were missing.
+        file_bytes = proxy.body_bytes - _manifest_body_bytes(proxy)
+        assert file_bytes == 4 * FILE_BYTES - kept
+        assert not list(directory.glob("*.part"))
+    finally:
+        agent.stop()
+        proxy.stop()
+
+
+def _manifest_body_bytes(proxy) -> int:
+    import requests
+
+    manifest_gets = [r for r in proxy.requests if r[0] == "GET" and r[1].endswith("/")]
+    return len(manifest_gets) * len(requests.get(proxy.upstream.geturl() + "m/v1/", timeout=5).content)
+
+
+def test_a_pool_process_killed_mid_fetch_gets_its_task_run_again_without_asking(
+    enrolled_node, control_worker, byte_listener, four_files, agent_cache, tmp_path, redis_client
+):
+    name, token = enrolled_node
+    proxy = CountingProxy(byte_listener, rate=400_000)
+    source = proxy.url + "m/v1/"
+    agent = start_agent(name, token, agent_cache, tmp_path)
+    try:
+        send_fetch(name, source)
+        wait_until(
+            lambda: live(redis_client, source, name).get("bytes_done", 0) > FILE_BYTES,
+            timeout=60,
+            what="the fetch to be under way",
+        )
+        children = children_of(agent.popen.pid)
+        assert children
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        # reject_on_worker_lost: the worker puts the task back and a new pool process resumes it.
+        fetch = wait_until(
+            lambda: Fetch.objects.filter(node__name=name, source=source, state="complete").first(),
+            timeout=90,
+            what="the task to run again and finish",
+        )
+        assert (cache_path(source, agent_cache) / ".complete").exists()
+        assert "WorkerLostError" in agent.output() or "Process" in agent.output()
+        assert fetch.error == ""
+    finally:
+        agent.stop()
+        proxy.stop()
+
+
+def test_staff_ask_for_a_fetch_and_cancel_it_and_the_node_stops(
+    enrolled_node, control_worker, byte_listener, four_files, agent_cache, tmp_path, redis_client
+):
+    name, token = enrolled_node
+    proxy = CountingProxy(byte_listener, rate=200_000)
+    source = proxy.url + "m/v1/"
+    agent = start_agent(name, token, agent_cache, tmp_path)
+    try:
+        fetch = Fetch.objects.request(Node.objects.get(name=name), source)
+        wait_until(
+            lambda: live(redis_client, source, name).get("bytes_done", 0) > 200_000, timeout=60, what="the fetch"
+        )
+        assert fetch.cancel()
+        wait_until(
+            lambda: live(redis_client, source, name).get("state") == "failed", timeout=30, what="the node to stop"
+        )
+        assert "cancelled by staff" in live(redis_client, source, name)["error"]
+        sent = proxy.body_bytes
+        time.sleep(1.5)
+        assert proxy.body_bytes - sent < 100_000  # at most what was in flight
+        wait_until(
+            lambda: Fetch.objects.get(pk=fetch.pk).finished_at and "cancelled" in Fetch.objects.get(pk=fetch.pk).error,
+            timeout=30,
+            what="the record to say cancelled",
+        )
+        assert Fetch.objects.get(pk=fetch.pk).state == "cancelled"
+        assert not (cache_path(source, agent_cache) / ".complete").exists()
+    finally:
+        agent.stop()
+        proxy.stop()
+
+
+def test_the_agent_refuses_to_start_without_a_token_or_a_database(tmp_path):
+    import subprocess
+    import sys
+
+    from .processes import BASE_DIR, process_env, unreachable_database_url
+
+    env = process_env(DATABASE_URL=unreachable_database_url())
+    env.pop("LLMGW_NODE_TOKEN", None)
+    done = subprocess.run(
+        [sys.executable, "manage.py", "agent", "--node", "n9", "--cache", str(tmp_path / "c")],
+        cwd=BASE_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "LLMGW_NODE_TOKEN is not set" in done.stderr
+    assert "Traceback" not in done.stderr
