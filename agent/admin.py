@@ -28,9 +28,13 @@ class FetchRequestForm(forms.ModelForm):
             raise forms.ValidationError(str(error)) from None
         return source
 
-    def validate_unique(self):
-        # Asking again for the same node and source is a new request of the same row.
-        pass
+    def clean(self):
+        cleaned = super().clean()
+        existing = Fetch.objects.filter(node=cleaned.get("node"), source=cleaned.get("source")).first()
+        if existing is not None:
+            # Asking again for the same node and source is a new request of the same row.
+            self.instance = existing
+        return cleaned
 
 
 @admin.register(Fetch)

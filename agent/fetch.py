@@ -137,22 +137,16 @@ def _locked(cache: Path, target: Path, progress: Progress, cancel: threading.Eve
     digest = hashlib.sha256(str(target).encode()).hexdigest()[:32]
     fd = os.open(state / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        waited = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if not waited:
-                    waited = True
-                    progress.set_state("waiting")
                 if cancel is not None and cancel.is_set():
                     raise FetchError("stopped") from None
-                # Each look is a progress update too, so a cancel reaches a waiting fetch.
-                progress.advanced(0)
+                # Polled rather than blocking, so a cancel reaches a waiting fetch.
+                progress.waiting()
                 time.sleep(0.2)
-        if waited:
-            progress.set_state("fetching")
         yield
     finally:
         os.close(fd)
@@ -393,6 +387,19 @@ def _check_space(source: str, directory: Path, missing: int) -> None:
         )
 
 
+def _already_complete(progress: Progress, bytes_total: int, files_total: int, path: Path) -> Path:
+    # Reported with its real totals: a second fetch of a finished set must not
+    # publish zeros over the numbers of the one that did the work.
+    progress.begin(bytes_total=bytes_total, files_total=files_total, bytes_done=bytes_total, files_done=files_total)
+    progress.complete()
+    return path
+
+
+def _set_totals(directory: Path) -> tuple[int, int]:
+    files = [p for p in directory.iterdir() if not p.name.startswith(".") and p.is_file()]
+    return sum(p.stat().st_size for p in files), len(files)
+
+
 def _session() -> requests.Session:
     session = requests.Session()
     session.headers["User-Agent"] = "llmgw-agent"
@@ -403,15 +410,11 @@ def _fetch_single(source: str, cache: Path, progress: Progress) -> Path:
     target = cache_path(source, cache)
     # A file is renamed into place only when whole, so one that is there is whole.
     if target.exists():
-        progress.begin(bytes_total=target.stat().st_size, files_total=1)
-        progress.complete()
-        return target
+        return _already_complete(progress, target.stat().st_size, 1, target)
     session = _session()
     with _locked(cache, target, progress):
         if target.exists():
-            progress.begin(bytes_total=target.stat().st_size, files_total=1)
-            progress.complete()
-            return target
+            return _already_complete(progress, target.stat().st_size, 1, target)
         total = _head_size(session, source)
         part = _part_of(target)
         have = part.stat().st_size if part.exists() else 0
@@ -501,13 +504,11 @@ def _fetch_set(source: str, cache: Path, progress: Progress, parallel: int) -> P
     # exactly the failure the marker exists to prevent.
     marker = directory / COMPLETE_MARKER
     if marker.exists():
-        progress.complete()
-        return directory
+        return _already_complete(progress, *_set_totals(directory), directory)
     session = _session()
     with _locked(cache, directory, progress):
         if marker.exists():
-            progress.complete()
-            return directory
+            return _already_complete(progress, *_set_totals(directory), directory)
         entries = read_manifest(session, source)
         directory.mkdir(parents=True, exist_ok=True)
 

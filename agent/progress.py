@@ -61,7 +61,7 @@ class Progress:
     def file_started(self, name: str) -> None:
         with self._lock:
             self.current_file = name
-        self._publish(force=False)
+        self._publish(force=True)
 
     def advanced(self, nbytes: int) -> None:
         with self._lock:
@@ -78,6 +78,13 @@ class Progress:
         with self._lock:
             self.files_done += 1
         self._publish(force=True)
+
+    def waiting(self) -> None:
+        """Called while another fetch of the same thing holds its lock.
+
+        Publishes nothing: the fetch holding the lock is the one reporting under
+        this address, and a second voice would overwrite its numbers.
+        """
 
     def set_state(self, state: str) -> None:
         assert state in STATES, state
@@ -168,6 +175,13 @@ class RedisProgress(Throttled):
         self.client, self.source, self.node = client, source, node
         super().__init__()
 
+    def waiting(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sent >= MIN_INTERVAL_S:
+            self._last_sent = now
+            if self.client.exists(cancel_key(self.node, self.source)):
+                raise Cancelled(f"the fetch of {self.source} onto {self.node} was cancelled by staff")
+
     def send(self, snapshot: dict) -> None:
         snapshot = dict(snapshot, source=self.source, node=self.node)
         key = progress_key(self.source)
@@ -228,6 +242,12 @@ class TerminalProgress(Throttled):
         self.source = source
         self.stream = stream or sys.stderr
         super().__init__()
+
+    def waiting(self) -> None:
+        if not getattr(self, "_said_waiting", False):
+            self._said_waiting = True
+            self.stream.write(f"waiting for another fetch of {self.source} on this host to finish\n")
+            self.stream.flush()
 
     def send(self, s: dict) -> None:
         total = s["bytes_total"] or 0

@@ -103,6 +103,10 @@ def test_a_fetch_sent_to_the_node_queue_is_fetched_whole_and_recorded(
         agent.stop()
 
 
+def listing(directory) -> dict:
+    return {p.name: p.stat().st_size for p in directory.iterdir()}
+
+
 def part_bytes(directory) -> int:
     return sum(p.stat().st_size for p in directory.glob("*.part")) if directory.exists() else 0
 
@@ -138,11 +142,10 @@ def test_a_worker_killed_halfway_resumes_and_transfers_only_what_was_missing(
         send_fetch(name, source)
 
         def finished():
-            snapshot = live(redis_client, source, name)
-            if snapshot.get("state") != "complete":
-                assert not marker.exists(), ".complete appeared before the progress said complete"
-                return False
-            return True
+            if marker.exists():
+                # The marker is only ever beside a whole set: never three files of four.
+                assert all((directory / n).stat().st_size == FILE_BYTES for n in NAMES), listing(directory)
+            return live(redis_client, source, name).get("state") == "complete"
 
         wait_until(finished, timeout=90, interval=0.05, what="the resumed fetch to finish")
         assert marker.exists()
@@ -247,3 +250,28 @@ def test_the_agent_refuses_to_start_without_a_token_or_a_database(tmp_path):
     assert done.returncode == 1
     assert "LLMGW_NODE_TOKEN is not set" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_same_fetch_sent_twice_at_once_sends_each_byte_once_and_both_finish(
+    enrolled_node, control_worker, byte_listener, four_files, agent_cache, tmp_path, redis_client
+):
+    name, token = enrolled_node
+    proxy = CountingProxy(byte_listener, rate=1_000_000)
+    source = proxy.url + "m/v1/"
+    agent = start_agent(name, token, agent_cache, tmp_path)
+    try:
+        send_fetch(name, source)
+        send_fetch(name, source)
+        wait_until(
+            lambda: agent.output().count("Task agent.fetch[") >= 4 and agent.output().count(" succeeded in ") >= 2,
+            timeout=60,
+            what="both tasks to finish",
+        )
+        file_gets = [r for r in proxy.requests if r[0] == "GET" and not r[1].endswith("/")]
+        assert sorted(r[1].rsplit("/", 1)[1] for r in file_gets) == sorted(NAMES)
+        assert proxy.body_bytes - _manifest_body_bytes(proxy) == 4 * FILE_BYTES
+        snapshot = live(redis_client, source, name)
+        assert snapshot["state"] == "complete" and snapshot["bytes_done"] == 4 * FILE_BYTES
+    finally:
+        agent.stop()
+        proxy.stop()
