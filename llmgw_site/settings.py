@@ -142,6 +142,7 @@ STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 # The admin's own CSS and JS, served by the admin server itself: one process, no nginx needed.
 WHITENOISE_USE_FINDERS = True
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 
 LOGIN_URL = "admin:login"
 
@@ -163,6 +164,7 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Mirror, catalog, fleet and serving of a private LLM fleet.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAdminUser"],
 }
 
 # --- Celery -------------------------------------------------------------------
