@@ -50,6 +50,8 @@ HEARTBEAT_S = env_int("LLMGW_HEARTBEAT_S", 15, minimum=1)
 # A node is not ready after this many heartbeats in a row have not arrived.
 HEARTBEATS_MISSED = env_int("LLMGW_HEARTBEATS_MISSED", 3, minimum=1)
 BYTES_THREADS = env_int("LLMGW_BYTES_THREADS", 32, minimum=1)
+# gunicorn's worker heartbeat timeout; with threads it bounds a stuck worker, not a long download.
+BYTES_WORKER_TIMEOUT_S = env_int("LLMGW_BYTES_WORKER_TIMEOUT_S", 120, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
 
 # --- applications -------------------------------------------------------------
