@@ -128,9 +128,13 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
 
     wanted = {m.name: m for m in models}
     for model_name, held in by_model.items():
-        if model_name not in wanted:
-            # Deleted from the catalog: everything it runs stops.
-            for replica in held:
+        for replica in held:
+            if replica.state == STOPPING:
+                # Already told to stop; only a lost node leaves nobody to say it has.
+                if not _reachable(replica, rooms):
+                    plan.forget.append(replica.id)
+            elif model_name not in wanted:
+                # Deleted from the catalog: everything it runs stops.
                 _stop(plan, replica, rooms)
 
     # Nodes that can take anything at all, by engine; what the candidates are
@@ -158,8 +162,7 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
         # Extras go first where they cost least: not yet placed, then on lost
         # nodes, then failed, then the newest.
         def expendable(r: ReplicaView) -> tuple:
-            room = rooms.get(r.node or "")
-            return (r.node is not None, room is not None and room.node.ready, r.state != FAILED, -r.id)
+            return (r.node is not None, _reachable(r, rooms), r.state != FAILED, -r.id)
 
         live.sort(key=expendable)
         extra = max(0, len(live) - model.replicas)
@@ -170,8 +173,7 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
         on_node: dict[str, int] = defaultdict(int)
         per_profile: dict[str, int] = defaultdict(int)
         for replica in live:
-            room = rooms.get(replica.node or "")
-            if replica.node is not None and room is not None and room.node.ready:
+            if _reachable(replica, rooms):
                 on_node[replica.node] += 1
                 per_profile[replica.profile] += 1
             else:
@@ -192,12 +194,13 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
     return plan
 
 
-def _stop(plan: Plan, replica: ReplicaView, rooms: dict[str, _Room]) -> None:
+def _reachable(replica: ReplicaView, rooms: dict[str, _Room]) -> bool:
     room = rooms.get(replica.node or "")
-    if replica.node is None or room is None or not room.node.ready:
-        plan.forget.append(replica.id)
-    else:
-        plan.stop.append(replica.id)
+    return replica.node is not None and room is not None and room.node.ready
+
+
+def _stop(plan: Plan, replica: ReplicaView, rooms: dict[str, _Room]) -> None:
+    (plan.stop if _reachable(replica, rooms) else plan.forget).append(replica.id)
 
 
 def profile_order(profiles: Sequence[ProfileView], per_profile: dict[str, int]) -> list[ProfileView]:

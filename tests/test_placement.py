@@ -193,3 +193,13 @@ def test_a_model_without_profiles_says_so():
     assert place([cpu_node("a")], [ModelView("tiny", SOURCE, 1, ())], []).unplaced[0].reason == (
         "tiny has no profile to run it with"
     )
+
+
+def test_a_stopping_replica_is_not_stopped_twice_and_is_forgotten_when_its_node_is_lost():
+    plan = place(
+        [cpu_node("a"), cpu_node("b", ready=False)],
+        [],
+        [running(1, "a", state=STOPPING), running(2, "b", state=STOPPING)],
+    )
+    assert plan.stop == []
+    assert plan.forget == [2]
