@@ -39,6 +39,8 @@ def start_on_node(
     except engines.EngineError as e:
         report(replica_id, "failed", "", str(e))
         return False
+    if supervisor.wanted_as(cache, replica_id, engine, source, list(args)):
+        return True
     report(replica_id, "fetching", "", "")
     try:
         weights = fetch(source, cache)

@@ -96,6 +96,23 @@ def want(cache: Path, replica_id: int, engine: str, source: str, weights: Path, 
         return True
 
 
+def wanted_as(cache: Path, replica_id: int, engine: str, source: str, args: list[str]) -> bool:
+    """Whether this replica is already wanted exactly so; a waiting restart is brought forward.
+
+    The control plane sends a start again when a replica has stayed failed; here
+    that means "try now", not "fetch and start a second one".
+    """
+    with _locked_state(cache) as state:
+        entry = state["replicas"].get(str(replica_id))
+        if not entry or not entry.get("wanted") or "replace" in entry:
+            return False
+        if (entry["engine"], entry["source"], entry["args"]) != (engine, source, list(args)):
+            return False
+        if entry.get("pid") is None:
+            entry["next_start"] = 0.0
+        return True
+
+
 def unwant(cache: Path, replica_id: int) -> bool:
     """Ask for this replica to stop; False when this node does not know it."""
     with _locked_state(cache) as state:

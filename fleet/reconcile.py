@@ -110,13 +110,16 @@ def send_stop(replica_id: int, node_name: str) -> None:
     current_app.send_task("agent.stop_replica", args=[replica_id], queue=f"node.{node_name}")
 
 
-def reconcile(now: datetime | None = None) -> Plan | None:
-    """One pass; None when another pass holds the lock (it will see the same rows)."""
+def reconcile(now: datetime | None = None, models: list[ModelView] | None = None) -> Plan | None:
+    """One pass; None when another pass holds the lock (it will see the same rows).
+
+    `models` is the catalog as snapshots, read from the catalog app when not given.
+    """
     lock = redis.Redis.from_url(settings.REDIS_URL).lock(LOCK_NAME, timeout=60, blocking_timeout=0)
     if not lock.acquire(blocking=False):
         return None
     try:
-        return reconcile_unlocked(now or timezone.now())
+        return reconcile_unlocked(now or timezone.now(), models)
     finally:
         try:
             lock.release()
@@ -126,13 +129,15 @@ def reconcile(now: datetime | None = None) -> Plan | None:
 
 
 @transaction.atomic
-def reconcile_unlocked(now: datetime) -> Plan:
+def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> Plan:
+    if models is None:
+        models = model_views()
     nodes = list(Node.objects.all())
     by_name = {n.name: n for n in nodes}
     node_names = {n.pk: n.name for n in nodes}
     replicas = list(Replica.objects.select_related("node"))
     by_id = {r.pk: r for r in replicas}
-    plan = place(node_views(nodes, replicas, now), model_views(), replica_views(replicas, node_names))
+    plan = place(node_views(nodes, replicas, now), models, replica_views(replicas, node_names))
     ready_nodes = {v.name for v in node_views(nodes, [], now) if v.ready}
 
     Replica.objects.filter(pk__in=plan.forget).delete()

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -150,11 +151,21 @@ def test_a_failed_fetch_is_reported_with_its_sentence_and_nothing_is_started(tmp
     assert supervisor.read_state(tmp_path)["replicas"] == {}
 
 
-def test_the_same_start_delivered_twice_is_recorded_once(tmp_path):
-    args = dict(cache=tmp_path, fetch=lambda s, c: tmp_path / "w", report=Reports())
+def test_the_same_start_delivered_twice_fetches_once_and_brings_a_waiting_restart_forward(tmp_path):
+    fetched, reports = [], Reports()
+
+    def fetch(source, cache):
+        fetched.append(source)
+        return tmp_path / "w"
+
+    args = dict(cache=tmp_path, fetch=fetch, report=reports)
     assert start_on_node(1, "http://mirror/m/v1/", "llamacpp", [], **args)
+    with supervisor._locked_state(tmp_path) as state:
+        state["replicas"]["1"]["next_start"] = time.time() + 3600
     assert start_on_node(1, "http://mirror/m/v1/", "llamacpp", [], **args)
-    assert not supervisor.want(tmp_path, 1, "llamacpp", "http://mirror/m/v1/", tmp_path / "w", [])
+    assert fetched == ["http://mirror/m/v1/"]
+    assert reports.states() == ["fetching"]
+    assert supervisor.read_state(tmp_path)["replicas"]["1"]["next_start"] == 0.0
     assert list(supervisor.read_state(tmp_path)["replicas"]) == ["1"]
 
 
