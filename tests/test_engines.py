@@ -210,7 +210,10 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     assert endpoint == f"http://127.0.0.1:{first['port']}/v1"
 
     answer = chat(endpoint)
-    assert answer["usage"]["completion_tokens"] == 8
+    # Generated up to the limit: tokens, not an empty answer. (The usage count may
+    # differ from 8, since llama-cpp-python counts the decoded text's tokens again.)
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] > 0
     assert answer["choices"][0]["message"]["role"] == "assistant"
 
     # The engine dies: the supervisor says so with its last lines, and brings it back.
@@ -222,7 +225,7 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     step_until(sup, lambda: reports.states()[-1] == "ready", 120, "llama.cpp to come back")
     second = supervisor.read_state(cache)["replicas"]["1"]
     assert second["pid"] != first["pid"]
-    assert chat(reports.last()[2])["usage"]["completion_tokens"] == 8
+    assert chat(reports.last()[2])["choices"][0]["finish_reason"] == "length"
 
     # The agent restarts: a new supervisor adopts the running engine rather than starting another.
     reports.clear()
