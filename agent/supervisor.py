@@ -216,7 +216,8 @@ class Supervisor:
                 ):
                     reports.append(self._current(entry))
         for entry in to_stop:
-            reports.append(self._stop(entry))
+            if (stopped := self._stop(entry)) is not None:
+                reports.append(stopped)
         for replica_id, *rest in reports:
             self.last_report[replica_id] = now
             try:
@@ -265,7 +266,7 @@ class Supervisor:
         log.warning("replica %s: %s", entry["replica"], reason)
         return (entry["replica"], "failed", "", reason)
 
-    def _stop(self, entry: dict) -> tuple[int, str, str, str]:
+    def _stop(self, entry: dict) -> tuple[int, str, str, str] | None:
         replica_id = entry["replica"]
         if entry.get("pid"):
             engines.stop_group(entry["pid"])
@@ -274,6 +275,9 @@ class Supervisor:
                 child.wait(timeout=5)
         with _locked_state(self.cache) as state:
             current = state["replicas"].get(str(replica_id))
+            if current and current.get("wanted"):
+                # Wanted again while it was being stopped: the next step starts it.
+                return None
             replace = current.get("replace") if current else None
             if replace:
                 # Stopped to be started anew with a different spec, not to go away.

@@ -349,3 +349,21 @@ def test_engines_outlive_a_killed_supervisor_process_which_a_new_one_adopts(tmp_
     finally:
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=10)
+
+
+@pytest.mark.engine
+def test_a_replica_wanted_with_other_args_is_stopped_and_started_with_them(tmp_path, vllm_stand_in, engine_cleanup):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cache = tmp_path / "cache"
+    reports = Reports()
+    sup = supervisor.Supervisor(cache, reports)
+    supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "2048"])
+    step_until(sup, lambda: "ready" in reports.states(), 30, "the vLLM stand-in to answer")
+    old_pid = supervisor.read_state(cache)["replicas"]["1"]["pid"]
+
+    assert supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "4096"])
+    step_until(sup, lambda: reports.states().count("ready") == 2, 30, "the engine to be started with the new args")
+    assert [call[-1] for call in calls_of(vllm_stand_in)] == ["2048", "4096"]
+    assert not engines.group_alive(old_pid)
+    assert "stopped" not in reports.states()
