@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -139,7 +140,9 @@ class Supervisor:
         self.cache = Path(cache)
         self.report = report
         self.host = host
-        self.advertise = advertise or ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+        # 0.0.0.0 is an address to bind, not one to connect to: the gateway reaches
+        # an engine listening everywhere by this host's name.
+        self.advertise = advertise or (socket.gethostname() if host in ("0.0.0.0", "::", "") else host)
         self.allow_remote_code = allow_remote_code
         self.startup_timeout = startup_timeout
         self.backoff_max = backoff_max

@@ -367,3 +367,15 @@ def test_a_replica_wanted_with_other_args_is_stopped_and_started_with_them(tmp_p
     assert [call[-1] for call in calls_of(vllm_stand_in)] == ["2048", "4096"]
     assert not engines.group_alive(old_pid)
     assert "stopped" not in reports.states()
+
+
+def test_an_engine_listening_everywhere_is_advertised_by_the_host_name(tmp_path):
+    import socket
+
+    assert supervisor.Supervisor(tmp_path, Reports(), host="0.0.0.0").endpoint(9000) == (
+        f"http://{socket.gethostname()}:9000/v1"
+    )
+    assert supervisor.Supervisor(tmp_path, Reports(), host="10.0.0.5").endpoint(9000) == "http://10.0.0.5:9000/v1"
+    assert supervisor.Supervisor(tmp_path, Reports(), host="0.0.0.0", advertise="gpu-2.lan").endpoint(9000) == (
+        "http://gpu-2.lan:9000/v1"
+    )
