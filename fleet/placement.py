@@ -140,9 +140,14 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
     # Nodes that can take anything at all, by engine; what the candidates are
     # scanned from, so a pass over a large fleet only looks at nodes that matter.
     usable_by_engine: dict[str, list[_Room]] = defaultdict(list)
+    engines_known = any(room.node.engines for room in rooms.values())
+    all_engines = {p.engine for m in wanted.values() for p in m.profiles}
     for room in rooms.values():
         if room.node.ready and not room.node.draining:
-            for engine in room.node.engines:
+            # When no node reports any engine, the fleet's agents are older than the
+            # engine probe and nothing is known: every node is a candidate. The serve
+            # page warns on the same condition, and the two must not disagree.
+            for engine in room.node.engines if engines_known else all_engines:
                 usable_by_engine[engine].append(room)
 
     for model in sorted(wanted.values(), key=lambda m: m.name):
@@ -183,7 +188,7 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
         for replica_id in to_place:
             assignment = _place_one(model, replica_id, usable_by_engine, on_node, per_profile)
             if assignment is None:
-                plan.unplaced.append(Unplaced(replica_id, model.name, explain(model, rooms.values(), on_node)))
+                plan.unplaced.append(Unplaced(replica_id, model.name, explain(model, rooms.values(), engines_known)))
                 continue
             room = rooms[assignment.node]
             room.memory_gb -= assignment.profile.min_memory_gb
@@ -241,14 +246,14 @@ def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def why_not(profile: ProfileView, room: _Room) -> str | None:
+def why_not(profile: ProfileView, room: _Room, engines_known: bool = True) -> str | None:
     """Why this node cannot take a replica of this profile, or None when it can."""
     node = room.node
     if not node.ready:
         return "not ready"
     if node.draining:
         return "draining"
-    if profile.engine not in node.engines:
+    if engines_known and profile.engine not in node.engines:
         return f"no {profile.engine}"
     for key, value in profile.node_selector.items():
         if key not in node.labels:
@@ -262,7 +267,7 @@ def why_not(profile: ProfileView, room: _Room) -> str | None:
     return None
 
 
-def explain(model: ModelView, rooms: Iterable[_Room], on_node: dict[str, int] | None = None) -> str:
+def explain(model: ModelView, rooms: Iterable[_Room], engines_known: bool = True) -> str:
     """The sentence an unplaceable replica shows: per node, why it was not chosen."""
     rooms = sorted(rooms, key=lambda r: r.node.name)
     if not model.profiles:
@@ -273,7 +278,7 @@ def explain(model: ModelView, rooms: Iterable[_Room], on_node: dict[str, int] | 
     for profile in profile_order(model.profiles, {}):
         by_reason: dict[str, list[str]] = {}
         for room in rooms:
-            reason = why_not(profile, room)
+            reason = why_not(profile, room, engines_known)
             if reason is not None:
                 by_reason.setdefault(reason, []).append(room.node.name)
         text = _group(by_reason)

@@ -203,3 +203,15 @@ def test_a_stopping_replica_is_not_stopped_twice_and_is_forgotten_when_its_node_
     )
     assert plan.stop == []
     assert plan.forget == [2]
+
+
+def test_when_no_node_reports_any_engine_every_node_is_a_candidate():
+    # Agents older than the engine probe: nothing is known, as the serve page assumes too.
+    unknown = [NodeView("old-1", memory_gb=4), NodeView("old-2", memory_gb=32)]
+    assert nodes_of(place(unknown, [model()], [])) == ["old-2"]
+    assert place(unknown[:1], [model()], []).unplaced[0].reason == "old-1: 4 GB free, needs 8"
+
+
+def test_once_any_node_reports_engines_a_node_reporting_none_is_passed_over():
+    fleet = [NodeView("old", memory_gb=32), NodeView("gpu", engines=frozenset({"vllm"}), memory_gb=32)]
+    assert place(fleet, [model()], []).unplaced[0].reason == "gpu, old: no llamacpp"
