@@ -143,6 +143,8 @@ class Supervisor:
         # 0.0.0.0 is an address to bind, not one to connect to: the gateway reaches
         # an engine listening everywhere by this host's name.
         self.advertise = advertise or (socket.gethostname() if host in ("0.0.0.0", "::", "") else host)
+        # Where this node itself asks an engine whether it answers.
+        self.check_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.allow_remote_code = allow_remote_code
         self.startup_timeout = startup_timeout
         self.backoff_max = backoff_max
@@ -203,7 +205,7 @@ class Supervisor:
                 if not alive:
                     reports.append(self._crashed(entry, now, code))
                 elif not entry["ready"]:
-                    if engines.answers(entry["port"], timeout=0.5):
+                    if engines.answers(entry["port"], host=self.check_host, timeout=0.5):
                         entry.update(ready=True, ready_since=now)
                         reports.append((replica_id, "ready", self.endpoint(entry["port"]), ""))
                     elif now - entry.get("started", now) > self.startup_timeout:
