@@ -49,6 +49,13 @@ MIRROR_SCAN_INTERVAL_S = env_int("LLMGW_SCAN_INTERVAL_S", 20, minimum=1)
 HEARTBEAT_S = env_int("LLMGW_HEARTBEAT_S", 15, minimum=1)
 # A node is not ready after this many heartbeats in a row have not arrived.
 HEARTBEATS_MISSED = env_int("LLMGW_HEARTBEATS_MISSED", 3, minimum=1)
+RECONCILE_INTERVAL_S = env_int("LLMGW_RECONCILE_INTERVAL_S", 5, minimum=1)
+# Engines may be told to run code shipped with the weights (vLLM's --trust-remote-code)
+# only when this is set: the mirror is a place files are copied into by hand.
+LLMGW_ALLOW_REMOTE_CODE = env_bool("LLMGW_ALLOW_REMOTE_CODE", False)
+# Where engines listen on a node, and the host the gateway reaches them by.
+LLMGW_ENGINE_HOST = env_str("LLMGW_ENGINE_HOST", "127.0.0.1")
+LLMGW_ENGINE_ADVERTISE = env_str("LLMGW_ENGINE_ADVERTISE", "")
 BYTES_THREADS = env_int("LLMGW_BYTES_THREADS", 32, minimum=1)
 # gunicorn's worker heartbeat timeout; with threads it bounds a stuck worker, not a long download.
 BYTES_WORKER_TIMEOUT_S = env_int("LLMGW_BYTES_WORKER_TIMEOUT_S", 120, minimum=1)
@@ -191,6 +198,8 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("LLMGW_VISIBILITY_TIMEOUT_S", 12 * 3600, minimum=60)}
 CELERY_BEAT_SCHEDULE = {
     "mirror-scan": {"task": "mirror.scan", "schedule": float(MIRROR_SCAN_INTERVAL_S)},
+    # Also sent after every catalog change; the beat is what notices a node going quiet.
+    "fleet-reconcile": {"task": "fleet.reconcile", "schedule": float(RECONCILE_INTERVAL_S)},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 
