@@ -51,6 +51,8 @@ HEARTBEAT_S = env_int("LLMGW_HEARTBEAT_S", 15, minimum=1)
 HEARTBEATS_MISSED = env_int("LLMGW_HEARTBEATS_MISSED", 3, minimum=1)
 BYTES_THREADS = env_int("LLMGW_BYTES_THREADS", 32, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
+# Models declared in configuration (YAML), loaded at migrate and by `manage.py catalog_load`.
+CATALOG_FILE = env_path("LLMGW_CATALOG", Path(""), BASE_DIR) if env_str("LLMGW_CATALOG", "") else None
 
 # --- applications -------------------------------------------------------------
 
