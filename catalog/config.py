@@ -57,7 +57,9 @@ def read(path: Path) -> list[dict]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        where = getattr(error, "problem_mark", None)
+        # Where the broken construct began, which is where somebody has to look;
+        # the problem mark of an unclosed bracket is the end of the file.
+        where = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
         raise CatalogFileError(f"the catalog file {path} is not valid YAML{line}") from None
     if data is None:
@@ -137,7 +139,10 @@ def _profile(model_where: str, index: int, entry) -> dict:
     name = entry.get("name") or engine
     if not isinstance(name, str) or not name:
         raise CatalogFileError(f"{where}: name must be text")
-    args = [str(a) if isinstance(a, int | float) and not isinstance(a, bool) else a for a in entry.get("args") or []]
+    args = entry.get("args") or []
+    if isinstance(args, list):
+        # YAML reads `--ctx-size, 8192` as a string and a number; the engine gets strings.
+        args = [str(a) if isinstance(a, int | float) and not isinstance(a, bool) else a for a in args]
     if problem := args_problem(args):
         raise CatalogFileError(f"{where}: args: {problem}")
     selector = entry.get("node_selector") or {}
