@@ -93,12 +93,21 @@ def clash(model) -> tuple[str, str] | None:
     if model.name in model.aliases:
         return "aliases", f"{model.name} is the model's own name, not an alias"
     taken: dict[str, str] = {}
-    for other_name, other_aliases in Model.objects.exclude(pk=model.pk).values_list("name", "aliases"):
+    declared: set[str] = set()
+    for other_name, other_aliases, is_declared in Model.objects.exclude(pk=model.pk).values_list(
+        "name", "aliases", "declared"
+    ):
         taken[other_name] = other_name
         for alias in other_aliases or []:
             taken[alias] = other_name
+        if is_declared:
+            declared.add(other_name)
     if model.name in taken:
         owner = taken[model.name]
+        if owner == model.name and owner in declared:
+            return "name", (
+                f"a model called {model.name} is declared in configuration; edit it there rather than adding a second"
+            )
         if owner == model.name:
             return "name", f"a model called {model.name} is already in the catalog"
         return "name", f"{model.name} is already an alias of {owner}"

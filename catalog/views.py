@@ -31,7 +31,13 @@ class Field:
     wide: bool = False
 
 
-def form_fields(plan: ServePlan, submitted: dict[str, str] | None, error: ServeError | None) -> list[list[Field]]:
+@dataclass
+class Fieldset:
+    title: str
+    fields: list[Field]
+
+
+def form_fields(plan: ServePlan, submitted: dict[str, str] | None, error: ServeError | None) -> list[Fieldset]:
     """The form's fields in fieldsets, filled from what was submitted or else from the plan."""
     initial = {
         "name": plan.model,
@@ -42,32 +48,43 @@ def form_fields(plan: ServePlan, submitted: dict[str, str] | None, error: ServeE
     }
     values = submitted if submitted is not None else initial
     fieldsets = [
-        [
-            Field("name", "Name", help="What clients ask for."),
-            Field("description", "Description", wide=True),
-            Field("aliases", "Aliases", help="Other names clients may use, comma-separated."),
-            Field("source", "Source", help="On the byte listener; a trailing / names the whole version.", wide=True),
-        ],
-        [
-            Field("context_length", "Context length", help="The most tokens one request may use."),
-            Field("max_output", "Output limit", help="The most tokens one reply may have; blank for no limit."),
-            Field("replicas", "Replicas", help="How many copies to keep running."),
-        ],
-        [
-            Field("engine", "Engine", choices=(("", "—"), *((e.value, e.label) for e in Engine))),
-            Field("profile", "Profile", help="Named for the hardware it runs on."),
-            Field(
-                "ctx_size",
-                "Engine context pool",
-                help="llama.cpp's --ctx-size, shared by its parallel slots; blank for the engine's default.",
-            ),
-            Field("min_memory_gb", "Min memory (GB)", help="Estimated from the weights: size × 1.5 + 2."),
-            Field("selector_key", "Node selector key", help="A label nodes must carry, e.g. size."),
-            Field("selector_value", "Node selector value", help="Its value, e.g. large."),
-        ],
+        Fieldset(
+            "The catalog entry",
+            [
+                Field("name", "Name", help="What clients ask for."),
+                Field("description", "Description", wide=True),
+                Field("aliases", "Aliases", help="Other names clients may use, comma-separated."),
+                Field(
+                    "source", "Source", help="On the byte listener; a trailing / names the whole version.", wide=True
+                ),
+            ],
+        ),
+        Fieldset(
+            "What clients get",
+            [
+                Field("context_length", "Context length", help="The most tokens one request may use."),
+                Field("max_output", "Output limit", help="The most tokens one reply may have; blank for no limit."),
+                Field("replicas", "Replicas", help="How many copies to keep running."),
+            ],
+        ),
+        Fieldset(
+            "Where and how it runs",
+            [
+                Field("engine", "Engine", choices=(("", "—"), *((e.value, e.label) for e in Engine))),
+                Field("profile", "Profile", help="Named for the hardware it runs on."),
+                Field(
+                    "ctx_size",
+                    "Engine context pool",
+                    help="llama.cpp's --ctx-size, shared by its parallel slots; blank for the engine's default.",
+                ),
+                Field("min_memory_gb", "Min memory (GB)", help="Estimated from the weights: size × 1.5 + 2."),
+                Field("selector_key", "Node selector key", help="A label nodes must carry, e.g. size."),
+                Field("selector_value", "Node selector value", help="Its value, e.g. large."),
+            ],
+        ),
     ]
     for fieldset in fieldsets:
-        for field in fieldset:
+        for field in fieldset.fields:
             field.value = values.get(field.name, "")
             if error is not None and error.field == field.name:
                 field.error = error.sentence
@@ -87,7 +104,7 @@ def serve_version(request: HttpRequest, model: str, version: str) -> HttpRespons
         except ServeError as refused:
             error = refused
         else:
-            messages.success(request, f"{entry.name} is in the catalog; placement will start its replicas.")
+            messages.success(request, f"Added {entry.name} to the catalog; placement will start its replicas.")
             destination = reverse("admin:catalog_model_change", args=[entry.pk])
             return HttpResponseClientRedirect(destination) if request.htmx else redirect(destination)
 
@@ -102,5 +119,7 @@ def serve_version(request: HttpRequest, model: str, version: str) -> HttpRespons
     }
     # Whole page, or just the form when htmx submitted it.
     template = "catalog/partials/serve_form.html" if request.htmx else "catalog/serve.html"
-    status = 400 if error is not None or (request.method == "POST" and plan.refusal) else 200
+    refused = error is not None or (request.method == "POST" and plan.refusal)
+    # htmx swaps in only a 2xx answer; the form with its sentences is the answer it asked for.
+    status = 400 if refused and not request.htmx else 200
     return render(request, template, context, status=status)

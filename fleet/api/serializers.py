@@ -29,5 +29,14 @@ class NodeSerializer(serializers.ModelSerializer):
         # What the agent reports comes from heartbeats; staff set only draining.
         read_only_fields = [f for f in fields if f != "draining"]
 
+    def validate(self, attrs):
+        # Ignoring the rest silently would let a caller believe it had set a
+        # node's memory, which the next heartbeat overwrites anyway.
+        if others := sorted(set(self.initial_data) - {"draining"}):
+            raise serializers.ValidationError(
+                f"only draining can be set here; {', '.join(others)} come from the node's heartbeats"
+            )
+        return attrs
+
     def get_enrolled(self, obj: Node) -> bool:
         return bool(obj.token_hash)
