@@ -52,7 +52,7 @@ class ModelAdmin(admin.ModelAdmin):
         obj = self.get_object(request, object_id)
         if obj is not None and obj.declared:
             self.message_user(
-                request, f"{obj.name} is declared in configuration (LLMGW_CATALOG); edit it there.", "info"
+                request, f"Declared in configuration (LLMGW_CATALOG): {obj.name} is edited there, not here.", "info"
             )
         return super().change_view(request, object_id, form_url, extra_context)
 

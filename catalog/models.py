@@ -19,10 +19,12 @@ class Model(models.Model):
     # A URL ending in "/" names a version of several files; without it, one file.
     source = models.CharField(max_length=1000)
     context_length = models.PositiveIntegerField(help_text="The most tokens one request may use.")
-    max_output = models.PositiveIntegerField(default=0, help_text="The most tokens one reply may have; 0 for no limit.")
+    max_output = models.PositiveIntegerField(
+        "output limit", default=0, help_text="The most tokens one reply may have; 0 for no limit."
+    )
     routing_profile = models.CharField(max_length=50, default="chat")
-    scaling_min = models.PositiveIntegerField(default=1)
-    scaling_max = models.PositiveIntegerField(default=1)
+    scaling_min = models.PositiveIntegerField("fewest replicas", default=1)
+    scaling_max = models.PositiveIntegerField("most replicas", default=1)
     # A username, or "configuration" for a declared model: who to ask about it.
     added_by = models.CharField(max_length=150, blank=True)
     added_at = models.DateTimeField(default=timezone.now)
@@ -61,11 +63,11 @@ class Profile(models.Model):
     args = models.JSONField(default=list, blank=True, help_text="Extra engine arguments: a list of strings.")
     weight = models.PositiveIntegerField(default=1)
     priority = models.PositiveIntegerField(default=100)
-    min_memory_gb = models.PositiveIntegerField(default=0, help_text="Host RAM a node must have.")
+    min_memory_gb = models.PositiveIntegerField("min memory (GB)", default=0, help_text="Host RAM a node must have.")
     node_selector = models.JSONField(
         default=dict, blank=True, help_text="Labels a node must carry, as {key: value}; empty for any node."
     )
-    gpus = models.PositiveIntegerField(default=0, help_text="GPUs a replica needs; 0 runs on the CPU.")
+    gpus = models.PositiveIntegerField("GPUs", default=0, help_text="GPUs a replica needs; 0 runs on the CPU.")
 
     class Meta:
         ordering = ["model", "priority", "name"]

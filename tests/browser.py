@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 from django.contrib.auth import get_user_model
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -21,8 +22,9 @@ CHROMIUM_ARGS = [
 PASSWORD = "a long staff password"
 
 
-@pytest.fixture(scope="session")
-def chromium():
+@contextmanager
+def chromium_page() -> Iterator:
+    """A fresh chromium page; closed, with its browser, at the end."""
     from playwright.sync_api import sync_playwright
 
     # The sync API runs an event loop in this thread; the ORM calls the tests
@@ -30,32 +32,26 @@ def chromium():
     os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
+        try:
+            page = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
+            page.set_default_timeout(15_000)
+            yield page
+        finally:
+            browser.close()
 
 
-@pytest.fixture
-def page(chromium):
-    context = chromium.new_context(viewport={"width": 1280, "height": 1000})
-    page = context.new_page()
-    page.set_default_timeout(15_000)
-    yield page
-    context.close()
-
-
-@pytest.fixture
-def staff_page(page, live_server):
-    """A browser logged in to the admin as staff, the way a person does it."""
-    get_user_model().objects.create_superuser("ann", "", PASSWORD)
+def log_in_as_staff(page, live_server, username: str = "ann") -> None:
+    """Log in to the admin the way a person does it (the user is made here)."""
+    get_user_model().objects.create_superuser(username, "", PASSWORD)
     page.goto(live_server.url + "/admin/login/")
-    page.fill("#id_username", "ann")
+    page.fill("#id_username", username)
     page.fill("#id_password", PASSWORD)
     page.click("input[type=submit]")
     page.wait_for_url(live_server.url + "/admin/")
-    return page
 
 
 def screenshot(page, name: str) -> Path:
+    """Kept under test-artifacts/ for a person to look at."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)

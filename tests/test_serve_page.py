@@ -8,10 +8,18 @@ from catalog.models import Model
 from fleet.models import Node
 from mirror import scan
 
-from .browser import chromium, page, screenshot, staff_page  # noqa: F401  # noqa: F401
+from .browser import chromium_page, log_in_as_staff, screenshot
 from .conftest import put
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def staff_page(live_server):
+    with chromium_page() as page:
+        log_in_as_staff(page, live_server)
+        yield page
+
 
 SHARD = 1_600_000_000  # three of these are 4.8 GB: 4.47 GiB × 1.5 + 2 asks for 8 GB
 
@@ -31,6 +39,7 @@ def three_part_gguf(mirror_root, settings):
 def open_serve_page(page, live_server, model: str, version: str):
     page.goto(live_server.url + "/admin/mirror/mirrorversion/")
     page.locator("#result_list").get_by_role("link", name=model, exact=True).click()
+    screenshot(page, f"mirror-version-{model}")
     page.get_by_role("link", name="Serve").click()
     page.wait_for_url(f"{live_server.url}/serve/{model}/{version}/")
 

@@ -34,7 +34,8 @@ class NodeSerializer(serializers.ModelSerializer):
         # node's memory, which the next heartbeat overwrites anyway.
         if others := sorted(set(self.initial_data) - {"draining"}):
             raise serializers.ValidationError(
-                f"only draining can be set here; {', '.join(others)} come from the node's heartbeats"
+                f"only draining can be set here; {', '.join(others)} {'comes' if len(others) == 1 else 'come'} "
+                "from the node's heartbeats"
             )
         return attrs
 
