@@ -237,3 +237,40 @@ def test_the_schema_describes_the_catalog_fleet_and_serve_routes(live_server):
     for path in ("/api/catalog/models/", "/api/fleet/nodes/", "/api/serve/plan/", "/api/serve/"):
         assert path in schema["paths"]
     assert settings.BYTES_URL
+
+
+def page_post(live_server, path: str, form: dict) -> requests.Response:
+    """Submit the serve page's form as a browser without JavaScript does, CSRF token and all."""
+    session = staff_session()
+    session.get(live_server.url + "/serve/qwen/q4/")
+    token = session.cookies["csrftoken"]
+    return session.post(live_server.url + path, data={**form, "csrfmiddlewaretoken": token}, allow_redirects=False)
+
+
+def test_a_refused_version_cannot_be_served_by_posting_the_form_anyway(live_server, mirrored):
+    r = page_post(
+        live_server, "/serve/notes/v1/", {**SERVE_FORM, "name": "notes", "source": "http://127.0.0.1:8001/notes/v1/"}
+    )
+    assert r.status_code == 400
+    assert "nothing here reads .txt files" in r.text
+    assert not Model.objects.exists()
+
+
+def test_the_page_refuses_a_second_model_of_a_declared_name_beside_the_field(live_server, mirrored, declared):
+    r = page_post(live_server, "/serve/qwen/q4/", {**SERVE_FORM, "name": "decl"})
+    assert r.status_code == 400
+    assert 'id="error_name"' in r.text
+    assert "a model called decl is declared in configuration; edit it there rather than adding a second" in r.text
+    assert list(Model.objects.values_list("name", flat=True)) == ["decl"]
+
+
+def test_the_page_without_javascript_adds_the_model_and_redirects_to_it(live_server, mirrored):
+    r = page_post(live_server, "/serve/qwen/q4/", SERVE_FORM)
+    assert r.status_code == 302
+    model = Model.objects.get(name="qwen")
+    assert r.headers["Location"] == f"/admin/catalog/model/{model.pk}/change/"
+    assert model.added_by == "ann"
+
+
+def test_the_page_of_a_version_that_is_not_in_the_mirror_is_not_found(live_server, mirrored):
+    assert staff_session().get(live_server.url + "/serve/qwen/nope/").status_code == 404
