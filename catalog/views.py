@@ -93,7 +93,7 @@ def form_fields(plan: ServePlan, submitted: dict[str, str] | None, error: ServeE
 
 @staff_member_required
 def serve_version(request: HttpRequest, model: str, version: str) -> HttpResponse:
-    mirror_version = get_object_or_404(MirrorVersion.objects.with_totals(), model=model, version=version)
+    mirror_version = get_object_or_404(MirrorVersion, model=model, version=version)
     plan = services.plan_for(mirror_version)
     submitted, error = None, None
     if request.method == "POST" and not plan.refusal:

@@ -1,13 +1,33 @@
+from django import forms
 from django.contrib import admin, messages
 from django.http import HttpRequest
 from django.template.defaultfilters import filesizeformat
 
 from . import enrolment
-from .models import Node
+from .models import Node, node_name_problem
+
+
+class NodeForm(forms.ModelForm):
+    class Meta:
+        model = Node
+        fields = ["name", "draining", "labels"]
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"].strip()
+        if problem := node_name_problem(name):
+            raise forms.ValidationError(problem)
+        return name
+
+    def clean_labels(self) -> dict:
+        labels = self.cleaned_data["labels"]
+        if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+            raise forms.ValidationError('labels are written {"key": "value"}, each value text')
+        return labels
 
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
+    form = NodeForm
     list_display = [
         "name",
         "state",

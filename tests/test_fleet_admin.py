@@ -8,7 +8,7 @@ from catalog.models import Model, Profile
 from fleet.enrolment import node_for_token
 from fleet.models import Node
 
-from .browser import chromium_page, log_in_as_staff, screenshot
+from .staff_browser import chromium_page, log_in_as_staff, screenshot
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -59,3 +59,12 @@ def test_a_declared_model_is_read_only_in_the_admin(staff_page, live_server):
     assert page.locator("input[name=_save]").count() == 0
     assert page.locator("#id_name").count() == 0
     screenshot(page, "catalog-declared-read-only")
+
+
+def test_a_node_name_that_cannot_be_a_queue_is_refused_in_the_admin(staff_page, live_server):
+    page = staff_page
+    page.goto(live_server.url + "/admin/fleet/node/add/")
+    page.fill("#id_name", "gpu 01/a")
+    page.click("input[name=_save]")
+    assert "is not a node name: use up to 100 letters" in page.inner_text(".errorlist")
+    assert not Node.objects.exists()

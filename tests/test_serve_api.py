@@ -11,8 +11,8 @@ from fleet.enrolment import issue_token
 from fleet.models import Node
 from mirror import scan
 
-from .api_client import staff_session, token_session
 from .conftest import put
+from .staff_api import staff_session, token_session
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -274,3 +274,14 @@ def test_the_page_without_javascript_adds_the_model_and_redirects_to_it(live_ser
 
 def test_the_page_of_a_version_that_is_not_in_the_mirror_is_not_found(live_server, mirrored):
     assert staff_session().get(live_server.url + "/serve/qwen/nope/").status_code == 404
+
+
+def test_post_serve_takes_aliases_as_a_list_and_refuses_a_field_that_is_not_text(live_server, mirrored):
+    api = token_session()
+    r = api.post(live_server.url + "/api/serve/", json={**SERVE_FORM, "aliases": ["q", "qw"]})
+    assert r.status_code == 201, r.text
+    assert r.json()["aliases"] == ["q", "qw"]
+    r = api.post(live_server.url + "/api/serve/", json={**SERVE_FORM, "name": "other", "replicas": {"min": 1}})
+    assert r.status_code == 400
+    assert r.json() == {"field": "replicas", "error": "replicas must be written as text or a number"}
+    assert Model.objects.count() == 1

@@ -11,8 +11,8 @@ from catalog.models import Model, Profile
 from fleet.models import Node
 from mirror import scan
 
-from .browser import ARTIFACTS
 from .conftest import put
+from .staff_browser import ARTIFACTS
 
 pytestmark = pytest.mark.django_db
 

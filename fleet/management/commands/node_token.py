@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from fleet import enrolment
-from mirror.disk import name_problem
+from fleet.models import node_name_problem
 
 
 class Command(BaseCommand):
@@ -11,6 +11,6 @@ class Command(BaseCommand):
         parser.add_argument("name", help="the node's name, as its agent is started with --node")
 
     def handle(self, *args, name, **options):
-        if problem := name_problem(name.strip()):
-            raise CommandError(f"that is not a node name: {problem}")
+        if problem := node_name_problem(name.strip()):
+            raise CommandError(problem)
         self.stdout.write(enrolment.issue_token(name.strip()))
