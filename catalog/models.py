@@ -6,6 +6,8 @@ from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
+from .rules import alias_problem, args_problem, clash, name_problem, scaling_problem, selector_problem, source_problem
+
 
 class Engine(models.TextChoices):
     LLAMACPP = "llamacpp", "llama.cpp"
@@ -38,8 +40,6 @@ class Model(models.Model):
         return self.name
 
     def clean(self) -> None:
-        from .rules import alias_problem, clash, name_problem, scaling_problem, source_problem
-
         errors = {}
         if problem := name_problem(self.name):
             errors["name"] = problem
@@ -77,8 +77,6 @@ class Profile(models.Model):
         return f"{self.model.name}/{self.name}"
 
     def clean(self) -> None:
-        from .rules import args_problem, selector_problem
-
         errors = {}
         if problem := args_problem(self.args):
             errors["args"] = problem

@@ -7,7 +7,7 @@ import logging
 from celery import current_app
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 
 from .models import Model, Profile
 from .planning import CatalogFacts, FileFacts, NodeFacts, ServeError, ServePlan, plan_serve
@@ -71,7 +71,11 @@ def add_model(model: Model, profiles: list[Profile], added_by: str) -> Model:
             model.full_clean()
         except ValidationError as error:
             raise serve_error(error) from None
-        model.save()
+        try:
+            model.save()
+        except IntegrityError:
+            # Added by somebody else between the check above and this save.
+            raise ServeError("name", f"a model called {model.name} is already in the catalog") from None
         for profile in profiles:
             profile.model = model
             try:
@@ -86,5 +90,5 @@ def serve_error(error: ValidationError) -> ServeError:
     """The first problem of a ValidationError, as the field and sentence the form shows."""
     if hasattr(error, "error_dict"):
         field, errors = next(iter(error.error_dict.items()))
-        return ServeError(field, " ".join(e.messages[0] for e in errors[:1]))
+        return ServeError(field, errors[0].messages[0])
     return ServeError("name", error.messages[0])

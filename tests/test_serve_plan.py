@@ -1,4 +1,8 @@
-"""plan_serve and build_model: the seed's rules and sentences, as pure functions (no database)."""
+"""plan_serve and build_model: the seed's rules and sentences, as pure functions.
+
+No django_db mark here: pytest-django refuses any database access in these tests,
+so they also show that neither function touches the database.
+"""
 
 import pytest
 
