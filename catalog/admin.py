@@ -21,7 +21,7 @@ class ProfileInline(admin.StackedInline):
 
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
-    list_display = ["name", "alias_list", "engines", "replicas", "context_length", "declared", "added_by", "added_at"]
+    list_display = ["name", "alias_list", "engines", "replicas", "context_length", "declared", "added_by"]
     list_filter = ["declared", "routing_profile"]
     search_fields = ["name", "description", "source"]
     readonly_fields = ["declared", "added_by", "added_at"]

@@ -93,7 +93,11 @@ def test_a_replica_count_of_two_in_words_shows_the_sentence_and_writes_nothing(
     open_serve_page(page, live_server, "qwen2.5-7b", "q4_k_m")
     page.fill("#id_context_length", "4096")
     page.fill("#id_replicas", "two")
-    page.click("#serve-submit")
+    with page.expect_response(lambda r: r.request.method == "POST") as answer:
+        page.click("#serve-submit")
+    # htmx sent it, and only the form came back.
+    assert answer.value.request.headers.get("hx-request") == "true"
+    assert "<html" not in answer.value.text()
     error = page.locator("#error_replicas")
     error.wait_for()
     assert error.inner_text() == "the replica count must be a whole number"
