@@ -6,6 +6,8 @@ from .models import Model, Profile
 class ProfileInline(admin.StackedInline):
     model = Profile
     extra = 0
+    # A model with no profile has nowhere to run, and placement would say nothing about why.
+    min_num = 1
     fields = [("name", "engine"), "args", ("weight", "priority"), ("min_memory_gb", "gpus"), "node_selector"]
 
     # A declared model's profiles are in the file too; see ModelAdmin below.

@@ -68,3 +68,23 @@ def test_a_node_name_that_cannot_be_a_queue_is_refused_in_the_admin(staff_page, 
     page.click("input[name=_save]")
     assert "is not a node name: use up to 100 letters" in page.inner_text(".errorlist")
     assert not Node.objects.exists()
+
+
+def test_a_model_added_in_the_admin_needs_a_profile_and_records_who_added_it(staff_page, live_server):
+    page = staff_page
+    page.goto(live_server.url + "/admin/catalog/model/add/")
+    page.fill("#id_name", "by-hand")
+    page.fill("#id_source", "http://elsewhere.example/by-hand/v1/")
+    page.fill("#id_context_length", "2048")
+    page.click("input[name=_save]")
+    assert "the source must be an address on the byte listener" in page.inner_text("#content")
+    page.fill("#id_source", "http://127.0.0.1:8001/by-hand/v1/")
+    page.click("input[name=_save]")
+    assert "This field is required." in page.inner_text("#profiles-0")
+    assert not Model.objects.exists()
+    page.fill("#id_profiles-0-name", "cpu")
+    page.select_option("#id_profiles-0-engine", "llamacpp")
+    page.click("input[name=_save]")
+    page.wait_for_url(live_server.url + "/admin/catalog/model/")
+    model = Model.objects.get(name="by-hand")
+    assert (model.added_by, model.declared, model.profiles.get().engine) == ("ann", False, "llamacpp")
