@@ -12,6 +12,10 @@ from urllib.parse import urlsplit
 from django.conf import settings
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
+# An alias may be written the way clients of other servers already ask for the
+# model ("meta-llama/Llama-3.1-8B-Instruct"); a name may not, because it can end
+# up as a directory or a queue name, where a slash means something else.
+ALIAS_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*(/[A-Za-z0-9][A-Za-z0-9._:@+-]*)*")
 
 
 def name_problem(name: str, what: str = "a model's name") -> str | None:
@@ -30,8 +34,11 @@ def alias_problem(aliases) -> str | None:
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         return "aliases must be a list of names"
     for alias in aliases:
-        if problem := name_problem(alias, "an alias"):
-            return problem
+        if not alias or len(alias) > 200 or not ALIAS_PATTERN.fullmatch(alias):
+            return (
+                f"the alias {alias!r} may hold only letters, digits and . _ : @ + - (and / between parts), "
+                "and must start with a letter or digit"
+            )
     if len(set(aliases)) != len(aliases):
         return "an alias is listed twice"
     return None

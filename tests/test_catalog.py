@@ -239,3 +239,24 @@ def test_a_broker_that_is_down_does_not_break_a_save(tmp_path):
     assert "saved" in done.stdout
     assert "fleet.reconcile could not be queued" in done.stderr
     assert Model.objects.filter(name="saved").exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("alias", ["meta-llama/Llama-3.1-8B-Instruct", "gpt-4o", "qwen2.5:7b"])
+def test_an_alias_may_be_written_the_way_other_servers_clients_ask(alias):
+    Model(name="m", aliases=[alias], source=settings.BYTES_URL + "m/v/", context_length=1).full_clean()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("alias", ["a b", "a,b", "/root", "a//b", "a/../b", "a/", ""])
+def test_an_alias_nobody_could_ask_for_is_refused(alias):
+    with pytest.raises(ValidationError) as caught:
+        Model(name="m", aliases=[alias], source=settings.BYTES_URL + "m/v/", context_length=1).full_clean()
+    assert "may hold only letters, digits" in caught.value.message_dict["aliases"][0]
+
+
+@pytest.mark.django_db
+def test_a_name_may_not_hold_a_slash():
+    with pytest.raises(ValidationError) as caught:
+        Model(name="meta-llama/x", source=settings.BYTES_URL + "m/v/", context_length=1).full_clean()
+    assert "may hold only letters, digits" in caught.value.message_dict["name"][0]
