@@ -19,8 +19,8 @@ def send_reconcile() -> None:
     """Ask the control plane to place replicas for the catalog as it now is.
 
     Sent by name so the catalog does not import placement. A broker that is down
-    never breaks a save: the reconcile loop runs on its own schedule as well, so
-    one missed nudge only delays placement.
+    never breaks a save: the catalog row is the record, and the next reconcile,
+    whatever starts it, places from it.
     """
     try:
         current_app.send_task("fleet.reconcile", queue="control", retry_policy={"max_retries": 2})
@@ -30,8 +30,8 @@ def send_reconcile() -> None:
 
 def reconcile_after_commit() -> None:
     """Queue one fleet.reconcile once the current transaction commits (however many rows it wrote)."""
-    already = any(getattr(item[1], "__name__", "") == send_reconcile.__name__ for item in connection.run_on_commit)
-    if not already:
+    # run_on_commit holds (savepoints, callback, robust) for what this transaction has queued so far.
+    if not any(send_reconcile in queued for queued in connection.run_on_commit):
         transaction.on_commit(send_reconcile)
 
 
