@@ -1,10 +1,27 @@
 """The fleet: the nodes that run replicas, as their agents report them."""
 
+import re
 from datetime import timedelta
 
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
+
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def node_name_problem(name: str) -> str | None:
+    """Why this cannot be a node's name, or None.
+
+    The name becomes the agent's Celery queue (node.NAME) and is typed on the
+    agent's command line, so it is kept to characters that survive both.
+    """
+    if not NODE_NAME.fullmatch(name):
+        return (
+            f"{name!r} is not a node name: use up to 100 letters, digits, dots, dashes and underscores, "
+            "starting with a letter or digit"
+        )
+    return None
 
 
 class Node(models.Model):

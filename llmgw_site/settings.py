@@ -60,6 +60,8 @@ BYTES_THREADS = env_int("LLMGW_BYTES_THREADS", 32, minimum=1)
 # gunicorn's worker heartbeat timeout; with threads it bounds a stuck worker, not a long download.
 BYTES_WORKER_TIMEOUT_S = env_int("LLMGW_BYTES_WORKER_TIMEOUT_S", 120, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
+# Models declared in configuration (YAML), loaded at migrate and by `manage.py catalog_load`.
+CATALOG_FILE = env_path("LLMGW_CATALOG", Path(""), BASE_DIR) if env_str("LLMGW_CATALOG", "") else None
 
 # --- applications -------------------------------------------------------------
 
