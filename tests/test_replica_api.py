@@ -8,7 +8,7 @@ from rest_framework.test import APIClient
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 
-pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.replica_urls")]
+pytestmark = pytest.mark.django_db
 
 WHY = "cpu-1: 7 GB free, needs 8; gpu-2: no llamacpp"
 

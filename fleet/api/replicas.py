@@ -6,9 +6,8 @@ follows.
 """
 
 from rest_framework import serializers, viewsets
-from rest_framework.routers import SimpleRouter
 
-from .models import Replica
+from ..models import Replica
 
 
 class ReplicaSerializer(serializers.ModelSerializer):
@@ -56,10 +55,3 @@ class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
         if state := params.get("state"):
             queryset = queryset.filter(state=state)
         return queryset
-
-
-# For the fleet's API URLconf: router.register("replicas", ReplicaViewSet, basename="fleet-replica"),
-# or include these patterns under api/fleet/.
-router = SimpleRouter()
-router.register("replicas", ReplicaViewSet, basename="fleet-replica")
-urlpatterns = router.urls
