@@ -582,7 +582,7 @@ def fetch_source(source: str, cache: Path, progress: Progress | None = None, par
     Raises FetchError with a sentence for the user; nothing half-written is ever
     returned, and a part left behind is resumed by the next call.
     """
-    progress = progress if progress is not None else Progress()
+    progress = progress if progress is not None else _default_progress(source)
     cache = Path(cache)
     if parallel is None:
         from django.conf import settings
@@ -607,6 +607,22 @@ def fetch_source(source: str, cache: Path, progress: Progress | None = None, par
         sentence = f"fetching {source}: {error.strerror or error} ({getattr(error, 'filename', '') or cache})"
         _report_failure(progress, sentence)
         raise FetchError(sentence) from None
+
+
+def _default_progress(source: str) -> Progress:
+    """On a node's worker, progress goes to Redis even when the caller did not ask.
+
+    So a fetch started for a replica shows on the version page like one staff
+    asked for: whoever waits on the version sees it, whichever task fetches it.
+    """
+    from . import runtime
+
+    node = runtime.node_name()
+    if not node:
+        return Progress()
+    from .progress import RedisProgress, redis_client
+
+    return RedisProgress(redis_client(), source, node)
 
 
 def _report_failure(progress: Progress, sentence: str) -> None:

@@ -9,9 +9,14 @@ two nodes fetching the same version do not overwrite each other.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import time
+
+import redis
+
+log = logging.getLogger(__name__)
 
 STATES = ("queued", "waiting", "fetching", "verifying", "complete", "failed")
 
@@ -173,13 +178,18 @@ class RedisProgress(Throttled):
 
     def __init__(self, client, source: str, node: str) -> None:
         self.client, self.source, self.node = client, source, node
+        self._said_unreachable = False
         super().__init__()
 
     def waiting(self) -> None:
         now = time.monotonic()
         if now - self._last_sent >= MIN_INTERVAL_S:
             self._last_sent = now
-            if self.client.exists(cancel_key(self.node, self.source)):
+            try:
+                cancelled = self.client.exists(cancel_key(self.node, self.source))
+            except redis.RedisError:
+                return
+            if cancelled:
                 raise Cancelled(f"the fetch of {self.source} onto {self.node} was cancelled by staff")
 
     def send(self, snapshot: dict) -> None:
@@ -190,7 +200,16 @@ class RedisProgress(Throttled):
         pipe.expire(key, KEEP_S)
         pipe.zadd(SOURCES_KEY, {self.source: snapshot["updated"]})
         pipe.exists(cancel_key(self.node, self.source))
-        *_, cancelled = pipe.execute()
+        try:
+            *_, cancelled = pipe.execute()
+        except redis.RedisError as error:
+            # Progress is a report, not the fetch: Redis away for a moment must
+            # not fail an hour-long download. Said once, not on every chunk.
+            if not self._said_unreachable:
+                self._said_unreachable = True
+                log.warning("progress of %s not published: %s", self.source, error)
+            return
+        self._said_unreachable = False
         if cancelled and snapshot["state"] not in ("complete", "failed"):
             raise Cancelled(f"the fetch of {self.source} onto {self.node} was cancelled by staff")
 
@@ -221,7 +240,6 @@ def clear_cancel(client, node: str, source: str) -> None:
 
 
 def redis_client():
-    import redis
     from django.conf import settings
 
     return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)

@@ -1,1 +1,86 @@
-from django.db import models  # noqa: F401
+"""The catalog: the models llmgw serves, and the profiles that say where and how they run."""
+
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.db import models
+from django.utils import timezone
+
+from .rules import alias_problem, args_problem, clash, name_problem, scaling_problem, selector_problem, source_problem
+
+
+class Engine(models.TextChoices):
+    LLAMACPP = "llamacpp", "llama.cpp"
+    VLLM = "vllm", "vLLM"
+
+
+class Model(models.Model):
+    name = models.CharField(max_length=200, unique=True, help_text="What clients ask for in the gateway.")
+    description = models.TextField(blank=True)
+    aliases = models.JSONField(default=list, blank=True, help_text="Other names clients may use: a list of strings.")
+    # A URL ending in "/" names a version of several files; without it, one file.
+    source = models.CharField(max_length=1000)
+    context_length = models.PositiveIntegerField(help_text="The most tokens one request may use.")
+    max_output = models.PositiveIntegerField(
+        "output limit", default=0, help_text="The most tokens one reply may have; 0 for no limit."
+    )
+    routing_profile = models.CharField(max_length=50, default="chat")
+    scaling_min = models.PositiveIntegerField("fewest replicas", default=1)
+    scaling_max = models.PositiveIntegerField("most replicas", default=1)
+    # A username, or "configuration" for a declared model: who to ask about it.
+    added_by = models.CharField(max_length=150, blank=True)
+    added_at = models.DateTimeField(default=timezone.now)
+    # Read from LLMGW_CATALOG; read-only everywhere else, so the file stays the one record of it.
+    declared = models.BooleanField(default=False, editable=False)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        errors = {}
+        if problem := name_problem(self.name):
+            errors["name"] = problem
+        if problem := alias_problem(self.aliases):
+            errors["aliases"] = problem
+        if problem := scaling_problem(self.scaling_min, self.scaling_max):
+            errors["scaling_max"] = problem
+        if not self.declared and (problem := source_problem(self.source)):
+            errors["source"] = problem
+        if not errors and (problem := clash(self)):
+            errors[problem[0]] = problem[1]
+        if errors:
+            raise ValidationError(errors)
+
+
+class Profile(models.Model):
+    model = models.ForeignKey(Model, related_name="profiles", on_delete=models.CASCADE)
+    # Named for the hardware rather than the model ("cpu", "gpu"): a profile is about where a model runs.
+    name = models.CharField(max_length=100)
+    engine = models.CharField(max_length=20, choices=Engine.choices)
+    args = models.JSONField(default=list, blank=True, help_text="Extra engine arguments: a list of strings.")
+    weight = models.PositiveIntegerField(default=1)
+    priority = models.PositiveIntegerField(default=100)
+    min_memory_gb = models.PositiveIntegerField("min memory (GB)", default=0, help_text="Host RAM a node must have.")
+    node_selector = models.JSONField(
+        default=dict, blank=True, help_text="Labels a node must carry, as {key: value}; empty for any node."
+    )
+    gpus = models.PositiveIntegerField("GPUs", default=0, help_text="GPUs a replica needs; 0 runs on the CPU.")
+
+    class Meta:
+        ordering = ["model", "priority", "name"]
+        constraints = [models.UniqueConstraint(fields=["model", "name"], name="catalog_profile_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.model.name}/{self.name}"
+
+    def clean(self) -> None:
+        errors = {}
+        if problem := args_problem(self.args):
+            errors["args"] = problem
+        if problem := selector_problem(self.node_selector):
+            errors["node_selector"] = problem
+        if errors:
+            raise ValidationError(errors)

@@ -53,8 +53,19 @@ HEARTBEATS_MISSED = env_int("LLMGW_HEARTBEATS_MISSED", 3, minimum=1)
 AGENT_CACHE = env_path("LLMGW_AGENT_CACHE", VAR_DIR / "agent-cache", BASE_DIR)
 # Files of one set fetched at once: one TCP stream rarely fills a fast link.
 FETCH_PARALLEL = env_int("LLMGW_FETCH_PARALLEL", 4, minimum=1)
+RECONCILE_INTERVAL_S = env_int("LLMGW_RECONCILE_INTERVAL_S", 5, minimum=1)
+# Engines may be told to run code shipped with the weights (vLLM's --trust-remote-code)
+# only when this is set: the mirror is a place files are copied into by hand.
+LLMGW_ALLOW_REMOTE_CODE = env_bool("LLMGW_ALLOW_REMOTE_CODE", False)
+# Where engines listen on a node, and the host the gateway reaches them by.
+LLMGW_ENGINE_HOST = env_str("LLMGW_ENGINE_HOST", "127.0.0.1")
+LLMGW_ENGINE_ADVERTISE = env_str("LLMGW_ENGINE_ADVERTISE", "")
 BYTES_THREADS = env_int("LLMGW_BYTES_THREADS", 32, minimum=1)
+# gunicorn's worker heartbeat timeout; with threads it bounds a stuck worker, not a long download.
+BYTES_WORKER_TIMEOUT_S = env_int("LLMGW_BYTES_WORKER_TIMEOUT_S", 120, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
+# Models declared in configuration (YAML), loaded at migrate and by `manage.py catalog_load`.
+CATALOG_FILE = env_path("LLMGW_CATALOG", Path(""), BASE_DIR) if env_str("LLMGW_CATALOG", "") else None
 
 # --- applications -------------------------------------------------------------
 
@@ -146,6 +157,7 @@ STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 # The admin's own CSS and JS, served by the admin server itself: one process, no nginx needed.
 WHITENOISE_USE_FINDERS = True
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 
 LOGIN_URL = "admin:login"
 
@@ -167,6 +179,7 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Mirror, catalog, fleet and serving of a private LLM fleet.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAdminUser"],
 }
 
 # --- Celery -------------------------------------------------------------------
@@ -197,6 +210,8 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("LLMGW_VISIBILITY_TIMEOUT_S", 12 * 3600, minimum=60)}
 CELERY_BEAT_SCHEDULE = {
     "mirror-scan": {"task": "mirror.scan", "schedule": float(MIRROR_SCAN_INTERVAL_S)},
+    # Also sent after every catalog change; the beat is what notices a node going quiet.
+    "fleet-reconcile": {"task": "fleet.reconcile", "schedule": float(RECONCILE_INTERVAL_S)},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 

@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 import pytest
@@ -5,12 +6,21 @@ import pytest
 from .processes import start_byte_listener, start_celery_worker
 
 
+@pytest.fixture(scope="session")
+def shared_mirror_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mirror")
+
+
 @pytest.fixture
-def mirror_root(settings, tmp_path) -> Path:
-    root = tmp_path / "mirror"
-    root.mkdir()
-    settings.MIRROR_ROOT = root
-    return root
+def mirror_root(settings, shared_mirror_dir) -> Path:
+    """An empty mirror for this test, the one the session's byte listener serves."""
+    for child in shared_mirror_dir.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    settings.MIRROR_ROOT = shared_mirror_dir
+    return shared_mirror_dir
 
 
 def put(root: Path, model: str, version: str, files: dict[str, bytes]) -> Path:
@@ -22,12 +32,19 @@ def put(root: Path, model: str, version: str, files: dict[str, bytes]) -> Path:
     return directory
 
 
-@pytest.fixture
-def byte_listener(mirror_root, tmp_path, django_db_setup, django_db_blocker):
-    """A real byte-listener process (gunicorn) serving this test's mirror root."""
-    process, url = start_byte_listener(mirror_root, tmp_path)
-    yield url
+@pytest.fixture(scope="session")
+def byte_listener_process(shared_mirror_dir, tmp_path_factory, django_db_setup):
+    process, url = start_byte_listener(shared_mirror_dir, tmp_path_factory.mktemp("byte-listener"))
+    yield process, url
     process.stop()
+
+
+@pytest.fixture
+def byte_listener(mirror_root, byte_listener_process) -> str:
+    """The address of a real byte-listener process (gunicorn) serving this test's mirror."""
+    process, url = byte_listener_process
+    assert process.alive(), f"the byte listener died:\n{process.output()}"
+    return url
 
 
 @pytest.fixture

@@ -73,9 +73,11 @@ def wait_until(condition, timeout: float = 20.0, interval: float = 0.1, what: st
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def start_byte_listener(mirror_root: Path, log_dir: Path) -> tuple[Process, str]:
+def start_byte_listener(mirror_root: Path, log_dir: Path, **settings_env) -> tuple[Process, str]:
     port = free_port()
-    env = process_env(LLMGW_MIRROR_ROOT=mirror_root, LLMGW_BYTES_ADDR=f"127.0.0.1:{port}", LLMGW_BYTES_WORKERS=1)
+    env = process_env(
+        LLMGW_MIRROR_ROOT=mirror_root, LLMGW_BYTES_ADDR=f"127.0.0.1:{port}", LLMGW_BYTES_WORKERS=1, **settings_env
+    )
     process = Process("byte-listener", [sys.executable, "manage.py", "byte_listener"], env, log_dir)
     url = f"http://127.0.0.1:{port}/"
 

@@ -29,7 +29,9 @@ def pytest_load_initial_conftests(early_config, parser, args):
     _state["var"] = var
     os.environ["LLMGW_VAR"] = var
     os.environ["LLMGW_MIRROR_ROOT"] = os.path.join(var, "mirror")
-    os.environ.pop("DATABASE_URL", None)
+    # The tests make their own database and catalog; a developer's must not leak in.
+    for name in ("DATABASE_URL", "LLMGW_CATALOG", "LLMGW_ADMIN_USER", "LLMGW_ADMIN_PASSWORD"):
+        os.environ.pop(name, None)
     binary = shutil.which("redis-server")
     if binary is None:
         raise pytest.UsageError("the tests need redis-server: `make test` installs it, or apt-get install redis-server")

@@ -186,3 +186,26 @@ def test_the_byte_listener_has_no_admin_and_no_api(byte_listener, weights):
         r = requests.get(byte_listener + path)
         assert r.status_code == 404
         assert "error" in r.json()
+
+
+def test_a_download_longer_than_the_worker_timeout_is_not_cut(mirror_root, tmp_path):
+    """A slow node reading for longer than gunicorn's worker timeout still gets every byte."""
+    import time
+
+    from .processes import start_byte_listener
+
+    # Far more than loopback's socket buffers hold, so the server is still sending at the end.
+    content = os.urandom(64 << 20)
+    put(mirror_root, "big", "v1", {"w.gguf": content})
+    process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_WORKER_TIMEOUT_S=1)
+    try:
+        received = bytearray()
+        started = time.monotonic()
+        with requests.get(url + "big/v1/w.gguf", stream=True, timeout=30) as r:
+            for chunk in r.iter_content(1 << 20):
+                received += chunk
+                time.sleep(0.07)  # about 4.5 s in all: four times the timeout
+        assert time.monotonic() - started > 3
+        assert bytes(received) == content
+    finally:
+        process.stop()

@@ -4,31 +4,37 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Node',
+            name="Node",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('labels', models.JSONField(blank=True, default=dict, help_text="key: value, used by profiles' node selectors")),
-                ('engines', models.JSONField(blank=True, default=list, help_text='engines the agent found installed')),
-                ('gpus', models.JSONField(blank=True, default=list, help_text='GPUs the agent reports: [{name, memory_mb}]')),
-                ('memory_gb', models.PositiveIntegerField(default=0)),
-                ('disk_free_bytes', models.BigIntegerField(default=0)),
-                ('agent_version', models.CharField(blank=True, max_length=50)),
-                ('last_heartbeat', models.DateTimeField(blank=True, null=True)),
-                ('draining', models.BooleanField(default=False)),
-                ('token_hash', models.CharField(blank=True, db_index=True, max_length=64)),
-                ('created', models.DateTimeField(auto_now_add=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.CharField(max_length=100, unique=True)),
+                (
+                    "labels",
+                    models.JSONField(
+                        blank=True, default=dict, help_text="key: value, used by profiles' node selectors"
+                    ),
+                ),
+                ("engines", models.JSONField(blank=True, default=list, help_text="engines the agent found installed")),
+                (
+                    "gpus",
+                    models.JSONField(blank=True, default=list, help_text="GPUs the agent reports: [{name, memory_mb}]"),
+                ),
+                ("memory_gb", models.PositiveIntegerField(default=0)),
+                ("disk_free_bytes", models.BigIntegerField(default=0)),
+                ("agent_version", models.CharField(blank=True, max_length=50)),
+                ("last_heartbeat", models.DateTimeField(blank=True, null=True)),
+                ("draining", models.BooleanField(default=False)),
+                ("token_hash", models.CharField(blank=True, db_index=True, max_length=64)),
+                ("created", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
     ]

@@ -42,7 +42,14 @@ class Command(BaseCommand):
             cache.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise CommandError(f"the cache {cache} cannot be made: {error.strerror}") from None
-        token = runtime.token() or self.enrol_this_host(node)
+        token = runtime.token()
+        if not token:
+            # Never enrolled from a database here: a node has none. `make run`
+            # makes this host's token and hands it over the same way.
+            raise CommandError(
+                "LLMGW_NODE_TOKEN is not set. A node needs the enrolment token the control plane made for it: "
+                f"run `manage.py node_token {node}` on the control plane and set LLMGW_NODE_TOKEN to what it prints."
+            )
         self.check_broker()
 
         # Where the tasks (and the pool's children, and the engine tasks) read who they are.
@@ -85,25 +92,6 @@ class Command(BaseCommand):
         )
         self.stdout.flush()
         app.worker_main(argv)
-
-    def enrol_this_host(self, node: str) -> str:
-        """No token given: enrol from the database when this host has one (`make run`), else say what to do."""
-        from django.db import DatabaseError, connections
-
-        try:
-            from fleet.enrolment import issue_token
-
-            token = issue_token(node)
-        except DatabaseError:
-            raise CommandError(
-                "LLMGW_NODE_TOKEN is not set. A node needs the enrolment token the control plane made for it: "
-                f"run `manage.py node_token {node}` on the control plane and set LLMGW_NODE_TOKEN to what it prints."
-            ) from None
-        finally:
-            # The worker forks; no child may inherit this connection.
-            connections.close_all()
-        self.stdout.write(f"Enrolled this host as node {node} from the local database.")
-        return token
 
     def check_broker(self) -> None:
         import redis

@@ -1,3 +1,4 @@
+import os
 import socket
 import sys
 
@@ -76,7 +77,11 @@ class Command(BaseCommand):
             ],
         )
         if "agent" in get_commands():
-            supervisor.start("agent", [py, "manage.py", "agent", "--node", node])
+            # This host enrols itself: a fresh token each start, handed straight to its agent.
+            from fleet.enrolment import issue_token
+
+            agent_env = dict(os.environ, LLMGW_NODE_TOKEN=issue_token(node), LLMGW_NODE_NAME=node)
+            supervisor.start("agent", [py, "manage.py", "agent", "--node", node], env=agent_env)
 
         self.stdout.write("")
         self.stdout.write("llmgw is up. Ctrl-C stops everything it started.")

@@ -33,7 +33,7 @@ class Command(BaseCommand):
             "--threads",
             str(settings.BYTES_THREADS),
             "--timeout",
-            "120",
+            str(settings.BYTES_WORKER_TIMEOUT_S),
             "--graceful-timeout",
             "10",
             "--keep-alive",

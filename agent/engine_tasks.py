@@ -1,0 +1,79 @@
+"""The tasks a node's agent runs for replicas: fetch the weights, hand the engine to the supervisor.
+
+They arrive on the node's own queue (`node.NAME`). Starting the engine is left to
+the supervisor, which outlives the task: the task is done once the weights are
+whole and the replica is recorded as wanted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from celery import shared_task
+from django.conf import settings
+
+from . import engines, supervisor
+
+log = logging.getLogger(__name__)
+
+
+def start_on_node(
+    replica_id: int,
+    source: str,
+    engine: str,
+    args: list[str],
+    *,
+    cache: Path,
+    fetch: Callable[[str, Path], Path],
+    report: supervisor.Report,
+    allow_remote_code: bool = False,
+) -> bool:
+    """Fetch and hand over one replica; False when it failed (and was reported so)."""
+    try:
+        if engine not in engines.ENGINES:
+            raise engines.EngineError(f"no engine called {engine!r}; llmgw runs {' and '.join(engines.ENGINES)}")
+        # Refused before fetching: gigabytes downloaded for an engine that will not start help nobody.
+        engines.refuse_remote_code(list(args), allow_remote_code)
+    except engines.EngineError as e:
+        report(replica_id, "failed", "", str(e))
+        return False
+    if supervisor.wanted_as(cache, replica_id, engine, source, list(args)):
+        return True
+    report(replica_id, "fetching", "", "")
+    try:
+        weights = fetch(source, cache)
+    except Exception as e:
+        # The fetch module's errors are sentences; anything else is said as it is.
+        report(replica_id, "failed", "", str(e) or e.__class__.__name__)
+        return False
+    supervisor.want(cache, replica_id, engine, source, weights, list(args))
+    return True
+
+
+@shared_task(name="agent.start_replica", ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+def start_replica(replica_id: int, source: str, engine: str, args: list[str]) -> None:
+    # The agent issue's modules: what this node is, and how it fetches.
+    from agent import runtime
+    from agent.fetch import fetch_source
+
+    start_on_node(
+        replica_id,
+        source,
+        engine,
+        args,
+        cache=runtime.cache_dir(),
+        fetch=lambda src, cache: fetch_source(src, cache),
+        report=supervisor.celery_report(runtime.token()),
+        allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,
+    )
+
+
+@shared_task(name="agent.stop_replica", ignore_result=True)
+def stop_replica(replica_id: int) -> None:
+    from agent import runtime
+
+    if not supervisor.unwant(runtime.cache_dir(), replica_id):
+        # Nothing of that id runs here: say so, and the control plane lets the row go.
+        supervisor.celery_report(runtime.token())(replica_id, "stopped", "", "")

@@ -1,0 +1,199 @@
+"""Engines as processes: the argument list for each, a free port, and the health check.
+
+Always an argument list, never a shell: a profile's args come from the catalog,
+and a shell would make every one of them a place to run something else.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import requests
+
+ENGINES = ("llamacpp", "vllm")
+# Arguments that make an engine import and run Python shipped beside the weights.
+REMOTE_CODE_ARGS = ("--trust-remote-code",)
+TAIL_LINES = 20
+
+
+class EngineError(Exception):
+    """An engine that cannot be started as asked; the message is the sentence to show."""
+
+
+def refuse_remote_code(args: list[str], allowed: bool) -> None:
+    """Refuse an argument that runs code from the weights, unless the setting allows it."""
+    if allowed:
+        return
+    for arg in args:
+        if arg.split("=", 1)[0] in REMOTE_CODE_ARGS:
+            raise EngineError(
+                f"{arg} makes the engine run code that came with the weights; "
+                "it is refused unless LLMGW_ALLOW_REMOTE_CODE is set"
+            )
+
+
+def weights_argument(engine: str, weights: Path) -> Path:
+    """What the engine is handed: llama.cpp the first file of a set, vLLM the directory."""
+    if engine == "llamacpp":
+        if weights.is_dir():
+            # The first part by name: llama.cpp reads the split count from it and
+            # opens the other parts beside it.
+            parts = sorted(p for p in weights.iterdir() if p.suffix.lower() == ".gguf" and not p.name.startswith("."))
+            if not parts:
+                raise EngineError(f"{weights} holds no .gguf file for llama.cpp")
+            return parts[0]
+        return weights
+    if engine == "vllm":
+        return weights if weights.is_dir() else weights.parent
+    raise EngineError(f"no engine called {engine!r}; llmgw runs {' and '.join(ENGINES)}")
+
+
+def command(
+    engine: str,
+    weights: Path,
+    port: int,
+    args: list[str],
+    *,
+    host: str = "127.0.0.1",
+    allow_remote_code: bool = False,
+    which=shutil.which,
+    python: str = sys.executable,
+) -> list[str]:
+    """The argument list that runs `engine` on `weights`, listening on host:port."""
+    refuse_remote_code(args, allow_remote_code)
+    target = str(weights_argument(engine, weights))
+    if engine == "llamacpp":
+        server = which("llama-server")
+        # The native server when installed; PyPI's llama-cpp-python otherwise.
+        base = [server] if server else [python, "-m", "llama_cpp.server"]
+        return [*base, "--model", target, "--host", host, "--port", str(port), *args]
+    vllm = which("vllm")
+    if vllm is None:
+        raise EngineError("vllm is not installed on this node (no vllm on PATH)")
+    return [vllm, "serve", target, "--host", host, "--port", str(port), *args]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+    """Start an engine in its own session, its output appended to `log_path`.
+
+    Its own session, so that it outlives the agent that started it and a signal
+    to the agent's terminal does not reach it; the supervisor stops it by group.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {argv!r}\n".encode())
+        log.flush()
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+def answers(port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> bool:
+    """Whether the engine answers its models endpoint: loaded, not just listening."""
+    try:
+        return requests.get(f"http://{host}:{port}/v1/models", timeout=timeout).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def wait_until_answers(process: subprocess.Popen, port: int, timeout: float, host: str = "127.0.0.1") -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        if answers(port, host):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def last_lines(log_path: Path, lines: int = TAIL_LINES) -> str:
+    """The end of an engine's output: what a report of its death carries."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            tail = deque(f.read().decode("utf-8", "replace").splitlines(), maxlen=lines)
+    except OSError:
+        return ""
+    return "\n".join(tail)
+
+
+def stop_group(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM the engine's process group, then SIGKILL what is left after `grace` seconds."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not group_alive(pid):
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers signal 0; it is dead for our purposes.
+    return process_state(pid) not in ("Z", None) or _others_in_group(pid)
+
+
+def process_state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _others_in_group(pgid: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != pgid:
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def start_time(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot: with the pid, who it is.
+
+    A pid alone may have been reused since it was recorded; the pair cannot be.
+    The command line is no help either: an interpreter's script shows up under
+    the interpreter's name.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])

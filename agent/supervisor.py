@@ -1,0 +1,385 @@
+"""The node's engine supervisor: keeps wanted engines running, outliving any one task.
+
+A Celery task lasts as long as a fetch; an engine has to run for weeks. So the
+task only records what it wants in a state file under the agent's cache, and
+this supervisor — one process per node, started beside the agent's worker —
+starts engines, health-checks them, restarts them after a crash with backoff,
+stops them on request, and reports each change to the control plane.
+
+The state file is also what survives the agent: engines run in their own
+sessions, and a supervisor that starts finds in the file what its predecessor
+started, adopts what is still running and wanted, and stops what is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from . import engines
+
+log = logging.getLogger(__name__)
+
+# (replica id, state, endpoint, reason)
+Report = Callable[[int, str, str, str], None]
+
+BACKOFF_MAX_S = 60.0
+# Ready this long, and a crash afterwards is a new trouble, not the same one again.
+STABLE_S = 60.0
+STARTUP_TIMEOUT_S = 600.0
+# Reports are repeated this often: a lost one heals, and a replica that was moved
+# while this node was away is found out and stopped by the control plane.
+REREPORT_S = 60.0
+
+
+def state_dir(cache: Path) -> Path:
+    return Path(cache) / "engines"
+
+
+@contextlib.contextmanager
+def _locked_state(cache: Path) -> Iterator[dict]:
+    """The state file, read and written under a lock: tasks and the supervisor both edit it."""
+    directory = state_dir(cache)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "state.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = directory / "state.json"
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            state = {}
+        state.setdefault("replicas", {})
+        yield state
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, path)
+
+
+def read_state(cache: Path) -> dict:
+    with _locked_state(cache) as state:
+        return json.loads(json.dumps(state))
+
+
+def want(cache: Path, replica_id: int, engine: str, source: str, weights: Path, args: list[str]) -> bool:
+    """Ask for this replica to run; False when it is already wanted exactly so."""
+    spec = {"engine": engine, "source": source, "weights": str(weights), "args": list(args)}
+    with _locked_state(cache) as state:
+        entry = state["replicas"].get(str(replica_id))
+        if entry and entry.get("wanted") and all(entry.get(k) == v for k, v in spec.items()):
+            return False
+        if entry and entry.get("pid"):
+            # Wanted differently: the running engine is stopped first and started anew.
+            entry.update(wanted=False, replace=spec)
+            return True
+        state["replicas"][str(replica_id)] = {
+            "replica": replica_id,
+            **spec,
+            "wanted": True,
+            "pid": None,
+            "port": None,
+            "argv": None,
+            "ready": False,
+            "restarts": 0,
+            "next_start": 0.0,
+        }
+        return True
+
+
+def wanted_as(cache: Path, replica_id: int, engine: str, source: str, args: list[str]) -> bool:
+    """Whether this replica is already wanted exactly so; a waiting restart is brought forward.
+
+    The control plane sends a start again when a replica has stayed failed; here
+    that means "try now", not "fetch and start a second one".
+    """
+    with _locked_state(cache) as state:
+        entry = state["replicas"].get(str(replica_id))
+        if not entry or not entry.get("wanted") or "replace" in entry:
+            return False
+        if (entry["engine"], entry["source"], entry["args"]) != (engine, source, list(args)):
+            return False
+        if entry.get("pid") is None:
+            entry["next_start"] = 0.0
+        return True
+
+
+def unwant(cache: Path, replica_id: int) -> bool:
+    """Ask for this replica to stop; False when this node does not know it."""
+    with _locked_state(cache) as state:
+        entry = state["replicas"].get(str(replica_id))
+        if entry is None:
+            return False
+        entry["wanted"] = False
+        entry.pop("replace", None)
+        return True
+
+
+class Supervisor:
+    def __init__(
+        self,
+        cache: Path,
+        report: Report,
+        *,
+        host: str = "127.0.0.1",
+        advertise: str = "",
+        allow_remote_code: bool = False,
+        startup_timeout: float = STARTUP_TIMEOUT_S,
+        backoff_max: float = BACKOFF_MAX_S,
+    ):
+        self.cache = Path(cache)
+        self.report = report
+        self.host = host
+        # 0.0.0.0 is an address to bind, not one to connect to: the gateway reaches
+        # an engine listening everywhere by this host's name.
+        self.advertise = advertise or (socket.gethostname() if host in ("0.0.0.0", "::", "") else host)
+        # Where this node itself asks an engine whether it answers.
+        self.check_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        self.allow_remote_code = allow_remote_code
+        self.startup_timeout = startup_timeout
+        self.backoff_max = backoff_max
+        # Engines this process started, so their exit is reaped and its code known.
+        self.children: dict[int, subprocess.Popen] = {}
+        self.last_report: dict[int, float] = {}
+
+    def log_path(self, replica_id: int) -> Path:
+        return state_dir(self.cache) / f"replica-{replica_id}.log"
+
+    def endpoint(self, port: int) -> str:
+        return f"http://{self.advertise}:{port}/v1"
+
+    def adopt(self) -> None:
+        """On start: keep what a previous supervisor left running, if it is still ours."""
+        with _locked_state(self.cache) as state:
+            for entry in state["replicas"].values():
+                pid = entry.get("pid")
+                if pid and not self._is_ours(entry):
+                    log.info("replica %s: its engine (pid %s) is gone", entry["replica"], pid)
+                    entry.update(pid=None, ready=False)
+                elif pid:
+                    log.info("replica %s: adopting the engine still running as pid %s", entry["replica"], pid)
+                    # Checked again before it is called ready: it may have hung meanwhile.
+                    entry.update(ready=False, started=time.time())
+
+    def _is_ours(self, entry: dict) -> bool:
+        return engines.group_alive(entry["pid"]) and engines.start_time(entry["pid"]) == entry.get("pid_started")
+
+    def _alive(self, entry: dict) -> tuple[bool, int | None]:
+        """Whether the engine runs, and its exit code when we saw it end."""
+        pid = entry["pid"]
+        child = self.children.get(pid)
+        if child is not None:
+            code = child.poll()
+            if code is None:
+                return True, None
+            del self.children[pid]
+            return False, code
+        return engines.group_alive(pid), None
+
+    def step(self) -> None:
+        """One look at every replica; the loop calls this about twice a second."""
+        now = time.time()
+        reports: list[tuple[int, str, str, str]] = []
+        to_stop: list[dict] = []
+        with _locked_state(self.cache) as state:
+            for entry in list(state["replicas"].values()):
+                replica_id = entry["replica"]
+                if not entry["wanted"]:
+                    to_stop.append(entry)
+                    continue
+                if entry["pid"] is None:
+                    if now >= entry.get("next_start", 0):
+                        reports.append(self._start(entry, now))
+                    continue
+                alive, code = self._alive(entry)
+                if not alive:
+                    reports.append(self._crashed(entry, now, code))
+                elif not entry["ready"]:
+                    if engines.answers(entry["port"], host=self.check_host, timeout=0.5):
+                        entry.update(ready=True, ready_since=now)
+                        reports.append((replica_id, "ready", self.endpoint(entry["port"]), ""))
+                    elif now - entry.get("started", now) > self.startup_timeout:
+                        engines.stop_group(entry["pid"], grace=5)
+                        self.children.pop(entry["pid"], None)
+                        reports.append(
+                            self._crashed(entry, now, None, f"did not answer within {self.startup_timeout:.0f} s")
+                        )
+                elif now - entry.get("ready_since", now) > STABLE_S:
+                    entry["restarts"] = 0
+                if now - self.last_report.get(replica_id, 0) > REREPORT_S and not any(
+                    r[0] == replica_id for r in reports
+                ):
+                    reports.append(self._current(entry))
+        for entry in to_stop:
+            if (stopped := self._stop(entry)) is not None:
+                reports.append(stopped)
+        for replica_id, *rest in reports:
+            self.last_report[replica_id] = now
+            try:
+                self.report(replica_id, *rest)
+            except Exception:
+                # The broker may be away for a moment; the report is repeated later.
+                log.exception("replica %s: the report could not be sent", replica_id)
+
+    def _current(self, entry: dict) -> tuple[int, str, str, str]:
+        if entry["ready"]:
+            return (entry["replica"], "ready", self.endpoint(entry["port"]), "")
+        return (entry["replica"], "starting" if entry["pid"] else "failed", "", entry.get("reason", ""))
+
+    def _start(self, entry: dict, now: float) -> tuple[int, str, str, str]:
+        replica_id = entry["replica"]
+        port = engines.free_port(self.host)
+        try:
+            argv = engines.command(
+                entry["engine"],
+                Path(entry["weights"]),
+                port,
+                entry["args"],
+                host=self.host,
+                allow_remote_code=self.allow_remote_code,
+            )
+        except engines.EngineError as e:
+            # Permanent: starting again would fail the same way until the catalog changes.
+            entry.update(next_start=float("inf"), reason=str(e))
+            return (replica_id, "failed", "", str(e))
+        process = engines.spawn(argv, self.log_path(replica_id))
+        self.children[process.pid] = process
+        entry.update(
+            pid=process.pid, pid_started=engines.start_time(process.pid), port=port, argv=argv, ready=False, started=now
+        )
+        log.info("replica %s: started %s as pid %s on port %s", replica_id, entry["engine"], process.pid, port)
+        return (replica_id, "starting", "", "")
+
+    def _crashed(self, entry: dict, now: float, code: int | None, why: str = "") -> tuple[int, str, str, str]:
+        restarts = entry.get("restarts", 0) + 1
+        delay = min(self.backoff_max, 2.0 ** (restarts - 1))
+        why = why or (f"exited with code {code}" if code is not None else "exited")
+        reason = f"the engine {why}; starting it again in {delay:.0f} s. Its last lines:\n" + engines.last_lines(
+            self.log_path(entry["replica"])
+        )
+        entry.update(pid=None, ready=False, restarts=restarts, next_start=now + delay, reason=reason)
+        log.warning("replica %s: %s", entry["replica"], reason)
+        return (entry["replica"], "failed", "", reason)
+
+    def _stop(self, entry: dict) -> tuple[int, str, str, str] | None:
+        replica_id = entry["replica"]
+        if entry.get("pid"):
+            engines.stop_group(entry["pid"])
+            child = self.children.pop(entry["pid"], None)
+            if child is not None:
+                child.wait(timeout=5)
+        with _locked_state(self.cache) as state:
+            current = state["replicas"].get(str(replica_id))
+            if current and current.get("wanted"):
+                # Wanted again while it was being stopped: the next step starts it.
+                return None
+            replace = current.get("replace") if current else None
+            if replace:
+                # Stopped to be started anew with a different spec, not to go away.
+                current.update(replace, wanted=True, pid=None, ready=False, restarts=0, next_start=0.0)
+                current.pop("replace")
+                return (replica_id, "starting", "", "")
+            state["replicas"].pop(str(replica_id), None)
+        log.info("replica %s: stopped", replica_id)
+        return (replica_id, "stopped", "", "")
+
+    def run(self, stop: threading.Event, interval: float = 0.5) -> None:
+        self.adopt()
+        while not stop.is_set():
+            try:
+                self.step()
+            except Exception:
+                log.exception("supervisor step failed")
+            stop.wait(interval)
+
+
+def celery_report(token: str) -> Report:
+    from celery import current_app
+
+    def report(replica_id: int, state: str, endpoint: str, reason: str) -> None:
+        current_app.send_task(
+            "fleet.replica_report", args=[token, replica_id, state, endpoint, reason], queue="control"
+        )
+
+    return report
+
+
+def start() -> subprocess.Popen:
+    """Called by the agent command: the supervisor as a process of its own beside the worker.
+
+    A process rather than a thread in the worker: Celery forks its pool, and a
+    thread holding a lock at that moment would leave the children stuck on it.
+    """
+    from agent import runtime
+
+    env = dict(os.environ, LLMGW_NODE_TOKEN=runtime.token())
+    argv = [sys.executable, "-m", "agent.supervisor", "--cache", str(runtime.cache_dir()), "--parent", str(os.getpid())]
+    return subprocess.Popen(argv, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Supervise this node's engines.")
+    parser.add_argument("--cache", required=True, type=Path)
+    parser.add_argument("--parent", type=int, default=0, help="exit when this process (the agent) is gone")
+    options = parser.parse_args(argv)
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+
+    import llmgw_site.celery  # noqa: F401  (the app reports are sent with)
+
+    token = os.environ.get("LLMGW_NODE_TOKEN", "")
+    state_dir(options.cache).mkdir(parents=True, exist_ok=True)
+    # One supervisor per cache: a restarted agent's new one waits for the old one to notice and go.
+    single = open(state_dir(options.cache) / "supervisor.lock", "a")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            fcntl.flock(single, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                print(f"another supervisor still runs the engines under {options.cache}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if options.parent:
+
+        def watch_parent() -> None:
+            while not stop.is_set():
+                if os.getppid() != options.parent:
+                    stop.set()
+                stop.wait(1)
+
+        threading.Thread(target=watch_parent, daemon=True).start()
+    supervisor = Supervisor(
+        options.cache,
+        celery_report(token),
+        host=settings.LLMGW_ENGINE_HOST,
+        advertise=settings.LLMGW_ENGINE_ADVERTISE,
+        allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s supervisor: %(message)s")
+    supervisor.run(stop)
+    # Engines are left running on purpose: the next supervisor adopts them.
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Models declared in the configuration file (LLMGW_CATALOG), read and applied.
+
+The file is the one record of a declared model: the admin and the API show it
+read-only, and loading the file again makes the catalog match it, removing a
+declared model the file no longer names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from django.db import transaction
+
+from .models import Engine, Model, Profile
+from .rules import alias_problem, args_problem, name_problem, scaling_problem, selector_problem
+
+MODEL_KEYS = {
+    "name",
+    "description",
+    "aliases",
+    "source",
+    "context_length",
+    "max_output",
+    "routing_profile",
+    "scaling",
+    "profiles",
+}
+PROFILE_KEYS = {"name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus"}
+
+
+class CatalogFileError(Exception):
+    """The configuration file is not a valid catalog; the message names the entry and the field."""
+
+
+@dataclass
+class LoadReport:
+    added: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    taken_over: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        parts = [f"{len(self.added)} added", f"{len(self.updated)} updated", f"{len(self.removed)} removed"]
+        if self.taken_over:
+            parts.append(f"{', '.join(self.taken_over)} now declared in configuration")
+        return ", ".join(parts)
+
+
+def read(path: Path) -> list[dict]:
+    """The declared models in this file, checked; raises CatalogFileError with a sentence."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise CatalogFileError(f"the catalog file {path} cannot be read: {error.strerror or error}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        # Where the broken construct began, which is where somebody has to look;
+        # the problem mark of an unclosed bracket is the end of the file.
+        where = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where else ""
+        raise CatalogFileError(f"the catalog file {path} is not valid YAML{line}") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict) or not isinstance(data.get("models", []), list):
+        raise CatalogFileError(f"the catalog file {path} must be a mapping with a list under models:")
+    entries = [_model(path, i, entry) for i, entry in enumerate(data.get("models") or [])]
+    _check_names_unique(path, entries)
+    return entries
+
+
+def _whole(where: str, name: str, value, default: int | None = None, minimum: int = 0) -> int:
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CatalogFileError(f"{where}: {name} must be a whole number of at least {minimum}")
+    return value
+
+
+def _model(path, index: int, entry) -> dict:
+    where = f"{path}: models[{index}]"
+    if not isinstance(entry, dict):
+        raise CatalogFileError(f"{where} must be a mapping of fields")
+    name = entry.get("name")
+    if not isinstance(name, str) or (problem := name_problem(name)):
+        raise CatalogFileError(f"{where}: name: {problem if isinstance(name, str) else 'a model needs a name'}")
+    where = f"{path}: model {name}"
+    if unknown := sorted(set(entry) - MODEL_KEYS):
+        raise CatalogFileError(
+            f"{where}: {unknown[0]} is not a field of a model (fields: {', '.join(sorted(MODEL_KEYS))})"
+        )
+    source = entry.get("source")
+    if not isinstance(source, str) or not source.startswith(("http://", "https://")):
+        raise CatalogFileError(f"{where}: source must be an http:// or https:// address")
+    aliases = entry.get("aliases") or []
+    if problem := alias_problem(aliases):
+        raise CatalogFileError(f"{where}: aliases: {problem}")
+    scaling = entry.get("scaling") or {}
+    if not isinstance(scaling, dict) or set(scaling) - {"min", "max"}:
+        raise CatalogFileError(f"{where}: scaling must be written {{min: N, max: N}}")
+    scaling_min = _whole(where, "scaling.min", scaling.get("min"), 1)
+    scaling_max = _whole(where, "scaling.max", scaling.get("max"), scaling_min)
+    if problem := scaling_problem(scaling_min, scaling_max):
+        raise CatalogFileError(f"{where}: scaling: {problem}")
+    profiles = entry.get("profiles")
+    if not isinstance(profiles, list) or not profiles:
+        raise CatalogFileError(f"{where}: profiles must list at least one profile (engine, args, ...)")
+    model = {
+        "name": name,
+        "description": str(entry.get("description") or ""),
+        "aliases": aliases,
+        "source": source,
+        "context_length": _whole(where, "context_length", entry.get("context_length"), minimum=1),
+        "max_output": _whole(where, "max_output", entry.get("max_output"), 0),
+        "routing_profile": str(entry.get("routing_profile") or "chat"),
+        "scaling_min": scaling_min,
+        "scaling_max": scaling_max,
+        "profiles": [_profile(where, i, p) for i, p in enumerate(profiles)],
+    }
+    profile_names = [p["name"] for p in model["profiles"]]
+    if len(set(profile_names)) != len(profile_names):
+        raise CatalogFileError(f"{where}: two profiles have the same name")
+    return model
+
+
+def _profile(model_where: str, index: int, entry) -> dict:
+    where = f"{model_where}: profiles[{index}]"
+    if not isinstance(entry, dict):
+        raise CatalogFileError(f"{where} must be a mapping of fields")
+    if unknown := sorted(set(entry) - PROFILE_KEYS):
+        raise CatalogFileError(
+            f"{where}: {unknown[0]} is not a field of a profile (fields: {', '.join(sorted(PROFILE_KEYS))})"
+        )
+    engine = entry.get("engine")
+    if engine not in Engine.values:
+        raise CatalogFileError(f"{where}: engine must be llamacpp or vllm")
+    name = entry.get("name") or engine
+    if not isinstance(name, str) or not name:
+        raise CatalogFileError(f"{where}: name must be text")
+    args = entry.get("args") or []
+    if isinstance(args, list):
+        # YAML reads `--ctx-size, 8192` as a string and a number; the engine gets strings.
+        args = [str(a) if isinstance(a, int | float) and not isinstance(a, bool) else a for a in args]
+    if problem := args_problem(args):
+        raise CatalogFileError(f"{where}: args: {problem}")
+    selector = entry.get("node_selector") or {}
+    if isinstance(selector, dict):
+        selector = {
+            k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for k, v in selector.items()
+        }
+    if problem := selector_problem(selector):
+        raise CatalogFileError(f"{where}: node_selector: {problem}")
+    return {
+        "name": name,
+        "engine": engine,
+        "args": args,
+        "weight": _whole(where, "weight", entry.get("weight"), 1),
+        "priority": _whole(where, "priority", entry.get("priority"), 100),
+        "min_memory_gb": _whole(where, "min_memory_gb", entry.get("min_memory_gb"), 0),
+        "node_selector": selector,
+        "gpus": _whole(where, "gpus", entry.get("gpus"), 1 if engine == Engine.VLLM else 0),
+    }
+
+
+def _check_names_unique(path, entries: list[dict]) -> None:
+    owner: dict[str, str] = {}
+    for entry in entries:
+        for name in [entry["name"], *entry["aliases"]]:
+            if name in owner:
+                raise CatalogFileError(
+                    f"{path}: model {entry['name']}: {name} is already a name or alias of {owner[name]} in this file"
+                )
+            owner[name] = entry["name"]
+
+
+@transaction.atomic
+def apply(entries: list[dict]) -> LoadReport:
+    """Make the declared models in the catalog match these entries."""
+    report = LoadReport()
+    declared_names = {e["name"] for e in entries}
+    file_names = {n for e in entries for n in [e["name"], *e["aliases"]]}
+    # A model added in the admin keeps its name: the file cannot quietly take
+    # an alias from it, because clients already use that alias for that model.
+    for name, aliases in (
+        Model.objects.filter(declared=False).exclude(name__in=declared_names).values_list("name", "aliases")
+    ):
+        for taken in {name, *aliases} & file_names:
+            raise CatalogFileError(
+                f"{taken} in the catalog file is already a name or alias of {name}, added in the admin"
+            )
+    for gone in Model.objects.filter(declared=True).exclude(name__in=declared_names):
+        report.removed.append(gone.name)
+        gone.delete()
+    for entry in entries:
+        fields = {k: v for k, v in entry.items() if k not in {"name", "profiles"}}
+        model = Model.objects.filter(name=entry["name"]).first()
+        if model is None:
+            model = Model.objects.create(name=entry["name"], declared=True, added_by="configuration", **fields)
+            report.added.append(model.name)
+        else:
+            if not model.declared:
+                report.taken_over.append(model.name)
+            for key, value in fields.items():
+                setattr(model, key, value)
+            model.declared = True
+            model.save()
+            model.profiles.all().delete()
+            report.updated.append(model.name)
+        Profile.objects.bulk_create([Profile(model=model, **p) for p in entry["profiles"]])
+    return report
+
+
+def load(path: Path) -> LoadReport:
+    return apply(read(path))

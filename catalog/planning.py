@@ -1,0 +1,266 @@
+"""Putting one mirrored version into service: what it would mean, and the entry it makes.
+
+`plan_serve` works out the offer and `build_model` reads the answer. Both are
+pure: they take what they need as arguments and touch no database, so the serve
+page, the API and the tests all call the same two functions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from urllib.parse import quote
+
+from .models import Engine, Model, Profile
+from .rules import source_problem
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    """One file of a mirrored version, as the mirror's index has it."""
+
+    name: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What a node's agent reports that matters to the offer."""
+
+    engines: tuple[str, ...] = ()
+    gpus: int = 0
+    memory_gb: int = 0
+
+
+@dataclass(frozen=True)
+class CatalogFacts:
+    declared: Collection[str] = frozenset()
+    # Every name and alias in the catalog, declared or not.
+    taken: Collection[str] = frozenset()
+
+
+@dataclass
+class ServePlan:
+    """The offer to put one mirrored version into service.
+
+    Everything a catalog entry needs that the mirror already knows is filled in:
+    the name, the source, and the engine that reads that kind of file. What is
+    left is what nobody can infer (the context pool and how many replicas), and
+    those are fields rather than guesses presented as facts.
+    """
+
+    model: str
+    version: str
+    source: str = ""
+    engine: str = ""
+    # Named for the hardware rather than the model, because a profile is about where a model runs.
+    profile: str = "cpu"
+    # How many files the version holds when it is a set of more than one; 0 for a single file.
+    files: int = 0
+    bytes_total: int = 0
+    # Filled in rather than left blank. Blank writes no constraint at all, and a
+    # CPU profile has no card to be short of, so every ready node becomes a
+    # candidate: a 4.7 GB model went onto a 7.9 GB machine and left it with
+    # 3.5 GB for a KV pool. Nothing was wrong with placement; it was never told
+    # what the model needed.
+    min_memory_gb: int = 0
+    # Set when this version cannot be served as it stands. Offered and then
+    # failing at placement is worse than not offered.
+    refusal: str = ""
+    # Set when it can be served but probably will not run.
+    warning: str = ""
+    # A model of this name (or alias) is in the catalog already.
+    already: bool = False
+    file_names: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def engine_for(file_name: str) -> str:
+    """The engine that reads this kind of weights file, or "" when none does."""
+    return {".gguf": Engine.LLAMACPP.value, ".safetensors": Engine.VLLM.value, ".bin": Engine.VLLM.value}.get(
+        ext_of(file_name).lower(), ""
+    )
+
+
+def ext_of(file_name: str) -> str:
+    dot = file_name.rfind(".")
+    return file_name[dot:] if dot >= 0 else file_name
+
+
+def plan_serve(
+    model: str,
+    version: str,
+    files: Sequence[FileFacts],
+    byte_base: str,
+    fleet: Sequence[NodeFacts] | None,
+    catalog: CatalogFacts | None,
+) -> ServePlan:
+    """Work out what serving this version would mean."""
+    files = sorted(files, key=lambda f: f.name)
+    plan = ServePlan(model=model, version=version, file_names=[f.name for f in files])
+    version_url = f"{byte_base}{quote(model)}/{quote(version)}/"
+    if not files:
+        plan.source = version_url
+        plan.refusal = "this version holds no files yet; copy its weights into the mirror first"
+        return plan
+
+    # The file the offer speaks of: the one that decides the engine, or the
+    # first when none does.
+    deciding = next((f for f in files if engine_for(f.name)), files[0])
+    plan.engine = engine_for(deciding.name)
+    plan.bytes_total = sum(f.bytes for f in files)
+    if len(files) > 1:
+        # A version of several files is served as the version, not as one of
+        # them: the source is the directory (a trailing slash), the agent fetches
+        # every file in it and hands the engine the folder. The engine comes
+        # from whichever file says, because a version is a mixture only when
+        # somebody has put one there by hand.
+        plan.source = version_url
+        plan.files = len(files)
+    else:
+        plan.source = version_url + quote(deciding.name)
+
+    if not plan.engine:
+        plan.refusal = f"nothing here reads {ext_of(deciding.name)} files"
+        return plan
+    plan.profile = "cpu" if plan.engine == Engine.LLAMACPP else "gpu"
+
+    # Whether any node can actually run it. A warning, not a refusal: an engine
+    # can be installed this afternoon, and a node that reports nothing is an
+    # older agent rather than an empty one.
+    if not runs_anywhere(fleet, plan.engine):
+        plan.warning = f"no node reports having {plan.engine} installed, and {ext_of(deciding.name)} weights need it"
+        if plan.engine != Engine.LLAMACPP and gpu_total(fleet) == 0:
+            plan.warning += ". This fleet has no GPU either; a GGUF build of the same model runs on the CPU nodes"
+
+    plan.min_memory_gb = memory_for(plan.bytes_total)
+    biggest = largest_node_memory_gb(fleet)
+    if biggest > 0 and plan.min_memory_gb > biggest:
+        joined = plan.warning.removesuffix(".")
+        plan.warning = (
+            f"{joined}{', and ' if joined else ''}the largest node has {biggest} GB and this needs about "
+            f"{plan.min_memory_gb}"
+        )
+
+    if catalog is not None:
+        plan.already = model in catalog.taken or model in catalog.declared
+        if model in catalog.declared:
+            plan.refusal = (
+                f"a model called {model} is declared in configuration; edit it there rather than adding a second"
+            )
+    return plan
+
+
+def runs_anywhere(fleet: Sequence[NodeFacts] | None, engine: str) -> bool:
+    """Whether some node has this engine.
+
+    True when no node reports any engines, so a fleet of agents older than the
+    engine probe is not told every model is unservable. That matches what
+    placement does with the same absence, and the two disagreeing would be
+    worse than either.
+    """
+    if not fleet or not engine:
+        return True
+    reported = [node.engines for node in fleet if node.engines]
+    return not reported or any(engine in engines for engines in reported)
+
+
+def gpu_total(fleet: Sequence[NodeFacts] | None) -> int:
+    return sum(node.gpus for node in fleet or ())
+
+
+def largest_node_memory_gb(fleet: Sequence[NodeFacts] | None) -> int:
+    """The most memory any single node reports, or 0 when none says."""
+    return max((node.memory_gb for node in fleet or ()), default=0)
+
+
+def memory_for(size_bytes: int) -> int:
+    """The host RAM, in GB, a model needs: from the size of its weights.
+
+    Weights plus half again, plus two. The half covers the KV pool, which grows
+    with the same things the weights do (layers and heads), and the two are the
+    engine's own footprint and the page cache it will not get back. It is an
+    estimate and the field it fills is editable; what it is not is blank, which
+    is what put a 4.7 GB model on a 7.9 GB node.
+    """
+    if size_bytes <= 0:
+        return 0
+    return int(size_bytes / (1 << 30) * 1.5) + 2
+
+
+class ServeError(ValueError):
+    """The submitted form cannot become a catalog entry; `sentence` says why, `field` where."""
+
+    def __init__(self, field: str, sentence: str):
+        super().__init__(sentence)
+        self.field = field
+        self.sentence = sentence
+
+
+WHOLE_NUMBER = re.compile(r"\+?[0-9]+")
+
+
+def whole_number(value: str, what: str, field: str) -> int:
+    value = value.strip()
+    if not WHOLE_NUMBER.fullmatch(value):
+        raise ServeError(field, f"{what} must be a whole number")
+    return int(value)
+
+
+def build_model(form: Mapping[str, str], byte_base: str) -> tuple[Model, Profile]:
+    """Turn the submitted serve form into an unsaved catalog entry and its profile.
+
+    Raises ServeError with the sentence to show beside the field.
+    """
+
+    def get(key: str) -> str:
+        value = form.get(key)
+        return str(value).strip() if value is not None else ""
+
+    model = Model(
+        name=get("name"),
+        description=get("description"),
+        source=get("source"),
+        routing_profile="chat",
+    )
+    if not model.name or not model.source:
+        raise ServeError("name" if not model.name else "source", "a model needs a name and a source")
+    if problem := source_problem(model.source, byte_base):
+        raise ServeError("source", problem)
+    model.aliases = [a.strip() for a in get("aliases").split(",") if a.strip()]
+    model.context_length = whole_number(get("context_length"), "the context length", "context_length")
+    if get("max_output"):
+        model.max_output = whole_number(get("max_output"), "the output limit", "max_output")
+    replicas = whole_number(get("replicas"), "the replica count", "replicas")
+    model.scaling_min = model.scaling_max = replicas
+
+    engine = get("engine")
+    if not engine:
+        raise ServeError("engine", "which engine should run it?")
+    if engine not in Engine.values:
+        raise ServeError("engine", f"the engine must be llamacpp or vllm, not {engine}")
+    profile = Profile(name=get("profile") or engine, engine=engine, weight=1, priority=100)
+    # vLLM without a card is not a setup anyone runs; a profile for it asks for one.
+    profile.gpus = 1 if engine == Engine.VLLM else 0
+    if ctx_size := get("ctx_size"):
+        # The pool, not the per-request limit: llama.cpp divides it across its
+        # parallel slots, so the number a client may use is smaller and is what
+        # the context length above says.
+        pool = whole_number(ctx_size, "the engine's context pool", "ctx_size")
+        if engine != Engine.LLAMACPP:
+            raise ServeError("ctx_size", "the context pool is a llama.cpp setting; vLLM sizes its pool from GPU memory")
+        profile.args = ["--ctx-size", str(pool)]
+    if get("min_memory_gb"):
+        profile.min_memory_gb = whole_number(get("min_memory_gb"), "the memory requirement", "min_memory_gb")
+    key, value = get("selector_key"), get("selector_value")
+    if key and value:
+        # What keeps a large model off the small nodes. A CPU profile has no
+        # card to be short of, so without this every ready node looks like a
+        # candidate and the first one picked is the one that gets OOM-killed.
+        profile.node_selector = {key: value}
+    elif key or value:
+        raise ServeError("selector_key", "a node selector needs both a label key and its value")
+    return model, profile

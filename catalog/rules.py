@@ -1,0 +1,124 @@
+"""What makes a catalog entry valid, each rule once, as a sentence saying what is wrong.
+
+The admin (through `Model.clean`), the API, the serve page and the configuration
+file all ask these, so a rule is never written twice for the UI and the API.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+from django.conf import settings
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
+# An alias may be written the way clients of other servers already ask for the
+# model ("meta-llama/Llama-3.1-8B-Instruct"); a name may not, because it can end
+# up as a directory or a queue name, where a slash means something else.
+ALIAS_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*(/[A-Za-z0-9][A-Za-z0-9._:@+-]*)*")
+
+
+def name_problem(name: str, what: str = "a model's name") -> str | None:
+    # Clients type it into requests and aliases are written comma-separated, so
+    # a name with a space or a comma would be one nobody can ask for.
+    if not name:
+        return f"{what} cannot be empty"
+    if len(name) > 200:
+        return f"{what} must be at most 200 characters"
+    if not NAME_PATTERN.fullmatch(name):
+        return f"{what} {name!r} may hold only letters, digits and . _ : @ + -, and must start with a letter or digit"
+    return None
+
+
+def alias_problem(aliases) -> str | None:
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        return "aliases must be a list of names"
+    for alias in aliases:
+        if not alias or len(alias) > 200 or not ALIAS_PATTERN.fullmatch(alias):
+            return (
+                f"the alias {alias!r} may hold only letters, digits and . _ : @ + - (and / between parts), "
+                "and must start with a letter or digit"
+            )
+    if len(set(aliases)) != len(aliases):
+        return "an alias is listed twice"
+    return None
+
+
+def scaling_problem(minimum: int | None, maximum: int | None) -> str | None:
+    if minimum is not None and maximum is not None and maximum < minimum:
+        return f"the most replicas ({maximum}) cannot be fewer than the fewest ({minimum})"
+    return None
+
+
+def source_problem(source: str, byte_base: str | None = None) -> str | None:
+    """Why this source is not an address on the byte listener, or None.
+
+    Every node fetches what the source names, so a form that accepted any URL
+    would be a way to make the whole fleet download from an arbitrary host.
+    """
+    base = byte_base or settings.BYTES_URL
+    if not source:
+        return "a model needs a source"
+    wanted = urlsplit(base)
+    given = urlsplit(source)
+    if (
+        given.scheme != wanted.scheme
+        or given.netloc != wanted.netloc
+        or not given.path.startswith(wanted.path)
+        or given.query
+        or given.fragment
+        or "/../" in f"{given.path}/"
+        or "%2f" in given.path.lower()
+        or len(given.path) <= len(wanted.path)
+    ):
+        return f"the source must be an address on the byte listener, {base}, so nodes fetch only from the mirror"
+    return None
+
+
+def args_problem(args) -> str | None:
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        return 'engine arguments must be a list of strings, like ["--ctx-size", "8192"]'
+    return None
+
+
+def selector_problem(selector) -> str | None:
+    if not isinstance(selector, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and v for k, v in selector.items()
+    ):
+        return 'a node selector must be labels written {"key": "value"}'
+    return None
+
+
+def clash(model) -> tuple[str, str] | None:
+    """(field, sentence) when this model's name or an alias is already another model's name or alias.
+
+    The gateway resolves names and aliases alike, so one string meaning two
+    models would send requests to whichever it happened to find first.
+    """
+    from .models import Model
+
+    if model.name in model.aliases:
+        return "aliases", f"{model.name} is the model's own name, not an alias"
+    taken: dict[str, str] = {}
+    declared: set[str] = set()
+    for other_name, other_aliases, is_declared in Model.objects.exclude(pk=model.pk).values_list(
+        "name", "aliases", "declared"
+    ):
+        taken[other_name] = other_name
+        for alias in other_aliases or []:
+            taken[alias] = other_name
+        if is_declared:
+            declared.add(other_name)
+    if model.name in taken:
+        owner = taken[model.name]
+        if owner == model.name and owner in declared:
+            return "name", (
+                f"a model called {model.name} is declared in configuration; edit it there rather than adding a second"
+            )
+        if owner == model.name:
+            return "name", f"a model called {model.name} is already in the catalog"
+        return "name", f"{model.name} is already an alias of {owner}"
+    for alias in model.aliases:
+        if alias in taken:
+            return "aliases", f"the alias {alias} is already a name or alias of {taken[alias]}"
+    return None

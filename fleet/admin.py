@@ -1,0 +1,103 @@
+from django import forms
+from django.contrib import admin, messages
+from django.http import HttpRequest
+from django.template.defaultfilters import filesizeformat
+
+from . import enrolment
+from .models import Node, node_name_problem
+
+
+class NodeForm(forms.ModelForm):
+    class Meta:
+        model = Node
+        fields = ["name", "draining", "labels"]
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"].strip()
+        if problem := node_name_problem(name):
+            raise forms.ValidationError(problem)
+        return name
+
+    def clean_labels(self) -> dict:
+        labels = self.cleaned_data["labels"]
+        if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+            raise forms.ValidationError('labels are written {"key": "value"}, each value text')
+        return labels
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    form = NodeForm
+    list_display = [
+        "name",
+        "state",
+        "engine_list",
+        "gpu_count",
+        "memory_gb",
+        "disk_free",
+        "agent_version",
+        "last_heartbeat",
+    ]
+    list_filter = ["draining"]
+    search_fields = ["name"]
+    # What the agent reports is read-only: the next heartbeat would overwrite an edit.
+    readonly_fields = [
+        "state",
+        "engines",
+        "gpus",
+        "memory_gb",
+        "disk_free",
+        "agent_version",
+        "last_heartbeat",
+        "enrolled",
+        "created",
+    ]
+    actions = ["make_token"]
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return ["name", "labels"]
+        return ["name", "draining", "labels", *self.readonly_fields]
+
+    def get_readonly_fields(self, request, obj=None):
+        return self.readonly_fields if obj is None else ["name", *self.readonly_fields]
+
+    @admin.display(description="state")
+    def state(self, obj: Node) -> str:
+        return Node.State(obj.state).label
+
+    @admin.display(description="engines")
+    def engine_list(self, obj: Node) -> str:
+        return ", ".join(obj.engines) or "—"
+
+    @admin.display(description="GPUs")
+    def gpu_count(self, obj: Node) -> int:
+        return obj.gpu_total
+
+    @admin.display(description="free disk", ordering="disk_free_bytes")
+    def disk_free(self, obj: Node) -> str:
+        return filesizeformat(obj.disk_free_bytes)
+
+    @admin.display(description="enrolment token", boolean=True)
+    def enrolled(self, obj: Node) -> bool:
+        return bool(obj.token_hash)
+
+    def save_model(self, request: HttpRequest, obj: Node, form, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        if not change:
+            # A node added here has no way to speak until it has a token.
+            self._show_token(request, obj.name)
+
+    @admin.action(description="Make a new enrolment token (the old one stops working)")
+    def make_token(self, request: HttpRequest, queryset) -> None:
+        for node in queryset:
+            self._show_token(request, node.name)
+
+    def _show_token(self, request: HttpRequest, name: str) -> None:
+        token = enrolment.issue_token(name)
+        # Shown this once: only its hash is kept, so it cannot be shown again.
+        self.message_user(
+            request,
+            f"Enrolment token for {name}, shown this once and stored only as a hash: {token}",
+            messages.WARNING,
+        )

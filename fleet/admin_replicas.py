@@ -1,0 +1,73 @@
+"""Replicas in the admin: where each model runs, and why a pending one does not.
+
+Read-only: placement writes replicas. Staff change the catalog (or drain a
+node), and the reconcile pass follows; the one thing done here is asking for a
+replica to be replaced.
+"""
+
+from django.contrib import admin, messages
+from django.db import transaction
+from django.utils.html import format_html_join
+
+from .models import Replica
+from .reconcile import send_stop
+
+
+@admin.register(Replica)
+class ReplicaAdmin(admin.ModelAdmin):
+    list_display = ["model_name", "profile_name", "node", "state", "endpoint", "short_reason", "since"]
+    list_filter = ["state", "node", "model_name"]
+    search_fields = ["model_name", "node__name", "reason"]
+    list_select_related = ["node"]
+    readonly_fields = [
+        "model_name",
+        "profile_name",
+        "node",
+        "state",
+        "endpoint",
+        "reason_lines",
+        "since",
+        "attempts",
+        "source",
+        "engine",
+        "args",
+        "memory_gb",
+        "gpus",
+        "created",
+    ]
+    exclude = ["reason"]
+    actions = ["replace"]
+
+    @admin.display(description="why")
+    def short_reason(self, replica: Replica) -> str:
+        first = replica.reason.splitlines()[0] if replica.reason else ""
+        return first if len(first) <= 120 else first[:119] + "…"
+
+    @admin.display(description="why")
+    def reason_lines(self, replica: Replica) -> str:
+        # An engine's last lines of output are lines: keep them so.
+        return format_html_join("", "{}<br>", ((line,) for line in replica.reason.splitlines()))
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        # Deleting the row would leave its engine running with nobody to stop it.
+        return False
+
+    @admin.action(description="Stop the selected replicas (placement starts new ones)")
+    def replace(self, request, queryset) -> None:
+        stopped = 0
+        with transaction.atomic():
+            for replica in queryset.select_for_update().exclude(state=Replica.State.STOPPING):
+                if replica.node_id is None:
+                    replica.delete()
+                    continue
+                replica.enter(Replica.State.STOPPING, f"stopped by {request.user}")
+                replica.save()
+                transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
+                stopped += 1
+        self.message_user(request, f"{stopped} replica(s) asked to stop.", messages.SUCCESS)

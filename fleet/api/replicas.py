@@ -1,0 +1,57 @@
+"""API for replicas: `/api/fleet/replicas/`, read-only, staff only (the DRF default).
+
+Replicas are written by the reconcile pass and the agents' reports, never by a
+client: what a client changes is the catalog (scaling, profiles), and placement
+follows.
+"""
+
+from rest_framework import serializers, viewsets
+
+from ..models import Replica
+
+
+class ReplicaSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model_name", read_only=True)
+    profile = serializers.CharField(source="profile_name", read_only=True)
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = Replica
+        fields = [
+            "id",
+            "model",
+            "profile",
+            "node",
+            "state",
+            "endpoint",
+            "reason",
+            "since",
+            "attempts",
+            "source",
+            "engine",
+            "args",
+            "memory_gb",
+            "gpus",
+        ]
+        read_only_fields = fields
+
+
+class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
+    """Where each model's replicas run, and for those that do not run, why not.
+
+    Filter with `?model=`, `?node=` and `?state=`.
+    """
+
+    serializer_class = ReplicaSerializer
+    queryset = Replica.objects.select_related("node")
+
+    def get_queryset(self):
+        queryset = super().get_queryset()
+        params = self.request.query_params
+        if model := params.get("model"):
+            queryset = queryset.filter(model_name=model)
+        if node := params.get("node"):
+            queryset = queryset.filter(node__name=node)
+        if state := params.get("state"):
+            queryset = queryset.filter(state=state)
+        return queryset

@@ -1,0 +1,9 @@
+from rest_framework.routers import DefaultRouter
+
+from .replicas import ReplicaViewSet
+from .views import NodeViewSet
+
+router = DefaultRouter()
+router.register("nodes", NodeViewSet, basename="fleet-node")
+router.register("replicas", ReplicaViewSet, basename="fleet-replica")
+urlpatterns = router.urls

@@ -1,0 +1,299 @@
+"""Where replicas run: one pure function over snapshots of the fleet and the catalog.
+
+`place` reads plain dataclasses and touches no database, so the reconcile task,
+the benchmark and the tests all run the same rules, and a test can build a fleet
+of a thousand nodes in a line. `fleet.reconcile` builds the snapshots and applies
+the plan.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+# How a node's reasons are shown when nothing fits. Past a few nodes per reason
+# and a few reasons, a list of a thousand node names tells staff nothing.
+NAMES_PER_REASON = 3
+REASONS_SHOWN = 8
+
+# Replica states, as fleet.Replica spells them.
+PENDING, FETCHING, STARTING, READY, FAILED, STOPPING = "pending", "fetching", "starting", "ready", "failed", "stopping"
+# States in which the node has the weights on disk.
+HOLDING_WEIGHTS = {STARTING, READY, STOPPING}
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    ready: bool = True
+    draining: bool = False
+    engines: frozenset[str] = frozenset()
+    memory_gb: int = 0
+    gpus: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+    # Sources whose weights are already on this node's disk.
+    holds: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ProfileView:
+    name: str
+    engine: str
+    args: tuple[str, ...] = ()
+    weight: int = 1
+    priority: int = 100
+    min_memory_gb: int = 0
+    node_selector: dict[str, str] = field(default_factory=dict)
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class ModelView:
+    name: str
+    source: str
+    replicas: int
+    profiles: tuple[ProfileView, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    id: int
+    model: str
+    profile: str
+    node: str | None
+    state: str = PENDING
+    # What the replica holds on its node, copied from its profile when placed, so
+    # that editing a profile does not change the books of an engine already running.
+    memory_gb: int = 0
+    gpus: int = 0
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Run a replica of `model` with `profile` on `node`; `replica` is None for a new one."""
+
+    replica: int | None
+    model: str
+    profile: ProfileView
+    node: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Unplaced:
+    """A replica that fits nowhere: `reason` says, per node, why not."""
+
+    replica: int | None
+    model: str
+    reason: str
+
+
+@dataclass
+class Plan:
+    assign: list[Assignment] = field(default_factory=list)
+    unplaced: list[Unplaced] = field(default_factory=list)
+    # Replicas whose engine must be stopped on their node.
+    stop: list[int] = field(default_factory=list)
+    # Rows to delete: nothing is running for them anywhere the control plane can reach.
+    forget: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Room:
+    """What is left on one node while a pass places replicas on it."""
+
+    node: NodeView
+    memory_gb: int
+    gpus: int
+
+
+def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iterable[ReplicaView]) -> Plan:
+    """Keep every model at its replica count: stop extras, place what is missing.
+
+    A replica on a node that is no longer ready is placed again elsewhere; its row
+    is kept (it is the same replica, moving), and an engine still running on the
+    lost node is told to stop when that node reports it.
+    """
+    plan = Plan()
+    rooms = {n.name: _Room(n, n.memory_gb, n.gpus) for n in nodes}
+    by_model: dict[str, list[ReplicaView]] = defaultdict(list)
+    for replica in replicas:
+        by_model[replica.model].append(replica)
+        room = rooms.get(replica.node or "")
+        if room is not None and room.node.ready:
+            room.memory_gb -= replica.memory_gb
+            room.gpus -= replica.gpus
+
+    wanted = {m.name: m for m in models}
+    for model_name, held in by_model.items():
+        for replica in held:
+            if replica.state == STOPPING:
+                # Already told to stop; only a lost node leaves nobody to say it has.
+                if not _reachable(replica, rooms):
+                    plan.forget.append(replica.id)
+            elif model_name not in wanted:
+                # Deleted from the catalog: everything it runs stops.
+                _stop(plan, replica, rooms)
+
+    # Nodes that can take anything at all, by engine; what the candidates are
+    # scanned from, so a pass over a large fleet only looks at nodes that matter.
+    usable_by_engine: dict[str, list[_Room]] = defaultdict(list)
+    engines_known = any(room.node.engines for room in rooms.values())
+    all_engines = {p.engine for m in wanted.values() for p in m.profiles}
+    for room in rooms.values():
+        if room.node.ready and not room.node.draining:
+            # When no node reports any engine, the fleet's agents are older than the
+            # engine probe and nothing is known: every node is a candidate. The serve
+            # page warns on the same condition, and the two must not disagree.
+            for engine in room.node.engines if engines_known else all_engines:
+                usable_by_engine[engine].append(room)
+
+    for model in sorted(wanted.values(), key=lambda m: m.name):
+        held = by_model.get(model.name, [])
+        profiles = {p.name: p for p in model.profiles}
+        live: list[ReplicaView] = []
+        to_place: list[int | None] = []
+        for replica in held:
+            if replica.state == STOPPING:
+                continue
+            if replica.profile not in profiles:
+                # Its profile was removed: stop it and let a current profile take its place.
+                _stop(plan, replica, rooms)
+                continue
+            live.append(replica)
+
+        # Extras go first where they cost least: not yet placed, then on lost
+        # nodes, then failed, then the newest.
+        def expendable(r: ReplicaView) -> tuple:
+            return (r.node is not None, _reachable(r, rooms), r.state != FAILED, -r.id)
+
+        live.sort(key=expendable)
+        extra = max(0, len(live) - model.replicas)
+        for replica in live[:extra]:
+            _stop(plan, replica, rooms)
+        live = live[extra:]
+
+        on_node: dict[str, int] = defaultdict(int)
+        per_profile: dict[str, int] = defaultdict(int)
+        for replica in live:
+            if _reachable(replica, rooms):
+                on_node[replica.node] += 1
+                per_profile[replica.profile] += 1
+            else:
+                to_place.append(replica.id)
+        to_place += [None] * (model.replicas - len(live))
+
+        for replica_id in to_place:
+            assignment = _place_one(model, replica_id, usable_by_engine, on_node, per_profile)
+            if assignment is None:
+                plan.unplaced.append(Unplaced(replica_id, model.name, explain(model, rooms.values(), engines_known)))
+                continue
+            room = rooms[assignment.node]
+            room.memory_gb -= assignment.profile.min_memory_gb
+            room.gpus -= assignment.profile.gpus
+            on_node[assignment.node] += 1
+            per_profile[assignment.profile.name] += 1
+            plan.assign.append(assignment)
+    return plan
+
+
+def _reachable(replica: ReplicaView, rooms: dict[str, _Room]) -> bool:
+    room = rooms.get(replica.node or "")
+    return replica.node is not None and room is not None and room.node.ready
+
+
+def _stop(plan: Plan, replica: ReplicaView, rooms: dict[str, _Room]) -> None:
+    (plan.stop if _reachable(replica, rooms) else plan.forget).append(replica.id)
+
+
+def profile_order(profiles: Sequence[ProfileView], per_profile: dict[str, int]) -> list[ProfileView]:
+    """Higher priority first; among equals, the one furthest below its share by weight."""
+
+    def key(p: ProfileView) -> tuple:
+        share = per_profile.get(p.name, 0) / max(p.weight, 1)
+        return (-p.priority, share, -p.weight, p.name)
+
+    return sorted(profiles, key=key)
+
+
+def _place_one(
+    model: ModelView,
+    replica_id: int | None,
+    usable_by_engine: dict[str, list[_Room]],
+    on_node: dict[str, int],
+    per_profile: dict[str, int],
+) -> Assignment | None:
+    for profile in profile_order(model.profiles, per_profile):
+        best = None
+        best_key = None
+        for room in usable_by_engine.get(profile.engine, ()):
+            if room.memory_gb < profile.min_memory_gb or room.gpus < profile.gpus:
+                continue
+            if profile.node_selector and not _selects(profile.node_selector, room.node.labels):
+                continue
+            # Spread first, then weights already on disk, then the most room left.
+            key = (on_node.get(room.node.name, 0), model.source not in room.node.holds, -room.memory_gb, room.node.name)
+            if best_key is None or key < best_key:
+                best, best_key = room, key
+        if best is not None:
+            return Assignment(replica_id, model.name, profile, best.node.name, model.source)
+    return None
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def why_not(profile: ProfileView, room: _Room, engines_known: bool = True) -> str | None:
+    """Why this node cannot take a replica of this profile, or None when it can."""
+    node = room.node
+    if not node.ready:
+        return "not ready"
+    if node.draining:
+        return "draining"
+    if engines_known and profile.engine not in node.engines:
+        return f"no {profile.engine}"
+    for key, value in profile.node_selector.items():
+        if key not in node.labels:
+            return f"no label {key}"
+        if node.labels[key] != value:
+            return f"{key} is {node.labels[key]}, needs {value}"
+    if room.memory_gb < profile.min_memory_gb:
+        return f"{max(room.memory_gb, 0)} GB free, needs {profile.min_memory_gb}"
+    if room.gpus < profile.gpus:
+        return f"{max(room.gpus, 0)} GPU{'s' if room.gpus != 1 else ''} free, needs {profile.gpus}"
+    return None
+
+
+def explain(model: ModelView, rooms: Iterable[_Room], engines_known: bool = True) -> str:
+    """The sentence an unplaceable replica shows: per node, why it was not chosen."""
+    rooms = sorted(rooms, key=lambda r: r.node.name)
+    if not model.profiles:
+        return f"{model.name} has no profile to run it with"
+    if not rooms:
+        return "no node has enrolled"
+    parts = []
+    for profile in profile_order(model.profiles, {}):
+        by_reason: dict[str, list[str]] = {}
+        for room in rooms:
+            reason = why_not(profile, room, engines_known)
+            if reason is not None:
+                by_reason.setdefault(reason, []).append(room.node.name)
+        text = _group(by_reason)
+        parts.append(f"profile {profile.name}: {text}" if len(model.profiles) > 1 else text)
+    return ". ".join(parts)
+
+
+def _group(by_reason: dict[str, list[str]]) -> str:
+    shown = []
+    for reason, names in list(by_reason.items())[:REASONS_SHOWN]:
+        listed = ", ".join(names[:NAMES_PER_REASON])
+        if len(names) > NAMES_PER_REASON:
+            listed += f" and {len(names) - NAMES_PER_REASON} more"
+        shown.append(f"{listed}: {reason}")
+    hidden = sum(len(n) for n in list(by_reason.values())[REASONS_SHOWN:])
+    if hidden:
+        shown.append(f"{hidden} more nodes for other reasons")
+    return "; ".join(shown)

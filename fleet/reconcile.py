@@ -1,0 +1,221 @@
+"""The reconcile pass: snapshot the fleet and the catalog, `place`, apply the plan.
+
+The rules are in `fleet.placement`; this module only reads rows into snapshots,
+writes the plan back, and sends the agents their work once it is saved.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+import redis
+from celery import current_app
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from .models import Node, Replica
+from .placement import HOLDING_WEIGHTS, ModelView, NodeView, Plan, ProfileView, ReplicaView, place
+
+log = logging.getLogger(__name__)
+
+# A failed replica is started again after this many seconds, doubled per failure in a row.
+RETRY_BASE_S = 10
+RETRY_MAX_S = 600
+# A stop that was sent and never answered is sent again after this long.
+STOP_RESEND_S = 60
+LOCK_NAME = "fleet:reconcile"
+
+
+def retry_delay(attempts: int) -> timedelta:
+    """How long a replica that failed `attempts` times in a row waits before its next start."""
+    return timedelta(seconds=min(RETRY_MAX_S, RETRY_BASE_S * 2 ** max(attempts - 1, 0)))
+
+
+def node_views(nodes: list[Node], replicas: list[Replica], now: datetime) -> list[NodeView]:
+    missed_after = timedelta(seconds=settings.HEARTBEAT_S * settings.HEARTBEATS_MISSED)
+    holds: dict[int, set[str]] = {}
+    for r in replicas:
+        if r.node_id and r.state in HOLDING_WEIGHTS:
+            holds.setdefault(r.node_id, set()).add(r.source)
+    return [
+        NodeView(
+            name=n.name,
+            ready=n.last_heartbeat is not None and now - n.last_heartbeat <= missed_after,
+            draining=n.draining,
+            engines=frozenset(n.engines or ()),
+            memory_gb=n.memory_gb,
+            gpus=len(n.gpus or ()),
+            labels=dict(n.labels or {}),
+            holds=frozenset(holds.get(n.pk, ())),
+        )
+        for n in nodes
+    ]
+
+
+def model_views() -> list[ModelView]:
+    # Imported here: the catalog app depends on the fleet (its serve page reads
+    # nodes), and the fleet only needs the catalog while reconciling.
+    from catalog.models import Model
+
+    return [
+        ModelView(
+            name=m.name,
+            source=m.source,
+            replicas=m.scaling_min,
+            profiles=tuple(
+                ProfileView(
+                    name=p.name,
+                    engine=p.engine,
+                    args=tuple(p.args or ()),
+                    weight=p.weight,
+                    priority=p.priority,
+                    min_memory_gb=p.min_memory_gb,
+                    node_selector=dict(p.node_selector or {}),
+                    gpus=p.gpus,
+                )
+                for p in m.profiles.all()
+            ),
+        )
+        for m in Model.objects.prefetch_related("profiles")
+    ]
+
+
+def replica_views(replicas: list[Replica], node_names: dict[int, str]) -> list[ReplicaView]:
+    return [
+        ReplicaView(
+            id=r.pk,
+            model=r.model_name,
+            profile=r.profile_name,
+            node=node_names.get(r.node_id) if r.node_id else None,
+            state=r.state,
+            memory_gb=r.memory_gb,
+            gpus=r.gpus,
+            source=r.source,
+        )
+        for r in replicas
+    ]
+
+
+def send_start(replica: Replica) -> None:
+    current_app.send_task(
+        "agent.start_replica",
+        args=[replica.pk, replica.source, replica.engine, list(replica.args)],
+        queue=f"node.{replica.node.name}",
+    )
+
+
+def send_stop(replica_id: int, node_name: str) -> None:
+    current_app.send_task("agent.stop_replica", args=[replica_id], queue=f"node.{node_name}")
+
+
+def reconcile(now: datetime | None = None, models: list[ModelView] | None = None) -> Plan | None:
+    """One pass; None when another pass holds the lock (it will see the same rows).
+
+    `models` is the catalog as snapshots, read from the catalog app when not given.
+    """
+    lock = redis.Redis.from_url(settings.REDIS_URL).lock(LOCK_NAME, timeout=60, blocking_timeout=0)
+    if not lock.acquire(blocking=False):
+        return None
+    try:
+        return reconcile_unlocked(now or timezone.now(), models)
+    finally:
+        try:
+            lock.release()
+        except redis.exceptions.LockError:
+            # Held past its timeout and taken by another pass; nothing of ours to release.
+            pass
+
+
+@transaction.atomic
+def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> Plan:
+    if models is None:
+        models = model_views()
+    nodes = list(Node.objects.all())
+    by_name = {n.name: n for n in nodes}
+    node_names = {n.pk: n.name for n in nodes}
+    replicas = list(Replica.objects.select_related("node"))
+    by_id = {r.pk: r for r in replicas}
+    plan = place(node_views(nodes, replicas, now), models, replica_views(replicas, node_names))
+    ready_nodes = {v.name for v in node_views(nodes, [], now) if v.ready}
+
+    Replica.objects.filter(pk__in=plan.forget).delete()
+    for replica_id in plan.stop:
+        replica = by_id[replica_id]
+        replica.enter(Replica.State.STOPPING)
+        replica.save()
+        transaction.on_commit(lambda r=replica_id, n=replica.node.name: send_stop(r, n))
+
+    for a in plan.assign:
+        replica = by_id[a.replica] if a.replica is not None else Replica(model_name=a.model)
+        replica.profile_name = a.profile.name
+        replica.node = by_name[a.node]
+        replica.source = a.source
+        replica.engine = a.profile.engine
+        replica.args = list(a.profile.args)
+        replica.memory_gb = a.profile.min_memory_gb
+        replica.gpus = a.profile.gpus
+        replica.endpoint = ""
+        replica.enter(Replica.State.PENDING)
+        replica.save()
+        transaction.on_commit(lambda r=replica: send_start(r))
+
+    for u in plan.unplaced:
+        replica = by_id[u.replica] if u.replica is not None else Replica(model_name=u.model)
+        replica.node = None
+        replica.endpoint = ""
+        replica.enter(Replica.State.PENDING, u.reason)
+        replica.save()
+
+    handled = set(plan.forget) | set(plan.stop) | {a.replica for a in plan.assign} | {u.replica for u in plan.unplaced}
+    for replica in replicas:
+        if replica.pk in handled or replica.node_id is None or node_names[replica.node_id] not in ready_nodes:
+            continue
+        waited = now - replica.since
+        if replica.state == Replica.State.FAILED and waited >= retry_delay(replica.attempts):
+            # Same node: it may hold the weights, and a transient failure there is the likely one.
+            replica.enter(Replica.State.PENDING, f"starting again after: {replica.reason}")
+            replica.save()
+            transaction.on_commit(lambda r=replica: send_start(r))
+        elif replica.state == Replica.State.STOPPING and waited >= timedelta(seconds=STOP_RESEND_S):
+            replica.since = now
+            replica.save(update_fields=["since"])
+            transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
+    return plan
+
+
+REPORTED_STATES = {"fetching", "starting", "ready", "failed", "stopped"}
+
+
+def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason: str) -> str:
+    """Apply what a node's agent says about a replica; returns what was done, for the log."""
+    if state not in REPORTED_STATES:
+        return f"ignored: {state!r} is not a state an agent reports"
+    with transaction.atomic():
+        replica = Replica.objects.select_for_update().filter(pk=replica_id).first()
+        if replica is None or replica.node_id != node.pk:
+            if state != "stopped":
+                # The node runs an engine nobody wants there: the replica was deleted
+                # or moved while the node was away.
+                transaction.on_commit(lambda: send_stop(replica_id, node.name))
+                return "told to stop: the replica is not on this node"
+            return "ignored: the replica is not on this node"
+        if state == "stopped":
+            if replica.state == Replica.State.STOPPING:
+                replica.delete()
+                return "deleted: stopped as asked"
+            replica.attempts += 1
+            replica.enter(Replica.State.FAILED, reason or "the engine stopped without being asked to")
+            replica.save()
+            return "failed: stopped without being asked"
+        if replica.state == Replica.State.STOPPING:
+            # A late report never undoes a stop.
+            return "ignored: the replica is stopping"
+        if state == "failed":
+            replica.attempts += 1
+        elif state == "ready":
+            replica.attempts = 0
+        replica.enter(state, reason[:4000], endpoint if state == "ready" else "")
+        replica.save()
+        return state

@@ -1,0 +1,91 @@
+"""A tiny llama-architecture GGUF, split into three files, that llama.cpp loads and runs.
+
+Real weights cannot be downloaded here and would be gigabytes; what the tests need
+is a model llama.cpp accepts as a llama and generates tokens from. The weights are
+random (seeded, so every run writes the same bytes), the vocabulary is the 256 bytes
+plus three specials, so any text tokenizes by byte fallback and nothing needs a
+trained tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter, TokenType
+
+WIDTH = 64
+LAYERS = 2
+HEADS = 4
+FEED_FORWARD = 128
+CONTEXT = 256
+SPECIALS = ["<unk>", "<s>", "</s>"]
+VOCAB = len(SPECIALS) + 256
+EOS_TOKEN_ID = 2
+
+
+def write_tiny_llama(directory: Path, name: str = "tiny", files: int = 3) -> list[Path]:
+    """Write the model into `directory` as `files` parts; returns them sorted by name."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1234)
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    tensors: list[tuple[str, np.ndarray]] = [("token_embd.weight", weight(VOCAB, WIDTH))]
+    for layer in range(LAYERS):
+        block = f"blk.{layer}"
+        tensors += [
+            (f"{block}.attn_norm.weight", np.ones(WIDTH, dtype=np.float32)),
+            (f"{block}.attn_q.weight", weight(WIDTH, WIDTH)),
+            (f"{block}.attn_k.weight", weight(WIDTH, WIDTH)),
+            (f"{block}.attn_v.weight", weight(WIDTH, WIDTH)),
+            (f"{block}.attn_output.weight", weight(WIDTH, WIDTH)),
+            (f"{block}.ffn_norm.weight", np.ones(WIDTH, dtype=np.float32)),
+            (f"{block}.ffn_gate.weight", weight(FEED_FORWARD, WIDTH)),
+            (f"{block}.ffn_up.weight", weight(FEED_FORWARD, WIDTH)),
+            (f"{block}.ffn_down.weight", weight(WIDTH, FEED_FORWARD)),
+        ]
+    tensors += [("output_norm.weight", np.ones(WIDTH, dtype=np.float32)), ("output.weight", weight(VOCAB, WIDTH))]
+
+    # Tensors per file so that the model comes out in exactly `files` parts.
+    per_file = -(-len(tensors) // files)
+    writer = GGUFWriter(directory / f"{name}.gguf", "llama", split_max_tensors=per_file)
+    writer.add_name(name)
+    writer.add_context_length(CONTEXT)
+    writer.add_embedding_length(WIDTH)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(FEED_FORWARD)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(HEADS)
+    writer.add_rope_dimension_count(WIDTH // HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_file_type(0)  # all F32
+
+    writer.add_tokenizer_model("llama")
+    tokens = [s.encode() for s in SPECIALS] + [f"<0x{b:02X}>".encode() for b in range(256)]
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_types([TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(EOS_TOKEN_ID)
+
+    for tensor_name, data in tensors:
+        writer.add_tensor(tensor_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    written = sorted(directory.glob(f"{name}*.gguf"))
+    if len(written) != files:
+        raise RuntimeError(f"the GGUF writer made {len(written)} files, not {files}: {written}")
+    return written
+
+
+if __name__ == "__main__":
+    import sys
+
+    for path in write_tiny_llama(Path(sys.argv[1])):
+        print(path, path.stat().st_size)

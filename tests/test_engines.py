@@ -1,0 +1,381 @@
+"""Engines on a node: argument lists, and a real llama.cpp started, killed and brought back.
+
+llama.cpp runs for real (PyPI's llama-cpp-python) on a tiny GGUF the tests write.
+vLLM needs a GPU, so its launch is tested with a stand-in: a small script named
+`vllm` on PATH that records its arguments and answers /v1/models like an engine.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+from django.conf import settings
+
+from agent import engines, supervisor
+from agent.engine_tasks import start_on_node
+
+from .gguf_model import EOS_TOKEN_ID, write_tiny_llama
+from .processes import process_env, wait_until
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+class Reports(list):
+    """What the supervisor told the control plane, in order."""
+
+    def __call__(self, replica_id, state, endpoint, reason):
+        self.append((replica_id, state, endpoint, reason))
+
+    def states(self, replica_id: int = 1) -> list[str]:
+        return [r[1] for r in self if r[0] == replica_id]
+
+    def last(self, replica_id: int = 1):
+        return [r for r in self if r[0] == replica_id][-1]
+
+
+def step_until(sup: supervisor.Supervisor, condition, timeout: float, what: str):
+    def stepped():
+        sup.step()
+        return condition()
+
+    return wait_until(stepped, timeout=timeout, interval=0.2, what=what)
+
+
+@pytest.fixture
+def engine_cleanup(tmp_path):
+    """Whatever engines a test leaves in its cache are stopped by their recorded pid."""
+    yield
+    for cache in tmp_path.glob("cache*"):
+        for entry in supervisor.read_state(cache)["replicas"].values():
+            if entry.get("pid"):
+                engines.stop_group(entry["pid"], grace=3)
+
+
+# --- argument lists ------------------------------------------------------------
+
+
+def no_llama_server(name):
+    return None
+
+
+def test_llamacpp_without_llama_server_runs_the_python_server_on_the_first_file_of_a_set(tmp_path):
+    for name in ("m-00002-of-00003.gguf", "m-00001-of-00003.gguf", "m-00003-of-00003.gguf", ".complete"):
+        (tmp_path / name).write_bytes(b"")
+    argv = engines.command("llamacpp", tmp_path, 9000, ["--ctx-size", "4096"], which=no_llama_server, python="py")
+    assert argv == [
+        "py",
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(tmp_path / "m-00001-of-00003.gguf"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9000",
+        "--ctx-size",
+        "4096",
+    ]
+
+
+def test_llamacpp_prefers_llama_server_and_takes_a_single_file_as_it_is(tmp_path):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"")
+    argv = engines.command("llamacpp", weights, 9001, [], which=lambda n: "/usr/bin/llama-server")
+    assert argv == ["/usr/bin/llama-server", "--model", str(weights), "--host", "127.0.0.1", "--port", "9001"]
+
+
+def test_a_set_without_a_gguf_file_is_refused_with_a_sentence(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(engines.EngineError, match="holds no .gguf file for llama.cpp"):
+        engines.command("llamacpp", tmp_path, 9000, [], which=no_llama_server)
+
+
+def test_vllm_is_handed_the_directory(tmp_path):
+    argv = engines.command("vllm", tmp_path, 9002, ["--dtype", "half"], which=lambda n: "/opt/bin/vllm")
+    assert argv == ["/opt/bin/vllm", "serve", str(tmp_path), "--host", "127.0.0.1", "--port", "9002", "--dtype", "half"]
+
+
+def test_vllm_missing_says_so(tmp_path):
+    with pytest.raises(engines.EngineError, match="vllm is not installed on this node"):
+        engines.command("vllm", tmp_path, 9002, [], which=lambda n: None)
+
+
+@pytest.mark.parametrize("arg", ["--trust-remote-code", "--trust-remote-code=true"])
+def test_trust_remote_code_is_refused_unless_allowed(tmp_path, arg):
+    with pytest.raises(engines.EngineError, match="refused unless LLMGW_ALLOW_REMOTE_CODE is set"):
+        engines.command("vllm", tmp_path, 9002, [arg], which=lambda n: "vllm")
+    argv = engines.command("vllm", tmp_path, 9002, [arg], which=lambda n: "vllm", allow_remote_code=True)
+    assert argv[-1] == arg
+
+
+def test_remote_code_is_refused_before_anything_is_fetched(tmp_path):
+    fetched, reports = [], Reports()
+    ok = start_on_node(
+        1,
+        "http://mirror/m/v1/",
+        "vllm",
+        ["--trust-remote-code"],
+        cache=tmp_path,
+        fetch=lambda s, c: fetched.append(s),
+        report=reports,
+    )
+    assert not ok and fetched == []
+    assert reports.states() == ["failed"]
+    assert "LLMGW_ALLOW_REMOTE_CODE" in reports.last()[3]
+
+
+def test_a_failed_fetch_is_reported_with_its_sentence_and_nothing_is_started(tmp_path):
+    class FetchError(Exception):
+        pass
+
+    def fetch(source, cache):
+        raise FetchError(f"{source} did not answer with a manifest")
+
+    reports = Reports()
+    assert not start_on_node(1, "http://mirror/m/v1/", "llamacpp", [], cache=tmp_path, fetch=fetch, report=reports)
+    assert reports == [
+        (1, "fetching", "", ""),
+        (1, "failed", "", "http://mirror/m/v1/ did not answer with a manifest"),
+    ]
+    assert supervisor.read_state(tmp_path)["replicas"] == {}
+
+
+def test_the_same_start_delivered_twice_fetches_once_and_brings_a_waiting_restart_forward(tmp_path):
+    fetched, reports = [], Reports()
+
+    def fetch(source, cache):
+        fetched.append(source)
+        return tmp_path / "w"
+
+    args = dict(cache=tmp_path, fetch=fetch, report=reports)
+    assert start_on_node(1, "http://mirror/m/v1/", "llamacpp", [], **args)
+    with supervisor._locked_state(tmp_path) as state:
+        state["replicas"]["1"]["next_start"] = time.time() + 3600
+    assert start_on_node(1, "http://mirror/m/v1/", "llamacpp", [], **args)
+    assert fetched == ["http://mirror/m/v1/"]
+    assert reports.states() == ["fetching"]
+    assert supervisor.read_state(tmp_path)["replicas"]["1"]["next_start"] == 0.0
+    assert list(supervisor.read_state(tmp_path)["replicas"]) == ["1"]
+
+
+# --- a real llama.cpp ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("weights")
+    write_tiny_llama(directory)
+    return directory
+
+
+def chat(endpoint: str) -> dict:
+    r = requests.post(
+        endpoint + "/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 8,
+            # Random weights may well pick end-of-text first; the test wants tokens.
+            "logit_bias": {str(EOS_TOKEN_ID): -100},
+        },
+        timeout=60,
+    )
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.mark.engine
+def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopted(tmp_path, tiny_gguf, engine_cleanup):
+    cache = tmp_path / "cache"
+    reports = Reports()
+    sup = supervisor.Supervisor(cache, reports)
+    assert supervisor.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--n_ctx", "256"])
+
+    step_until(sup, lambda: "ready" in reports.states(), 120, "llama.cpp to answer on /v1/models")
+    _, _, endpoint, _ = reports.last()
+    assert reports.states() == ["starting", "ready"]
+    first = supervisor.read_state(cache)["replicas"]["1"]
+    assert first["argv"][1:4] == ["-m", "llama_cpp.server", "--model"]
+    assert first["argv"][4] == str(tiny_gguf / "tiny-00001-of-00003.gguf")
+    assert endpoint == f"http://127.0.0.1:{first['port']}/v1"
+
+    answer = chat(endpoint)
+    # Generated up to the limit: tokens, not an empty answer. (The usage count may
+    # differ from 8, since llama-cpp-python counts the decoded text's tokens again.)
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] > 0
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+
+    # The engine dies: the supervisor says so with its last lines, and brings it back.
+    os.killpg(first["pid"], signal.SIGKILL)
+    step_until(sup, lambda: reports.states()[-1] == "failed", 20, "the crash to be reported")
+    reason = reports.last()[3]
+    assert reason.startswith("the engine exited with code -9; starting it again in 1 s. Its last lines:")
+    assert "llama_cpp.server" in reason or "Uvicorn" in reason or "INFO" in reason
+    step_until(sup, lambda: reports.states()[-1] == "ready", 120, "llama.cpp to come back")
+    second = supervisor.read_state(cache)["replicas"]["1"]
+    assert second["pid"] != first["pid"]
+    assert chat(reports.last()[2])["choices"][0]["finish_reason"] == "length"
+
+    # The agent restarts: a new supervisor adopts the running engine rather than starting another.
+    reports.clear()
+    adopter = supervisor.Supervisor(cache, reports)
+    adopter.adopt()
+    step_until(adopter, lambda: "ready" in reports.states(), 20, "the adopted engine to be found ready")
+    assert reports.states() == ["ready"]
+    assert supervisor.read_state(cache)["replicas"]["1"]["pid"] == second["pid"]
+
+    # Stopped on request: the process group is gone and the replica is reported stopped.
+    assert supervisor.unwant(cache, 1)
+    adopter.step()
+    assert reports.states()[-1] == "stopped"
+    assert not engines.group_alive(second["pid"])
+    assert supervisor.read_state(cache)["replicas"] == {}
+
+
+# --- vLLM, by a stand-in ---------------------------------------------------------
+
+STAND_IN = textwrap.dedent(
+    """\
+    #!{python}
+    # A STAND-IN for vLLM, which needs a GPU this machine does not have: it records
+    # its arguments and answers /v1/models the way an engine does.
+    import json, os, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    with open(os.environ["VLLM_STAND_IN_LOG"], "a") as f:
+        f.write(json.dumps(sys.argv[1:]) + "\\n")
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({{"object": "list", "data": [{{"id": sys.argv[2], "object": "model"}}]}}).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def vllm_stand_in(tmp_path, monkeypatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "vllm"
+    script.write_text(STAND_IN.format(python=sys.executable))
+    script.chmod(0o755)
+    calls = tmp_path / "vllm-calls.jsonl"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("VLLM_STAND_IN_LOG", str(calls))
+    return calls
+
+
+def calls_of(log: Path) -> list[list[str]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.mark.engine
+def test_vllm_stand_in_is_handed_the_directory_and_the_profile_args(tmp_path, vllm_stand_in, engine_cleanup):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cache = tmp_path / "cache"
+    reports = Reports()
+    sup = supervisor.Supervisor(cache, reports)
+    supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "2048"])
+    step_until(sup, lambda: "ready" in reports.states(), 30, "the vLLM stand-in to answer")
+    port = supervisor.read_state(cache)["replicas"]["1"]["port"]
+    assert calls_of(vllm_stand_in) == [
+        ["serve", str(weights), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
+    ]
+    assert reports.last()[2] == f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.mark.engine
+def test_engines_outlive_a_killed_supervisor_process_which_a_new_one_adopts(tmp_path, vllm_stand_in, engine_cleanup):
+    """The supervisor as the agent runs it, a real process reporting through the real broker."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cache = tmp_path / "cache"
+    broker = redis.Redis.from_url(settings.REDIS_URL)
+    broker.delete("control")
+    supervisor.want(cache, 5, "vllm", "http://mirror/m/v1/", weights, [])
+    env = process_env(LLMGW_NODE_TOKEN="llmgw-node-test")
+
+    def start_supervisor() -> subprocess.Popen:
+        log = open(tmp_path / "supervisor.log", "ab")
+        argv = [sys.executable, "-m", "agent.supervisor", "--cache", str(cache)]
+        return subprocess.Popen(argv, env=env, cwd=BASE_DIR, stdout=log, stderr=subprocess.STDOUT)
+
+    def reported() -> list[list]:
+        # Kombu pushes on the left: the oldest message is last.
+        bodies = [json.loads(m) for m in reversed(broker.lrange("control", 0, -1))]
+        return [json.loads(base64.b64decode(b["body"]))[0] for b in bodies]
+
+    first = start_supervisor()
+    try:
+        wait_until(lambda: any(r[2] == "ready" for r in reported()), timeout=60, what="a ready report on control")
+    finally:
+        first.kill()
+        first.wait(timeout=10)
+    assert reported()[0][:3] == ["llmgw-node-test", 5, "starting"]
+    pid = supervisor.read_state(cache)["replicas"]["5"]["pid"]
+    assert engines.group_alive(pid), "the engine died with its supervisor"
+
+    broker.delete("control")
+    second = start_supervisor()
+    try:
+        wait_until(lambda: any(r[2] == "ready" for r in reported()), timeout=60, what="the adopted engine's report")
+        assert supervisor.read_state(cache)["replicas"]["5"]["pid"] == pid
+        assert len(calls_of(vllm_stand_in)) == 1, "the engine was started a second time instead of adopted"
+        supervisor.unwant(cache, 5)
+        wait_until(lambda: any(r[2] == "stopped" for r in reported()), timeout=30, what="the stop to be reported")
+        assert not engines.group_alive(pid)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=10)
+
+
+@pytest.mark.engine
+def test_a_replica_wanted_with_other_args_is_stopped_and_started_with_them(tmp_path, vllm_stand_in, engine_cleanup):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cache = tmp_path / "cache"
+    reports = Reports()
+    sup = supervisor.Supervisor(cache, reports)
+    supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "2048"])
+    step_until(sup, lambda: "ready" in reports.states(), 30, "the vLLM stand-in to answer")
+    old_pid = supervisor.read_state(cache)["replicas"]["1"]["pid"]
+
+    assert supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "4096"])
+    step_until(sup, lambda: reports.states().count("ready") == 2, 30, "the engine to be started with the new args")
+    assert [call[-1] for call in calls_of(vllm_stand_in)] == ["2048", "4096"]
+    assert not engines.group_alive(old_pid)
+    assert "stopped" not in reports.states()
+
+
+def test_an_engine_listening_everywhere_is_advertised_by_the_host_name(tmp_path):
+    import socket
+
+    assert supervisor.Supervisor(tmp_path, Reports(), host="0.0.0.0").endpoint(9000) == (
+        f"http://{socket.gethostname()}:9000/v1"
+    )
+    assert supervisor.Supervisor(tmp_path, Reports(), host="10.0.0.5").endpoint(9000) == "http://10.0.0.5:9000/v1"
+    assert supervisor.Supervisor(tmp_path, Reports(), host="0.0.0.0", advertise="gpu-2.lan").endpoint(9000) == (
+        "http://gpu-2.lan:9000/v1"
+    )

@@ -1,0 +1,158 @@
+"""The reconcile pass against the real database and broker: rows written, agents told.
+
+The catalog is given as snapshots (`ModelView`), the same thing the pass reads
+from the catalog app, so these tests need no catalog rows.
+"""
+
+import base64
+import json
+from datetime import timedelta
+
+import pytest
+import redis
+from django.conf import settings
+from django.utils import timezone
+
+from fleet import reconcile
+from fleet.models import Node, Replica
+from fleet.placement import ModelView, ProfileView
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SOURCE = "http://127.0.0.1:8001/tiny/v1/"
+CPU = ProfileView("cpu", "llamacpp", args=("--ctx-size", "512"), min_memory_gb=8)
+
+
+def tiny(replicas: int = 1) -> list[ModelView]:
+    return [ModelView("tiny", SOURCE, replicas, (CPU,))]
+
+
+@pytest.fixture
+def broker():
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.flushdb()
+    return client
+
+
+def sent(broker, queue: str) -> list[tuple[str, list]]:
+    """Tasks waiting on a queue, oldest first; taken off it, so the next look sees only new ones."""
+    messages = []
+    while (raw := broker.rpop(queue)) is not None:
+        message = json.loads(raw)
+        messages.append((message["headers"]["task"], json.loads(base64.b64decode(message["body"]))[0]))
+    return messages
+
+
+def node(name: str, memory_gb: int = 32, **kw) -> Node:
+    return Node.objects.create(
+        name=name, engines=["llamacpp"], memory_gb=memory_gb, last_heartbeat=timezone.now(), **kw
+    )
+
+
+def test_a_replica_is_written_and_its_node_told_to_start_it(broker):
+    node("a")
+    reconcile.reconcile(models=tiny())
+    replica = Replica.objects.get()
+    assert (replica.model_name, replica.profile_name, replica.node.name, replica.state) == (
+        "tiny",
+        "cpu",
+        "a",
+        "pending",
+    )
+    assert (replica.source, replica.engine, replica.args, replica.memory_gb) == (
+        SOURCE,
+        "llamacpp",
+        ["--ctx-size", "512"],
+        8,
+    )
+    assert sent(broker, "node.a") == [("agent.start_replica", [replica.pk, SOURCE, "llamacpp", ["--ctx-size", "512"]])]
+    # A second pass finds the model at its count and sends nothing.
+    reconcile.reconcile(models=tiny())
+    assert Replica.objects.count() == 1
+    assert sent(broker, "node.a") == []
+
+
+def test_a_replica_that_fits_nowhere_is_one_pending_row_that_says_why(broker):
+    node("cpu-1", memory_gb=7)
+    Node.objects.create(name="gpu-2", engines=["vllm"], memory_gb=64, last_heartbeat=timezone.now())
+    for _ in range(3):
+        reconcile.reconcile(models=tiny())
+    replica = Replica.objects.get()
+    assert replica.node is None and replica.state == "pending"
+    assert replica.reason == "cpu-1: 7 GB free, needs 8; gpu-2: no llamacpp"
+    assert broker.keys("node.*") == []
+
+
+def test_a_node_that_stops_heartbeating_has_its_replica_placed_elsewhere(broker):
+    a = node("a")
+    reconcile.reconcile(models=tiny())
+    replica = Replica.objects.get()
+    replica.state = "ready"
+    replica.endpoint = "http://a:9000/v1"
+    replica.save()
+    sent(broker, "node.a")
+
+    node("b")
+    Node.objects.filter(pk=a.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    reconcile.reconcile(models=tiny())
+    replica.refresh_from_db()
+    assert (replica.node.name, replica.state, replica.endpoint) == ("b", "pending", "")
+    assert sent(broker, "node.b") == [("agent.start_replica", [replica.pk, SOURCE, "llamacpp", ["--ctx-size", "512"]])]
+
+
+def test_scaling_down_stops_a_replica_and_its_stopped_report_removes_it(broker):
+    node("a")
+    node("b")
+    reconcile.reconcile(models=tiny(2))
+    assert sorted(Replica.objects.values_list("node__name", flat=True)) == ["a", "b"]
+    sent(broker, "node.a"), sent(broker, "node.b")
+
+    reconcile.reconcile(models=tiny(1))
+    stopping = Replica.objects.get(state="stopping")
+    assert sent(broker, f"node.{stopping.node.name}") == [("agent.stop_replica", [stopping.pk])]
+    reconcile.record_report(stopping.node, stopping.pk, "stopped", "", "")
+    assert Replica.objects.count() == 1
+
+
+def test_a_model_deleted_from_the_catalog_has_its_replicas_stopped(broker):
+    node("a")
+    reconcile.reconcile(models=tiny())
+    sent(broker, "node.a")
+    reconcile.reconcile(models=[])
+    replica = Replica.objects.get()
+    assert replica.state == "stopping"
+    assert replica.model_name == "tiny"
+    assert sent(broker, "node.a") == [("agent.stop_replica", [replica.pk])]
+
+
+def test_a_failed_replica_is_started_again_after_its_backoff(broker):
+    node("a")
+    reconcile.reconcile(models=tiny())
+    replica = Replica.objects.get()
+    sent(broker, "node.a")
+    reconcile.record_report(replica.node, replica.pk, "failed", "", "the engine exited with code 1")
+    replica.refresh_from_db()
+    assert replica.attempts == 1
+
+    reconcile.reconcile(models=tiny(), now=replica.since + timedelta(seconds=5))
+    assert sent(broker, "node.a") == []
+    reconcile.reconcile(models=tiny(), now=replica.since + reconcile.retry_delay(1))
+    assert sent(broker, "node.a") == [("agent.start_replica", [replica.pk, SOURCE, "llamacpp", ["--ctx-size", "512"]])]
+    replica.refresh_from_db()
+    assert replica.state == "pending"
+    assert replica.reason == "starting again after: the engine exited with code 1"
+
+
+def test_retries_wait_longer_after_each_failure_up_to_a_limit():
+    assert [reconcile.retry_delay(n).total_seconds() for n in (1, 2, 3, 10)] == [10, 20, 40, 600]
+
+
+def test_a_pass_while_another_holds_the_lock_does_nothing(broker):
+    node("a")
+    lock = redis.Redis.from_url(settings.REDIS_URL).lock(reconcile.LOCK_NAME, timeout=10)
+    assert lock.acquire(blocking=False)
+    try:
+        assert reconcile.reconcile(models=tiny()) is None
+        assert Replica.objects.count() == 0
+    finally:
+        lock.release()

@@ -1,0 +1,99 @@
+"""`make run`'s command, as a new user meets it: up, a hand copy shows, Ctrl-C stops it all."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from .processes import BASE_DIR, wait_until
+from .services import free_port
+
+
+def answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def up(tmp_path):
+    ports = {"admin": free_port(), "bytes": free_port(), "redis": free_port()}
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "LLMGW_ADMIN_USER", "LLMGW_ADMIN_PASSWORD"}}
+    env.update(
+        LLMGW_VAR=str(tmp_path / "var"),
+        LLMGW_MIRROR_ROOT=str(tmp_path / "var" / "mirror"),
+        LLMGW_ADMIN_ADDR=f"127.0.0.1:{ports['admin']}",
+        LLMGW_BYTES_ADDR=f"127.0.0.1:{ports['bytes']}",
+        # Nothing listens there, so `up` has to start a private redis-server of its own.
+        REDIS_URL=f"redis://127.0.0.1:{ports['redis']}/0",
+        LLMGW_SCAN_INTERVAL_S="2",
+        PYTHONUNBUFFERED="1",
+    )
+    log = open(tmp_path / "up.log", "w+b")
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "up", "--node", "testhost"],
+        cwd=BASE_DIR,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+    def output() -> str:
+        return (tmp_path / "up.log").read_text(errors="replace")
+
+    try:
+        wait_until(lambda: "llmgw is up" in output() or process.poll() is not None, timeout=90, what="llmgw to come up")
+        assert process.poll() is None, output()
+        wait_until(lambda: answers(ports["admin"]) and answers(ports["bytes"]), timeout=30, what="both listeners")
+        yield process, ports, tmp_path / "var" / "mirror", output
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_a_hand_copied_file_shows_on_the_byte_listener_and_in_the_admin_and_ctrl_c_stops_everything(up):
+    process, ports, mirror, output = up
+    text = output()
+    assert "starting a private redis-server" in text
+    password = re.search(r"staff account admin with password (\S+) \(shown this once\)", text).group(1)
+
+    (mirror / "m" / "v1").mkdir(parents=True)
+    (mirror / "m" / "v1" / "model.gguf").write_bytes(b"GGUF" + b"\0" * 1000)
+    manifest = requests.get(f"http://127.0.0.1:{ports['bytes']}/m/v1/", timeout=5).json()
+    assert manifest["files"] == [{"name": "model.gguf", "bytes": 1004}]
+
+    admin = f"http://127.0.0.1:{ports['admin']}/admin/"
+    session = requests.Session()
+    session.get(admin + "login/", timeout=5)
+    session.post(
+        admin + "login/",
+        data={
+            "username": "admin",
+            "password": password,
+            "csrfmiddlewaretoken": session.cookies["csrftoken"],
+            "next": "/admin/",
+        },
+        headers={"Referer": admin + "login/"},
+        timeout=5,
+    )
+
+    def listed():
+        page = session.get(admin + "mirror/mirrorversion/", timeout=5).text
+        return '<td class="field-version">v1</td>' in page and '<td class="field-file_count">1</td>' in page
+
+    wait_until(listed, timeout=60, interval=1, what="the version to show in the admin")
+
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=60) == 0, output()
+    assert "llmgw stopped." in output()
+    for port in ports.values():
+        assert not answers(port), f"something still listens on {port} after Ctrl-C"
