@@ -60,6 +60,7 @@ class Progress:
         with self._lock:
             self.bytes_total, self.files_total = bytes_total, files_total
             self.bytes_done, self.files_done = bytes_done, files_done
+            self.error = ""
             self._rate_mark = (time.monotonic(), bytes_done)
         self.set_state("fetching")
 

@@ -63,6 +63,11 @@ def fetch(self, source: str) -> None:
         if _transient(sentence) and self.request.retries < RETRIES:
             # Backoff with jitter, so a mirror that restarts is not met by every node at once.
             countdown = min(300, 5 * 2**self.request.retries) + random.uniform(0, 5)
+            # Not "failed" to whoever watches: it is waiting to try again, and says why.
+            try:
+                live.set_state("queued")
+            except progress.Cancelled:
+                pass
             log.warning("fetch of %s failed, trying again in %.0f s: %s", source, countdown, sentence)
             raise self.retry(countdown=countdown, queue=runtime.node_queue(node)) from None
         log.warning("fetch of %s failed: %s", source, sentence)

@@ -275,3 +275,55 @@ def test_the_same_fetch_sent_twice_at_once_sends_each_byte_once_and_both_finish(
     finally:
         agent.stop()
         proxy.stop()
+
+
+def test_a_dropped_connection_is_tried_again_with_backoff_and_resumes(
+    enrolled_node, control_worker, byte_listener, four_files, agent_cache, tmp_path, redis_client
+):
+    name, token = enrolled_node
+    proxy = CountingProxy(byte_listener)
+    proxy.truncate_after = 300_000  # every file body cut short, until the mirror "recovers"
+    source = proxy.url + "m/v1/"
+    agent = start_agent(name, token, agent_cache, tmp_path)
+    try:
+        send_fetch(name, source)
+        wait_until(lambda: "trying again in" in agent.output(), timeout=30, what="a retry to be scheduled")
+        snapshot = live(redis_client, source, name)
+        assert snapshot["state"] == "queued" and "the part is kept" in snapshot["error"]
+        assert not Fetch.objects.filter(source=source).exists()  # not reported as the end: it is not over
+        proxy.truncate_after = None
+        fetch = wait_until(
+            lambda: Fetch.objects.filter(node__name=name, source=source).first(), timeout=60, what="the report"
+        )
+        assert fetch.state == "complete", fetch.error
+        for n, data in four_files.items():
+            assert (cache_path(source, agent_cache) / n).read_bytes() == data
+        snapshot = live(redis_client, source, name)
+        assert snapshot["state"] == "complete" and snapshot["error"] == ""
+    finally:
+        agent.stop()
+        proxy.stop()
+
+
+def test_a_permanent_failure_is_reported_at_once_with_its_sentence(
+    enrolled_node, control_worker, byte_listener, four_files, agent_cache, tmp_path
+):
+    name, token = enrolled_node
+    proxy = CountingProxy(byte_listener)
+    proxy.overrides["/m/v1/"] = (200, "text/html", b"<html><a href='x'>x</a></html>")
+    source = proxy.url + "m/v1/"
+    agent = start_agent(name, token, agent_cache, tmp_path)
+    try:
+        send_fetch(name, source)
+        fetch = wait_until(
+            lambda: Fetch.objects.filter(node__name=name, source=source).first(), timeout=30, what="the report"
+        )
+        assert fetch.state == "failed"
+        assert fetch.error == (
+            f"{source} did not answer with a manifest; a source ending in / has to be a mirror version, "
+            "not a directory listing"
+        )
+        assert "trying again" not in agent.output()
+    finally:
+        agent.stop()
+        proxy.stop()
