@@ -134,8 +134,7 @@ def _locked(cache: Path, target: Path, progress: Progress, cancel: threading.Eve
     """
     state = Path(cache) / STATE_DIR
     state.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(str(target).encode()).hexdigest()[:32]
-    fd = os.open(state / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(state / f"{_key(target)}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         while True:
             try:
@@ -152,9 +151,14 @@ def _locked(cache: Path, target: Path, progress: Progress, cancel: threading.Eve
         os.close(fd)
 
 
+def _key(target: Path) -> str:
+    # From the real path: a fetch given the cache as a relative path or through a
+    # symlink must take the same lock as one given it any other way.
+    return hashlib.sha256(os.path.realpath(target).encode()).hexdigest()[:32]
+
+
 def _meta_path(cache: Path, target: Path) -> Path:
-    digest = hashlib.sha256(str(target).encode()).hexdigest()[:32]
-    return Path(cache) / STATE_DIR / f"{digest}.json"
+    return Path(cache) / STATE_DIR / f"{_key(target)}.json"
 
 
 def _read_validator(cache: Path, target: Path) -> dict:
@@ -212,6 +216,12 @@ def _content_range_total(header: str | None) -> tuple[int | None, int | None]:
 def _finish(url: str, part: Path, target: Path, total: int, entry: Entry | None, progress: Progress) -> None:
     """Rename a part into place, only when it is whole: its size, and its sha256 where known."""
     size = part.stat().st_size
+    if size > total:
+        # Longer than the file: no later attempt could make it right by appending.
+        part.unlink()
+        raise FetchError(
+            f"{url} gave more bytes ({size:,}) than the file has ({total:,}); the next attempt starts over"
+        )
     if size != total:
         raise FetchError(
             f"{url} gave {size:,} bytes where {total:,} were expected; the part is kept for the next attempt"
@@ -339,14 +349,17 @@ def _fetch_file(
             else:
                 raise FetchError(f"{url} answered {response.status_code}")
 
-            if mode == "wb":
-                _write_validator(
-                    cache, target, response.headers.get("ETag", ""), response.headers.get("Last-Modified", ""), total
-                )
+            # Before the validator is touched: a part must never be paired with the
+            # validator of a file it is not the start of.
             if entry is not None and total is not None and total != entry.bytes:
                 raise FetchError(
                     f"{url} is {total:,} bytes but the mirror's manifest said {entry.bytes:,}: the file changed on "
                     "the mirror since the manifest was read; fetch again"
+                )
+            if mode == "wb":
+                part.unlink(missing_ok=True)
+                _write_validator(
+                    cache, target, response.headers.get("ETag", ""), response.headers.get("Last-Modified", ""), total
                 )
             received = _copy_body(response, part, mode, url, have, progress, cancel)
             if expected_body is not None and received < expected_body:
