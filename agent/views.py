@@ -6,6 +6,7 @@ page and its refresh can never show two different things.
 
 from __future__ import annotations
 
+from django.contrib import admin
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
@@ -57,9 +58,11 @@ def _row(source: str, snapshot: dict | None, record: Fetch | None) -> dict:
 
 @staff_member_required
 def fetches(request: HttpRequest) -> HttpResponse:
-    context = {"nodes": fleet_fetches(), "title": "Fetches on the fleet"}
+    context = {"nodes": fleet_fetches()}
     if request.htmx:
         return render(request, "agent/partials/fetches.html", context)
+    # The admin's own header, links and theme, as on every other staff page.
+    context.update(admin.site.each_context(request), title="Fetches on the fleet")
     return render(request, "agent/fetches.html", context)
 
 

@@ -81,6 +81,10 @@ def test_the_fleet_page_shows_each_nodes_fetches_and_its_fragment_refreshes(admi
     assert "<html" not in fragment and SOURCE in fragment
 
 
+def test_the_fetch_records_link_to_the_live_page(admin_client):
+    assert 'href="/fleet/fetches/"' in admin_client.get("/admin/agent/fetch/").content.decode()
+
+
 def test_the_fleet_page_is_for_staff(client):
     assert client.get("/fleet/fetches/").status_code == 302
 
