@@ -1,16 +1,13 @@
-import importlib
 import importlib.util
 import json
 import os
-import re
 from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from agent import facts, runtime
-
-NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")
+from fleet.models import node_name_problem
 
 
 class Command(BaseCommand):
@@ -29,10 +26,8 @@ class Command(BaseCommand):
         parser.add_argument("--loglevel", default="INFO")
 
     def handle(self, *args, node, labels, cache=None, concurrency=2, loglevel="INFO", **options):
-        if not NODE_NAME.fullmatch(node):
-            raise CommandError(
-                f"{node!r} cannot be a node name: letters, digits, '.', '_' and '-', starting with a letter or digit"
-            )
+        if problem := node_name_problem(node):
+            raise CommandError(problem)
         try:
             parsed_labels = facts.parse_labels(labels)
         except ValueError as error:
