@@ -18,7 +18,7 @@ import redis
 
 log = logging.getLogger(__name__)
 
-STATES = ("queued", "waiting", "fetching", "verifying", "complete", "failed")
+STATES = ("queued", "fetching", "verifying", "complete", "failed")
 
 KEY_PREFIX = "llmgw:progress:"
 # Every address with progress, newest first: what the fleet page lists.

@@ -1,9 +1,11 @@
 from rest_framework import serializers
 
+from ..progress import STATES
+
 
 class NodeProgressSerializer(serializers.Serializer):
     node = serializers.CharField()
-    state = serializers.ChoiceField(choices=["queued", "waiting", "fetching", "verifying", "complete", "failed"])
+    state = serializers.ChoiceField(choices=list(STATES))
     bytes_done = serializers.IntegerField()
     bytes_total = serializers.IntegerField()
     files_done = serializers.IntegerField()
