@@ -51,7 +51,7 @@ class Progress:
         self.current_file = ""
         self.error = ""
         self.started = time.time()
-        self._rate_mark = (time.monotonic(), 0)
+        self._rate_mark = self._begin_mark = (time.monotonic(), 0)
         self.rate = 0.0
 
     # --- what the fetch calls ------------------------------------------------
@@ -61,7 +61,7 @@ class Progress:
             self.bytes_total, self.files_total = bytes_total, files_total
             self.bytes_done, self.files_done = bytes_done, files_done
             self.error = ""
-            self._rate_mark = (time.monotonic(), bytes_done)
+            self._rate_mark = self._begin_mark = (time.monotonic(), bytes_done)
         self.set_state("fetching")
 
     def file_started(self, name: str) -> None:
@@ -119,6 +119,9 @@ class Progress:
             if now - mark_t >= 1.0:
                 self.rate = max(0.0, (self.bytes_done - mark_b) / (now - mark_t))
                 self._rate_mark = (now, self.bytes_done)
+            elif not self.rate and now > self._begin_mark[0]:
+                # Under a second in: the average so far, rather than a rate of nothing.
+                self.rate = max(0.0, (self.bytes_done - self._begin_mark[1]) / (now - self._begin_mark[0]))
             return {
                 "state": self.state,
                 "bytes_done": self.bytes_done,
@@ -270,6 +273,8 @@ class TerminalProgress(Throttled):
 
     def send(self, s: dict) -> None:
         total = s["bytes_total"] or 0
+        if s["state"] == "failed" and not total:
+            return  # failed before there was anything to show; the command prints the sentence
         fraction = min(1.0, s["bytes_done"] / total) if total else 0.0
         width = 30
         bar = "#" * int(fraction * width) + "-" * (width - int(fraction * width))
