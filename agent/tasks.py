@@ -6,13 +6,15 @@ enrolment token, and the control plane believes the token, not the worker.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
 import time
 
 from celery import current_app, shared_task
 
-from . import progress, runtime
+from . import facts, progress, runtime
 from .fetch import FetchError, fetch_source
 
 log = logging.getLogger(__name__)
@@ -97,11 +99,6 @@ def fetch_finished(token: str, payload: dict) -> None:
 
 def send_heartbeat(static: dict | None = None) -> None:
     """One heartbeat from this node: its facts and its token, as a task on `control`."""
-    import json
-    import os
-
-    from . import facts
-
     labels = json.loads(os.environ.get("LLMGW_NODE_LABELS", "{}") or "{}")
     payload = facts.collect(runtime.node_name(), labels, runtime.cache_dir(), static)
     current_app.send_task(
