@@ -64,6 +64,8 @@ def test_the_agent_heartbeats_with_no_database_reachable(enrolled_node, control_
         wait_until(lambda: Node.objects.get(name=name).last_heartbeat > first, timeout=15, what="a second heartbeat")
         assert agent.alive()
         assert "Traceback" not in agent.output()
+        # The engine tasks ride on the same worker.
+        assert ". agent.start_replica" in agent.output() and ". agent.fetch" in agent.output()
     finally:
         agent.stop()
 

@@ -323,3 +323,31 @@ def test_the_fetch_command_exits_non_zero_with_the_sentence(cache):
     assert done.returncode == 1
     assert "asking http://127.0.0.1:9/m/v1/ what it holds: could not connect" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_single_file_and_its_set_fetched_at_once_share_the_file_and_each_byte_is_sent_once(
+    byte_listener, four_files, cache
+):
+    import threading
+
+    proxy = CountingProxy(byte_listener, rate=300_000)
+    try:
+        results = {}
+
+        def run(key, source):
+            results[key] = fetch_source(source, cache)
+
+        one = threading.Thread(target=run, args=("file", proxy.url + "m/v1/model-00001-of-00004.gguf"))
+        whole = threading.Thread(target=run, args=("set", proxy.url + "m/v1/"))
+        one.start()
+        wait_until(lambda: proxy.body_bytes > 10_000, timeout=30, what="the single file to be under way")
+        whole.start()
+        one.join(60)
+        whole.join(60)
+        assert results["file"] == results["set"] / "model-00001-of-00004.gguf"
+        for name, data in four_files.items():
+            assert (results["set"] / name).read_bytes() == data
+        gets = [r[1] for r in proxy.requests if r[0] == "GET" and not r[1].endswith("/")]
+        assert sorted(gets) == sorted(f"/m/v1/{name}" for name in four_files)
+    finally:
+        proxy.stop()
