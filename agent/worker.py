@@ -48,3 +48,31 @@ class Heartbeat(bootsteps.StartStopStep):
 
 def install(app) -> None:
     app.steps["worker"].add(Heartbeat)
+
+
+def take_back_unacknowledged(app, queue: str) -> int:
+    """Put back on this node's queue the tasks its previous run took and never finished.
+
+    A worker killed outright (SIGKILL, power loss) leaves its late-acknowledged
+    tasks in Redis's unacked set, and Redis gives them back only after the
+    visibility timeout: hours, because a fetch may take hours. Only this node
+    consumes node.NAME, so at start whatever is unacknowledged for that queue
+    was taken by a run of this agent that is gone, and is safe to run again
+    (every node task is). Done before the worker consumes, so nothing running
+    now is touched. Returns how many tasks were put back.
+    """
+    from kombu.utils.json import loads
+
+    restored = 0
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        client = channel.client
+        for tag, payload in client.hgetall(channel.unacked_key).items():
+            try:
+                _message, _exchange, routing_key = loads(payload)
+            except (ValueError, TypeError):
+                continue
+            if routing_key == queue:
+                channel.qos.restore_by_tag(tag, client)
+                restored += 1
+    return restored

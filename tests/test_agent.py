@@ -137,11 +137,8 @@ def test_a_worker_killed_halfway_resumes_and_transfers_only_what_was_missing(
         assert 0 < kept < 4 * FILE_BYTES
 
         proxy.reset_counts()
+        # Not asked again: the agent takes back the task its killed run left unacknowledged.
         agent = start_agent(name, token, agent_cache, tmp_path)
-        # Redis gives an unacknowledged task back only after the visibility
-        # timeout (hours, for hour-long fetches); asking again now is what the
-        # control plane does, and it is safe because a fetch is safe to run twice.
-        send_fetch(name, source)
 
         def finished():
             if marker.exists():
@@ -157,6 +154,7 @@ def test_a_worker_killed_halfway_resumes_and_transfers_only_what_was_missing(
         file_bytes = proxy.body_bytes - _manifest_body_bytes(proxy)
         assert file_bytes == 4 * FILE_BYTES - kept
         assert not list(directory.glob("*.part"))
+        assert "Took back 1 task(s)" in agent.output()
     finally:
         agent.stop()
         proxy.stop()

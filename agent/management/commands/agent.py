@@ -64,6 +64,9 @@ class Command(BaseCommand):
         from llmgw_site.celery import app
 
         worker.install(app)
+        restored = worker.take_back_unacknowledged(app, runtime.node_queue(node))
+        if restored:
+            self.stdout.write(f"Took back {restored} task(s) an earlier run of this agent did not finish.")
         argv = [
             "worker",
             "--queues",
