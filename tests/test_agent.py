@@ -39,6 +39,17 @@ def redis_client():
     return progress.redis_client()
 
 
+@pytest.fixture(autouse=True)
+def no_tasks_left_from_another_test():
+    """Each test's agent starts with nothing queued or unacknowledged for its node.
+
+    The agent takes back what is unacknowledged on its queue at start, so a task
+    an earlier test left behind would otherwise run again here.
+    """
+    client = progress.redis_client()
+    client.delete("unacked", "unacked_index", "node.n1")
+
+
 def send_fetch(node: str, source: str) -> None:
     current_app.send_task("agent.fetch", args=[source], queue=f"node.{node}")
 
