@@ -39,7 +39,22 @@ SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class FetchError(Exception):
-    """A fetch that did not finish; str() is the sentence for the user."""
+    """A fetch that did not finish; str() is the sentence for the user.
+
+    `transient` when trying again by itself may well succeed (the network, a
+    mirror restarting, a file replaced under the fetch); otherwise trying again
+    would only say the same thing, and the task stops with the sentence.
+    """
+
+    def __init__(self, sentence: str, transient: bool = False):
+        super().__init__(sentence)
+        self.transient = transient
+
+
+def _status_error(url: str, status: int) -> FetchError:
+    if status == 404:
+        return FetchError(f"{url} is not on the mirror (404)")
+    return FetchError(f"{url} answered {status}", transient=status >= 500 or status == 429)
 
 
 @dataclass(frozen=True)
@@ -224,13 +239,15 @@ def _finish(url: str, part: Path, target: Path, total: int, entry: Entry | None,
         )
     if size != total:
         raise FetchError(
-            f"{url} gave {size:,} bytes where {total:,} were expected; the part is kept for the next attempt"
+            f"{url} gave {size:,} bytes where {total:,} were expected; the part is kept for the next attempt",
+            transient=True,
         )
     if entry is not None and entry.bytes != total:
         part.unlink()
         raise FetchError(
             f"{url} is {total:,} bytes but the mirror's manifest said {entry.bytes:,}: the file changed on the "
-            "mirror during the fetch; fetch again"
+            "mirror during the fetch; fetch again",
+            transient=True,
         )
     if entry is not None and entry.sha256:
         progress.set_state("verifying")
@@ -262,7 +279,8 @@ def _copy_body(response, part: Path, mode: str, url: str, have: int, progress: P
                 reason = "timed out" if "timed out" in str(error).lower() else "the connection ended early"
                 raise FetchError(
                     f"{url} stopped after {have + received:,} bytes ({reason}); the part is kept and the next "
-                    "attempt resumes from there"
+                    "attempt resumes from there",
+                    transient=True,
                 ) from None
             if not chunk:
                 return received
@@ -312,7 +330,7 @@ def _fetch_file(
         try:
             response = session.get(url, headers=headers, stream=True, timeout=TIMEOUT)
         except requests.RequestException as error:
-            raise FetchError(f"fetching {url}: {_describe(error)}; the next attempt resumes") from None
+            raise FetchError(f"fetching {url}: {_describe(error)}; the next attempt resumes", transient=True) from None
         with response:
             if response.status_code == 416 and have:
                 _, total = _content_range_total(response.headers.get("Content-Range"))
@@ -344,17 +362,16 @@ def _fetch_file(
                 length = response.headers.get("Content-Length")
                 total = int(length) if length and length.isdigit() else None
                 mode, expected_body = "wb", total
-            elif response.status_code == 404:
-                raise FetchError(f"{url} is not on the mirror (404)")
             else:
-                raise FetchError(f"{url} answered {response.status_code}")
+                raise _status_error(url, response.status_code)
 
             # Before the validator is touched: a part must never be paired with the
             # validator of a file it is not the start of.
             if entry is not None and total is not None and total != entry.bytes:
                 raise FetchError(
                     f"{url} is {total:,} bytes but the mirror's manifest said {entry.bytes:,}: the file changed on "
-                    "the mirror since the manifest was read; fetch again"
+                    "the mirror since the manifest was read; fetch again",
+                    transient=True,
                 )
             if mode == "wb":
                 part.unlink(missing_ok=True)
@@ -365,7 +382,8 @@ def _fetch_file(
             if expected_body is not None and received < expected_body:
                 raise FetchError(
                     f"{url} ended after {have + received:,} of {have + expected_body:,} bytes; the part is kept and "
-                    "the next attempt resumes from there"
+                    "the next attempt resumes from there",
+                    transient=True,
                 )
             if total is None:
                 total = part.stat().st_size
@@ -378,11 +396,9 @@ def _head_size(session: requests.Session, url: str) -> int | None:
     try:
         response = session.head(url, timeout=TIMEOUT, allow_redirects=True)
     except requests.RequestException as error:
-        raise FetchError(f"asking {url} its size: {_describe(error)}") from None
-    if response.status_code == 404:
-        raise FetchError(f"{url} is not on the mirror (404)")
+        raise FetchError(f"asking {url} its size: {_describe(error)}", transient=True) from None
     if response.status_code != 200:
-        raise FetchError(f"{url} answered {response.status_code}")
+        raise _status_error(url, response.status_code)
     length = response.headers.get("Content-Length", "")
     return int(length) if length.isdigit() else None
 
@@ -449,10 +465,10 @@ def read_manifest(session: requests.Session, source: str) -> list[Entry]:
     try:
         response = session.get(source, timeout=TIMEOUT, stream=True, headers={"Accept": "application/json"})
     except requests.RequestException as error:
-        raise FetchError(f"asking {source} what it holds: {_describe(error)}") from None
+        raise FetchError(f"asking {source} what it holds: {_describe(error)}", transient=True) from None
     with response:
         if response.status_code != 200:
-            raise FetchError(f"{source} answered {response.status_code}")
+            raise _status_error(source, response.status_code)
         try:
             body = b""
             for chunk in response.iter_content(64 * 1024):
@@ -460,7 +476,7 @@ def read_manifest(session: requests.Session, source: str) -> list[Entry]:
                 if len(body) > MANIFEST_LIMIT:
                     break
         except Exception as error:
-            raise FetchError(f"asking {source} what it holds: {_describe(error)}") from None
+            raise FetchError(f"asking {source} what it holds: {_describe(error)}", transient=True) from None
     if len(body) > MANIFEST_LIMIT:
         raise FetchError(f"{source} answered more than 1 MiB where a manifest was expected; it is not a mirror version")
     not_a_manifest = FetchError(

@@ -51,6 +51,8 @@ def fetch(self, source: str) -> None:
     client = progress.redis_client()
     started = time.time()
     if client.exists(progress.cancel_key(node, source)):
+        # Cleared, so the flag cannot stop a later fetch of the same source (a replica's).
+        progress.clear_cancel(client, node, source)
         report(source, "cancelled", {}, error="cancelled by staff before it started", started=started)
         return
     live = progress.RedisProgress(client, source, node)
@@ -62,7 +64,7 @@ def fetch(self, source: str) -> None:
             progress.clear_cancel(client, node, source)
             report(source, "cancelled", live.snapshot(), error=sentence, started=started)
             return
-        if _transient(sentence) and self.request.retries < RETRIES:
+        if error.transient and self.request.retries < RETRIES:
             # Backoff with jitter, so a mirror that restarts is not met by every node at once.
             countdown = min(300, 5 * 2**self.request.retries) + random.uniform(0, 5)
             # Not "failed" to whoever watches: it is waiting to try again, and says why.
@@ -76,11 +78,6 @@ def fetch(self, source: str) -> None:
         report(source, "failed", live.snapshot(), error=sentence, started=started)
         return
     report(source, "complete", live.snapshot(), path=str(path), started=started)
-
-
-def _transient(sentence: str) -> bool:
-    """Worth trying again by itself: the network, not the mirror's content or this disk."""
-    return "could not connect" in sentence or "timed out" in sentence or "the part is kept" in sentence
 
 
 @shared_task(name="agent.fetch_finished", ignore_result=True)

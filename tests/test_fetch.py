@@ -96,6 +96,7 @@ def test_a_truncated_body_keeps_the_part_and_the_next_attempt_sends_only_the_res
         fetch_source(source, cache)
     assert "stopped after 123,456 bytes" in str(failed.value) or "ended after 123,456" in str(failed.value)
     assert "the part is kept" in str(failed.value)
+    assert failed.value.transient  # worth trying again by itself
     target = cache_path(source, cache)
     assert not target.exists()
     assert target.with_name("one.gguf.part").stat().st_size == 123_456
@@ -216,6 +217,7 @@ def test_a_bad_manifest_is_refused_with_a_sentence(proxy, four_files, cache, bod
         fetch_source(proxy.url + "m/v1/", cache)
     assert sentence in str(failed.value)
     assert "Expecting" not in str(failed.value) and "line 1" not in str(failed.value)
+    assert not failed.value.transient  # trying again would only say the same
     assert not cache_path(proxy.url + "m/v1/", cache).exists()
 
 
@@ -233,7 +235,7 @@ def test_a_manifest_naming_an_unsafe_file_is_refused_naming_it(proxy, four_files
 def test_a_manifest_answered_with_an_error_status_says_so(proxy, four_files, cache):
     with pytest.raises(FetchError) as failed:
         fetch_source(proxy.url + "m/nope/", cache)
-    assert str(failed.value) == f"{proxy.url}m/nope/ answered 404"
+    assert str(failed.value) == f"{proxy.url}m/nope/ is not on the mirror (404)"
 
 
 def test_a_mirror_that_cannot_be_reached_is_a_sentence(cache):
