@@ -56,6 +56,36 @@ def weights_argument(engine: str, weights: Path) -> Path:
     raise EngineError(f"no engine called {engine!r}; llmgw runs {' and '.join(ENGINES)}")
 
 
+# llama-server's flags as llama-cpp-python's server spells them. The catalog is
+# written in llama-server's terms (the serve page writes --ctx-size), and a node
+# that only has PyPI's server must not fail on a flag it would understand by
+# another name. Flags not listed pass through, and the engine says if it objects.
+LLAMA_CPP_PYTHON_FLAGS = {
+    "--ctx-size": "--n_ctx",
+    "-c": "--n_ctx",
+    "--n-gpu-layers": "--n_gpu_layers",
+    "-ngl": "--n_gpu_layers",
+    "--threads": "--n_threads",
+    "-t": "--n_threads",
+    "--batch-size": "--n_batch",
+    "-b": "--n_batch",
+    "--ubatch-size": "--n_ubatch",
+    "-ub": "--n_ubatch",
+    "--chat-template": "--chat_format",
+}
+
+
+def for_llama_cpp_python(args: list[str]) -> list[str]:
+    """Profile args in llama-server's spelling, translated for `python -m llama_cpp.server`."""
+    translated = []
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        if flag in LLAMA_CPP_PYTHON_FLAGS:
+            flag = LLAMA_CPP_PYTHON_FLAGS[flag]
+        translated.append(f"{flag}{eq}{value}")
+    return translated
+
+
 def command(
     engine: str,
     weights: Path,
@@ -73,8 +103,13 @@ def command(
     if engine == "llamacpp":
         server = which("llama-server")
         # The native server when installed; PyPI's llama-cpp-python otherwise.
-        base = [server] if server else [python, "-m", "llama_cpp.server"]
-        return [*base, "--model", target, "--host", host, "--port", str(port), *args]
+        if server:
+            return [server, "--model", target, "--host", host, "--port", str(port), *args]
+        return [
+            *[python, "-m", "llama_cpp.server"],
+            *["--model", target, "--host", host, "--port", str(port)],
+            *for_llama_cpp_python(args),
+        ]
     vllm = which("vllm")
     if vllm is None:
         raise EngineError("vllm is not installed on this node (no vllm on PATH)")

@@ -69,7 +69,7 @@ def no_llama_server(name):
     return None
 
 
-def test_llamacpp_without_llama_server_runs_the_python_server_on_the_first_file_of_a_set(tmp_path):
+def test_llamacpp_without_llama_server_runs_the_python_server_on_the_first_file_of_a_set_in_its_spelling(tmp_path):
     for name in ("m-00002-of-00003.gguf", "m-00001-of-00003.gguf", "m-00003-of-00003.gguf", ".complete"):
         (tmp_path / name).write_bytes(b"")
     argv = engines.command("llamacpp", tmp_path, 9000, ["--ctx-size", "4096"], which=no_llama_server, python="py")
@@ -83,7 +83,8 @@ def test_llamacpp_without_llama_server_runs_the_python_server_on_the_first_file_
         "127.0.0.1",
         "--port",
         "9000",
-        "--ctx-size",
+        # The serve page writes llama-server's --ctx-size; PyPI's server calls it --n_ctx.
+        "--n_ctx",
         "4096",
     ]
 
@@ -91,8 +92,11 @@ def test_llamacpp_without_llama_server_runs_the_python_server_on_the_first_file_
 def test_llamacpp_prefers_llama_server_and_takes_a_single_file_as_it_is(tmp_path):
     weights = tmp_path / "model.gguf"
     weights.write_bytes(b"")
-    argv = engines.command("llamacpp", weights, 9001, [], which=lambda n: "/usr/bin/llama-server")
-    assert argv == ["/usr/bin/llama-server", "--model", str(weights), "--host", "127.0.0.1", "--port", "9001"]
+    argv = engines.command("llamacpp", weights, 9001, ["--ctx-size", "512"], which=lambda n: "/usr/bin/llama-server")
+    assert argv == [
+        *["/usr/bin/llama-server", "--model", str(weights), "--host", "127.0.0.1", "--port", "9001"],
+        *["--ctx-size", "512"],
+    ]
 
 
 def test_a_set_without_a_gguf_file_is_refused_with_a_sentence(tmp_path):
