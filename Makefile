@@ -5,10 +5,20 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.requirements-installed
+ENGINE := $(VENV)/.engine-installed
 
-.PHONY: run test venv test-deps lint bench clean
+.PHONY: run test venv engine test-deps lint bench clean
 
 venv: $(STAMP)
+
+# llama.cpp, so this machine's own agent can run GGUF models. Built from source by
+# pip the first time (about 7 minutes on two cores) and kept in pip's wheel cache.
+engine: $(ENGINE)
+
+$(ENGINE): $(STAMP) requirements-engine.txt
+	@$(PY) -c 'import llama_cpp.server' 2>/dev/null || echo "Installing the llama.cpp engine (built from source the first time: about 7 minutes)..."
+	$(PIP) install -q -r requirements-engine.txt
+	@touch $@
 
 $(STAMP): requirements.txt
 	@sh scripts/ensure-python.sh
@@ -17,12 +27,12 @@ $(STAMP): requirements.txt
 	$(PIP) install -q -r requirements.txt
 	@touch $@
 
-run: venv
+run: venv engine
 	$(PY) manage.py up
 
 # Redis, Chromium and the llama.cpp engine, installed if missing; the tests start them.
-test-deps: venv
-	@sh scripts/test-deps.sh $(PIP)
+test-deps: venv engine
+	@sh scripts/test-deps.sh
 
 lint: venv
 	$(VENV)/bin/ruff check .

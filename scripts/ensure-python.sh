@@ -1,10 +1,14 @@
 #!/bin/sh
-# python3 with venv is all make needs to start; on Debian venv is a separate package.
+# What make needs before anything else: python3 with venv, and a C++ compiler for
+# the llama.cpp engine that pip builds from source. On Debian these are packages.
 set -e
-if python3 -c 'import venv, ensurepip' 2>/dev/null; then exit 0; fi
+need=""
+python3 -c 'import venv, ensurepip' 2>/dev/null || need="$need python3 python3-venv"
+command -v g++ >/dev/null 2>&1 || need="$need g++ make"
+[ -z "$need" ] && exit 0
 if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null
 else
-    echo "python3 with venv is needed: sudo apt-get install python3 python3-venv" >&2
+    echo "llmgw needs:$need. Install them with: sudo apt-get install$need" >&2
     exit 1
 fi

@@ -1,10 +1,8 @@
 #!/bin/sh
-# What the tests need beyond requirements.txt, installed when missing:
-# redis-server and Chromium from Debian's packages, and the llama.cpp engine from
-# PyPI (llama-cpp-python builds llama.cpp from source, about 7 minutes on two
-# cores; pip keeps the built wheel in its cache, so it is built once per machine).
+# What the tests need from Debian's packages, installed when missing: redis-server,
+# Chromium (driven by Playwright), nginx (for bench/bytes.py). The llama.cpp engine
+# comes from PyPI through the Makefile's `engine` target.
 set -e
-PIP="$1"
 missing=""
 command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
 [ -x /usr/bin/chromium ] || missing="$missing chromium"
@@ -18,4 +16,3 @@ if [ -n "$missing" ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
-$PIP install -q -r requirements-engine.txt

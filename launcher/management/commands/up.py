@@ -15,6 +15,19 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--node", default=socket.gethostname().split(".")[0], help="this host's node name")
 
+    def stop_engines(self) -> None:
+        """The engines this host's agent started: they outlive the agent by design, not `make run`."""
+        try:
+            from agent import engines
+            from agent import supervisor as engine_supervisor
+        except ImportError:
+            return
+        for replica_id, entry in engine_supervisor.read_state(settings.AGENT_CACHE)["replicas"].items():
+            pid = entry.get("pid")
+            if pid and engines.group_alive(pid):
+                self.stdout.write(f"Stopping the engine of replica {replica_id} (pid {pid}).")
+                engines.stop_group(pid, grace=10)
+
     def handle(self, *args, node, **options):
         supervisor = services.Supervisor(settings.VAR_DIR)
         try:
@@ -93,6 +106,7 @@ class Command(BaseCommand):
             self.stdout.write(f"  {note}")
         sys.stdout.flush()
         code = supervisor.wait()
+        self.stop_engines()
         self.stdout.write("llmgw stopped.")
         if code:
             raise CommandError("a service stopped unexpectedly; its output above says why")
