@@ -56,7 +56,6 @@ def start_on_node(
 def start_replica(replica_id: int, source: str, engine: str, args: list[str]) -> None:
     # The agent issue's modules: what this node is, and how it fetches.
     from agent import runtime
-    from agent.fetch import fetch_source
 
     start_on_node(
         replica_id,
@@ -64,10 +63,31 @@ def start_replica(replica_id: int, source: str, engine: str, args: list[str]) ->
         engine,
         args,
         cache=runtime.cache_dir(),
-        fetch=lambda src, cache: fetch_source(src, cache),
+        fetch=fetch_reported,
         report=supervisor.celery_report(runtime.token()),
         allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,
     )
+
+
+def fetch_reported(source: str, cache: Path) -> Path:
+    """A replica's fetch, seen like any other: live progress under the source's
+    address, and a record on the control plane of how it ended, which placement
+    also reads to prefer a node that already holds the weights."""
+    import time
+
+    from agent import progress, runtime
+    from agent.fetch import FetchError, fetch_source
+    from agent.tasks import report
+
+    live = progress.RedisProgress(progress.redis_client(), source, runtime.node_name())
+    started = time.time()
+    try:
+        path = fetch_source(source, cache, live)
+    except FetchError as error:
+        report(source, "failed", live.snapshot(), error=str(error), started=started)
+        raise
+    report(source, "complete", live.snapshot(), path=str(path), started=started)
+    return path
 
 
 @shared_task(name="agent.stop_replica", ignore_result=True)

@@ -33,12 +33,21 @@ def retry_delay(attempts: int) -> timedelta:
     return timedelta(seconds=min(RETRY_MAX_S, RETRY_BASE_S * 2 ** max(attempts - 1, 0)))
 
 
+def fetched_sources() -> list[tuple[int, str]]:
+    """(node id, source) for every fetch a node reported complete: weights it already holds."""
+    from agent.models import Fetch
+
+    return list(Fetch.objects.filter(state=Fetch.State.COMPLETE).values_list("node_id", "source"))
+
+
 def node_views(nodes: list[Node], replicas: list[Replica], now: datetime) -> list[NodeView]:
     missed_after = timedelta(seconds=settings.HEARTBEAT_S * settings.HEARTBEATS_MISSED)
     holds: dict[int, set[str]] = {}
     for r in replicas:
         if r.node_id and r.state in HOLDING_WEIGHTS:
             holds.setdefault(r.node_id, set()).add(r.source)
+    for node_id, source in fetched_sources():
+        holds.setdefault(node_id, set()).add(source)
     return [
         NodeView(
             name=n.name,

@@ -156,3 +156,23 @@ def test_a_pass_while_another_holds_the_lock_does_nothing(broker):
         assert Replica.objects.count() == 0
     finally:
         lock.release()
+
+
+def test_a_node_that_reported_the_weights_fetched_is_preferred(broker):
+    from agent.models import Fetch
+
+    node("a")
+    holder = node("b")
+    Fetch.objects.record(holder, {"source": SOURCE, "state": "complete", "path": "/cache/tiny/v1"})
+    reconcile.reconcile(models=tiny())
+    assert Replica.objects.get().node.name == "b"
+
+
+def test_a_failed_fetch_does_not_count_as_holding_the_weights(broker):
+    from agent.models import Fetch
+
+    node("a")
+    failed = node("b")
+    Fetch.objects.record(failed, {"source": SOURCE, "state": "failed", "error": "the mirror answered 404"})
+    reconcile.reconcile(models=tiny())
+    assert Replica.objects.get().node.name == "a"

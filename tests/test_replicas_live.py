@@ -108,6 +108,16 @@ def test_a_served_gguf_is_fetched_started_answers_and_comes_back_after_its_engin
     assert answer["choices"][0]["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] > 0
 
+    # The replica's fetch is on the record like any other, which placement reads too.
+    from agent.models import Fetch
+
+    fetched = wait_until(
+        lambda: Fetch.objects.filter(node__name="n1", source=plan["source"], state="complete").first(),
+        timeout=30,
+        what="the replica's fetch to be reported",
+    )
+    assert fetched.files_total == 3
+
     weights = cache_path(plan["source"], cache)
     assert sorted(p.name for p in weights.iterdir()) == [
         ".complete",
