@@ -68,6 +68,17 @@ class ReplicaView:
     memory_gb: int = 0
     gpus: int = 0
     source: str = ""
+    # What its engine was started with; None when not known (a row from before it was kept).
+    engine: str | None = None
+    args: tuple[str, ...] | None = None
+
+    def runs_as(self, model: ModelView, profile: ProfileView) -> bool:
+        """Whether its engine runs what the catalog now says: same weights, engine and arguments."""
+        if self.source and self.source != model.source:
+            return False
+        if self.engine is not None and self.engine != profile.engine:
+            return False
+        return self.args is None or tuple(self.args) == tuple(profile.args)
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,11 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
                 continue
             if replica.profile not in profiles:
                 # Its profile was removed: stop it and let a current profile take its place.
+                _stop(plan, replica, rooms)
+                continue
+            if not replica.runs_as(model, profiles[replica.profile]):
+                # The catalog entry was edited (a new --ctx-size, another version):
+                # an engine keeps what it was started with, so it is replaced.
                 _stop(plan, replica, rooms)
                 continue
             live.append(replica)

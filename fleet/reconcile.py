@@ -102,6 +102,8 @@ def replica_views(replicas: list[Replica], node_names: dict[int, str]) -> list[R
             memory_gb=r.memory_gb,
             gpus=r.gpus,
             source=r.source,
+            engine=r.engine,
+            args=tuple(r.args or ()),
         )
         for r in replicas
     ]

@@ -215,3 +215,26 @@ def test_when_no_node_reports_any_engine_every_node_is_a_candidate():
 def test_once_any_node_reports_engines_a_node_reporting_none_is_passed_over():
     fleet = [NodeView("old", memory_gb=32), NodeView("gpu", engines=frozenset({"vllm"}), memory_gb=32)]
     assert place(fleet, [model()], []).unplaced[0].reason == "gpu, old: no llamacpp"
+
+
+def test_a_replica_started_with_other_arguments_is_replaced_after_the_catalog_is_edited():
+    started = ReplicaView(1, "tiny", "cpu", "cpu-1", READY, 8, 0, SOURCE, engine="llamacpp", args=("--ctx-size", "512"))
+    edited = ProfileView("cpu", "llamacpp", args=("--ctx-size", "4096"), min_memory_gb=8)
+    plan = place([cpu_node("cpu-1", 64)], [model(1, edited)], [started])
+    assert plan.stop == [1]
+    assert [(a.replica, a.profile.args) for a in plan.assign] == [(None, ("--ctx-size", "4096"))]
+
+
+def test_a_replica_of_another_version_is_replaced_when_the_source_changes():
+    started = ReplicaView(
+        1, "tiny", "cpu", "cpu-1", READY, 8, 0, "http://mirror:8001/tiny/v0/", engine="llamacpp", args=()
+    )
+    plan = place([cpu_node("cpu-1", 64)], [model()], [started])
+    assert plan.stop == [1]
+    assert [a.source for a in plan.assign] == [SOURCE]
+
+
+def test_a_replica_that_runs_what_the_catalog_says_is_left_alone():
+    same = ReplicaView(1, "tiny", "cpu", "cpu-1", READY, 8, 0, SOURCE, engine="llamacpp", args=())
+    plan = place([cpu_node("cpu-1", 64)], [model()], [same])
+    assert plan.stop == [] and plan.assign == []
