@@ -42,6 +42,12 @@ STARTUP_TIMEOUT_S = 600.0
 # Reports are repeated this often: a lost one heals, and a replica that was moved
 # while this node was away is found out and stopped by the control plane.
 REREPORT_S = 60.0
+# A ready engine is asked whether it still answers this often; after this many
+# unanswered checks in a row it is taken for hung (alive but serving nobody), killed
+# and started again. Generous, because an engine busy generating answers slowly.
+LIVENESS_INTERVAL_S = 10.0
+LIVENESS_TIMEOUT_S = 5.0
+LIVENESS_FAILURES = 3
 
 
 def state_dir(cache: Path) -> Path:
@@ -136,6 +142,9 @@ class Supervisor:
         allow_remote_code: bool = False,
         startup_timeout: float = STARTUP_TIMEOUT_S,
         backoff_max: float = BACKOFF_MAX_S,
+        liveness_interval: float = LIVENESS_INTERVAL_S,
+        liveness_timeout: float = LIVENESS_TIMEOUT_S,
+        liveness_failures: int = LIVENESS_FAILURES,
     ):
         self.cache = Path(cache)
         self.report = report
@@ -148,6 +157,9 @@ class Supervisor:
         self.allow_remote_code = allow_remote_code
         self.startup_timeout = startup_timeout
         self.backoff_max = backoff_max
+        self.liveness_interval = liveness_interval
+        self.liveness_timeout = liveness_timeout
+        self.liveness_failures = liveness_failures
         # Engines this process started, so their exit is reaped and its code known.
         self.children: dict[int, subprocess.Popen] = {}
         self.last_report: dict[int, float] = {}
@@ -191,6 +203,7 @@ class Supervisor:
         now = time.time()
         reports: list[tuple[int, str, str, str]] = []
         to_stop: list[dict] = []
+        to_check: list[tuple[int, int, int]] = []
         with _locked_state(self.cache) as state:
             for entry in list(state["replicas"].values()):
                 replica_id = entry["replica"]
@@ -214,8 +227,11 @@ class Supervisor:
                         reports.append(
                             self._crashed(entry, now, None, f"did not answer within {self.startup_timeout:.0f} s")
                         )
-                elif now - entry.get("ready_since", now) > STABLE_S:
-                    entry["restarts"] = 0
+                else:
+                    if now - entry.get("ready_since", now) > STABLE_S:
+                        entry["restarts"] = 0
+                    if now - entry.get("checked", entry.get("ready_since", now)) >= self.liveness_interval:
+                        to_check.append((replica_id, entry["pid"], entry["port"]))
                 if now - self.last_report.get(replica_id, 0) > REREPORT_S and not any(
                     r[0] == replica_id for r in reports
                 ):
@@ -223,6 +239,7 @@ class Supervisor:
         for entry in to_stop:
             if (stopped := self._stop(entry)) is not None:
                 reports.append(stopped)
+        reports += self._check_liveness(to_check, now)
         for replica_id, *rest in reports:
             self.last_report[replica_id] = now
             try:
@@ -230,6 +247,35 @@ class Supervisor:
             except Exception:
                 # The broker may be away for a moment; the report is repeated later.
                 log.exception("replica %s: the report could not be sent", replica_id)
+
+    def _check_liveness(self, to_check: list[tuple[int, int, int]], now: float) -> list[tuple[int, str, str, str]]:
+        """Ask ready engines whether they answer; outside the state lock, since a hung one takes the whole timeout."""
+        answered = {
+            replica_id: engines.answers(port, host=self.check_host, timeout=self.liveness_timeout)
+            for replica_id, _, port in to_check
+        }
+        reports = []
+        with _locked_state(self.cache) as state:
+            for replica_id, pid, port in to_check:
+                entry = state["replicas"].get(str(replica_id))
+                if entry is None or not entry.get("ready") or entry.get("pid") != pid or entry.get("port") != port:
+                    continue  # stopped, restarted or replaced meanwhile
+                entry["checked"] = now
+                if answered[replica_id]:
+                    entry["unanswered"] = 0
+                    continue
+                entry["unanswered"] = entry.get("unanswered", 0) + 1
+                if entry["unanswered"] < self.liveness_failures:
+                    continue
+                log.warning("replica %s: the engine (pid %s) stopped answering; killing it", replica_id, pid)
+                engines.stop_group(pid, grace=5)
+                child = self.children.pop(pid, None)
+                if child is not None:
+                    child.wait(timeout=5)
+                entry["unanswered"] = 0
+                why = f"stopped answering ({self.liveness_failures} checks of /v1/models in a row went unanswered)"
+                reports.append(self._crashed(entry, now, None, why))
+        return reports
 
     def _current(self, entry: dict) -> tuple[int, str, str, str]:
         if entry["ready"]:

@@ -383,3 +383,25 @@ def test_an_engine_listening_everywhere_is_advertised_by_the_host_name(tmp_path)
     assert supervisor.Supervisor(tmp_path, Reports(), host="0.0.0.0", advertise="gpu-2.lan").endpoint(9000) == (
         "http://gpu-2.lan:9000/v1"
     )
+
+
+@pytest.mark.engine
+def test_an_engine_that_hangs_is_killed_and_started_again(tmp_path, vllm_stand_in, engine_cleanup):
+    """Alive but serving nobody: SIGSTOP keeps the process but silences it, as a deadlock would."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cache = tmp_path / "cache"
+    reports = Reports()
+    sup = supervisor.Supervisor(
+        cache, reports, liveness_interval=0.5, liveness_timeout=0.5, liveness_failures=2, backoff_max=1
+    )
+    supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, [])
+    step_until(sup, lambda: "ready" in reports.states(), 30, "the vLLM stand-in to answer")
+    hung_pid = supervisor.read_state(cache)["replicas"]["1"]["pid"]
+    os.killpg(hung_pid, signal.SIGSTOP)
+
+    step_until(sup, lambda: "failed" in reports.states(), 30, "the hung engine to be noticed")
+    assert "stopped answering" in reports.last()[3]
+    assert not engines.group_alive(hung_pid)
+    step_until(sup, lambda: reports.states().count("ready") == 2, 30, "a new engine to answer")
+    assert supervisor.read_state(cache)["replicas"]["1"]["pid"] != hung_pid
