@@ -5,8 +5,14 @@ import sys
 
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
+    from django.conf import settings
+    from django.core.exceptions import ImproperlyConfigured
     from django.core.management import execute_from_command_line
 
+    try:
+        settings.INSTALLED_APPS  # noqa: B018 - read the settings now, where a wrong value can be said plainly
+    except ImproperlyConfigured as error:
+        sys.exit(f"llmgw cannot start: {error}")
     execute_from_command_line(sys.argv)
 
 

@@ -1,0 +1,40 @@
+"""A wrong setting stops llmgw at start with a sentence naming it, not a traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .processes import BASE_DIR
+
+
+@pytest.mark.parametrize(
+    "name, value, sentence",
+    [
+        ("LLMGW_ADMIN_ADDR", "foo", "LLMGW_ADMIN_ADDR must be written HOST:PORT, like 127.0.0.1:8001, not 'foo'"),
+        ("LLMGW_BYTES_ADDR", "127.0.0.1:99999", "LLMGW_BYTES_ADDR must be written HOST:PORT"),
+        ("LLMGW_HEARTBEAT_S", "often", "LLMGW_HEARTBEAT_S must be a whole number, not 'often'"),
+        ("LLMGW_SCAN_INTERVAL_S", "0", "LLMGW_SCAN_INTERVAL_S must be at least 1, not 0"),
+        ("LLMGW_ALLOW_REMOTE_CODE", "maybe", "LLMGW_ALLOW_REMOTE_CODE must be true or false, not 'maybe'"),
+    ],
+)
+def test_a_wrong_setting_is_one_sentence_and_a_failed_start(tmp_path, name, value, sentence):
+    env = dict(os.environ, LLMGW_VAR=str(tmp_path), **{name: value})
+    done = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert sentence in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_mirror_root_that_is_a_file_is_reported_by_the_system_check(tmp_path):
+    not_a_directory = tmp_path / "mirror"
+    not_a_directory.write_text("oops")
+    env = dict(os.environ, LLMGW_VAR=str(tmp_path), LLMGW_MIRROR_ROOT=str(not_a_directory))
+    done = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert "mirror.E001" in done.stderr and "which is a file, not a directory" in done.stderr
