@@ -56,6 +56,10 @@ class MirrorVersionAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None) -> bool:
         return False
 
+    # Deleting the row would not delete the files, and the next scan would bring it back.
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
     @admin.display(description="files", ordering="file_count")
     def file_count(self, obj) -> int:
         return obj.file_count
