@@ -1,11 +1,9 @@
 """Fetching weights from the mirror: one file resumable, a set whole or not at all.
 
 Used by the node's worker (`agent.fetch`), the engine tasks and `manage.py fetch`,
-so resume, verification, the .part rename and progress live in one place.
-
-A source ending in `/` names a version (a set of files); without it, one file.
-The trailing slash is the whole signal: a flag beside the source would be a
-second place for the two to disagree.
+so resume, verification, the .part rename and progress live in one place. What
+an address names and what a manifest may say are in `agent.sources`; the names
+callers use (`fetch_source`, `FetchError`, `cache_path`, `is_set`) are here too.
 """
 
 from __future__ import annotations
@@ -20,120 +18,29 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import requests
 
 from .progress import Cancelled, Progress, human_bytes
+from .sources import (  # noqa: F401 - the fetch module's contract: fetch_source and the names around it
+    TIMEOUT,
+    Entry,
+    FetchError,
+    cache_path,
+    describe,
+    is_remote,
+    is_set,
+    name_problem,
+    read_manifest,
+    status_error,
+)
 
-MANIFEST_LIMIT = 1 << 20
 CHUNK = 1 << 20
 COMPLETE_MARKER = ".complete"
 # Lock files and the validators of parts live here, never beside the weights:
 # the set's directory is handed to an engine as it is.
 STATE_DIR = ".fetch"
-TIMEOUT = (10, 60)  # connect, and between two reads of a body
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-class FetchError(Exception):
-    """A fetch that did not finish; str() is the sentence for the user.
-
-    `transient` when trying again by itself may well succeed (the network, a
-    mirror restarting, a file replaced under the fetch); otherwise trying again
-    would only say the same thing, and the task stops with the sentence.
-    """
-
-    def __init__(self, sentence: str, transient: bool = False):
-        super().__init__(sentence)
-        self.transient = transient
-
-
-def _status_error(url: str, status: int) -> FetchError:
-    if status == 404:
-        return FetchError(f"{url} is not on the mirror (404)")
-    return FetchError(f"{url} answered {status}", transient=status >= 500 or status == 429)
-
-
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    bytes: int
-    sha256: str = ""
-
-
-def is_remote(source: str) -> bool:
-    parts = urlsplit(source)
-    return parts.scheme in ("http", "https") and bool(parts.netloc)
-
-
-def is_set(source: str) -> bool:
-    """Whether a source names a set of files (a mirror version) rather than one file."""
-    return is_remote(source) and source.endswith("/")
-
-
-def name_problem(name: str) -> str | None:
-    """Why a name cannot be joined onto a directory of the cache, or None.
-
-    The mirror is a place an operator copies files into by hand, so what it
-    reports is not automatically safe to join onto a path.
-    """
-    if name == "":
-        return "which is empty"
-    if "\x00" in name:
-        return "which holds a NUL byte"
-    if "/" in name or "\\" in name:
-        return "which contains a path separator"
-    if name in (".", ".."):
-        return "which is not a file name"
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return "which contains a control character"
-    if name.startswith("."):
-        # .complete is the marker; a file of that name would mark a set whole.
-        return "which is hidden"
-    if name.endswith(".part"):
-        return "which is the name of an unfinished download"
-    if len(name.encode("utf-8", "surrogateescape")) > 250:
-        return "which is too long for a file name"
-    return None
-
-
-def cache_path(source: str, cache: Path) -> Path:
-    """Where a source lives in the cache: <cache>/<host>_<port>/<path...>.
-
-    Every path segment is decoded and checked on its own, and the result must
-    lie under the cache: no address, however encoded, writes anywhere else.
-    """
-    if not is_remote(source):
-        raise FetchError(f"{source!r} is not an http:// or https:// address")
-    parts = urlsplit(source)
-    if parts.query or parts.fragment:
-        raise FetchError(f"{source} carries a query or fragment; a mirror address is a plain path")
-    host = (parts.hostname or "").lower()
-    if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]*|\[?[0-9a-f:.]+\]?", host):
-        raise FetchError(f"{source} names a host that cannot be a directory of the cache")
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        raise FetchError(f"{source} names a port that is not a number") from None
-    host_dir = f"{host.strip('[]').replace(':', '-')}_{port}"
-    path = parts.path.rstrip("/") if source.endswith("/") else parts.path
-    segments = [unquote(s) for s in path.split("/")[1:]]
-    if not segments:
-        raise FetchError(f"{source} names no file or version, only a host")
-    for segment in segments:
-        problem = name_problem(segment)
-        if problem is not None:
-            raise FetchError(f"{source} has a path part {segment!r}, {problem}; it is refused rather than cached")
-    cache = Path(cache)
-    target = cache.joinpath(host_dir, *segments)
-    real_cache = Path(os.path.realpath(cache))
-    real = Path(os.path.realpath(target))
-    if real_cache not in real.parents:
-        raise FetchError(f"{source} would be written outside the cache {cache}; it is refused")
-    return target
 
 
 # --- locks ------------------------------------------------------------------------
@@ -188,14 +95,6 @@ def _write_validator(cache: Path, target: Path, etag: str, last_modified: str, t
 
 
 # --- one file -----------------------------------------------------------------------
-
-
-def _describe(error: Exception) -> str:
-    if isinstance(error, requests.ConnectionError):
-        return "could not connect or the connection was dropped"
-    if isinstance(error, requests.Timeout):
-        return "timed out"
-    return str(error) or error.__class__.__name__
 
 
 def _sha256_of(path: Path) -> str:
@@ -330,7 +229,7 @@ def _fetch_file(
         try:
             response = session.get(url, headers=headers, stream=True, timeout=TIMEOUT)
         except requests.RequestException as error:
-            raise FetchError(f"fetching {url}: {_describe(error)}; the next attempt resumes", transient=True) from None
+            raise FetchError(f"fetching {url}: {describe(error)}; the next attempt resumes", transient=True) from None
         with response:
             if response.status_code == 416 and have:
                 _, total = _content_range_total(response.headers.get("Content-Range"))
@@ -363,7 +262,7 @@ def _fetch_file(
                 total = int(length) if length and length.isdigit() else None
                 mode, expected_body = "wb", total
             else:
-                raise _status_error(url, response.status_code)
+                raise status_error(url, response.status_code)
 
             # Before the validator is touched: a part must never be paired with the
             # validator of a file it is not the start of.
@@ -396,9 +295,9 @@ def _head_size(session: requests.Session, url: str) -> int | None:
     try:
         response = session.head(url, timeout=TIMEOUT, allow_redirects=True)
     except requests.RequestException as error:
-        raise FetchError(f"asking {url} its size: {_describe(error)}", transient=True) from None
+        raise FetchError(f"asking {url} its size: {describe(error)}", transient=True) from None
     if response.status_code != 200:
-        raise _status_error(url, response.status_code)
+        raise status_error(url, response.status_code)
     length = response.headers.get("Content-Length", "")
     return int(length) if length.isdigit() else None
 
@@ -458,63 +357,6 @@ def _fetch_single(source: str, cache: Path, progress: Progress) -> Path:
 
 
 # --- a set ------------------------------------------------------------------------
-
-
-def read_manifest(session: requests.Session, source: str) -> list[Entry]:
-    """Ask the mirror what a version consists of, and refuse anything unsafe in the answer."""
-    try:
-        response = session.get(source, timeout=TIMEOUT, stream=True, headers={"Accept": "application/json"})
-    except requests.RequestException as error:
-        raise FetchError(f"asking {source} what it holds: {_describe(error)}", transient=True) from None
-    with response:
-        if response.status_code != 200:
-            raise _status_error(source, response.status_code)
-        try:
-            body = b""
-            for chunk in response.iter_content(64 * 1024):
-                body += chunk
-                if len(body) > MANIFEST_LIMIT:
-                    break
-        except Exception as error:
-            raise FetchError(f"asking {source} what it holds: {_describe(error)}", transient=True) from None
-    if len(body) > MANIFEST_LIMIT:
-        raise FetchError(f"{source} answered more than 1 MiB where a manifest was expected; it is not a mirror version")
-    not_a_manifest = FetchError(
-        f"{source} did not answer with a manifest; a source ending in / has to be a mirror version, not a "
-        "directory listing"
-    )
-    try:
-        manifest = json.loads(body)
-    except ValueError:
-        # The likely cause is a plain file server with a directory index, which
-        # answers HTML. Said plainly, because "Expecting value: line 1 column 1"
-        # sends somebody looking at the wrong thing.
-        raise not_a_manifest from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
-        raise not_a_manifest
-    if not manifest["files"]:
-        raise FetchError(f"{source} holds no files")
-    entries, seen = [], set()
-    for item in manifest["files"]:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise not_a_manifest
-        name = item["name"]
-        # Rejected rather than joined: a name with a separator in it would
-        # write outside the directory the mirror said it was in.
-        problem = name_problem(name)
-        if problem is not None:
-            raise FetchError(f"{source}: the mirror offered a file named {name!r}, {problem}; it is refused")
-        if name in seen:
-            raise FetchError(f"{source}: the mirror offered a file named {name!r} twice")
-        seen.add(name)
-        size = item.get("bytes")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise FetchError(f"{source}: the mirror gave no size for {name!r}")
-        sha = item.get("sha256") or ""
-        if not isinstance(sha, str) or (sha and not SHA256.match(sha.lower())):
-            raise FetchError(f"{source}: the mirror gave {name!r} a sha256 that is not one")
-        entries.append(Entry(name, size, sha.lower()))
-    return entries
 
 
 def _already_there(path: Path, entry: Entry) -> bool:

@@ -1,0 +1,185 @@
+"""What a source address names, and what the mirror says a version holds.
+
+A source ending in `/` names a version (a set of files); without it, one file.
+The trailing slash is the whole signal: a flag beside the source would be a
+second place for the two to disagree. Nothing here downloads weights; it decides
+where they would go and refuses whatever is not safe to join onto a path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import requests
+
+MANIFEST_LIMIT = 1 << 20
+TIMEOUT = (10, 60)  # connect, and between two reads of a body
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class FetchError(Exception):
+    """A fetch that did not finish; str() is the sentence for the user.
+
+    `transient` when trying again by itself may well succeed (the network, a
+    mirror restarting, a file replaced under the fetch); otherwise trying again
+    would only say the same thing, and the task stops with the sentence.
+    """
+
+    def __init__(self, sentence: str, transient: bool = False):
+        super().__init__(sentence)
+        self.transient = transient
+
+
+def status_error(url: str, status: int) -> FetchError:
+    if status == 404:
+        return FetchError(f"{url} is not on the mirror (404)")
+    return FetchError(f"{url} answered {status}", transient=status >= 500 or status == 429)
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    bytes: int
+    sha256: str = ""
+
+
+def is_remote(source: str) -> bool:
+    parts = urlsplit(source)
+    return parts.scheme in ("http", "https") and bool(parts.netloc)
+
+
+def is_set(source: str) -> bool:
+    """Whether a source names a set of files (a mirror version) rather than one file."""
+    return is_remote(source) and source.endswith("/")
+
+
+def name_problem(name: str) -> str | None:
+    """Why a name cannot be joined onto a directory of the cache, or None.
+
+    The mirror is a place an operator copies files into by hand, so what it
+    reports is not automatically safe to join onto a path.
+    """
+    if name == "":
+        return "which is empty"
+    if "\x00" in name:
+        return "which holds a NUL byte"
+    if "/" in name or "\\" in name:
+        return "which contains a path separator"
+    if name in (".", ".."):
+        return "which is not a file name"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "which contains a control character"
+    if name.startswith("."):
+        # .complete is the marker; a file of that name would mark a set whole.
+        return "which is hidden"
+    if name.endswith(".part"):
+        return "which is the name of an unfinished download"
+    if len(name.encode("utf-8", "surrogateescape")) > 250:
+        return "which is too long for a file name"
+    return None
+
+
+def cache_path(source: str, cache: Path) -> Path:
+    """Where a source lives in the cache: <cache>/<host>_<port>/<path...>.
+
+    Every path segment is decoded and checked on its own, and the result must
+    lie under the cache: no address, however encoded, writes anywhere else.
+    """
+    if not is_remote(source):
+        raise FetchError(f"{source!r} is not an http:// or https:// address")
+    parts = urlsplit(source)
+    if parts.query or parts.fragment:
+        raise FetchError(f"{source} carries a query or fragment; a mirror address is a plain path")
+    host = (parts.hostname or "").lower()
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]*|\[?[0-9a-f:.]+\]?", host):
+        raise FetchError(f"{source} names a host that cannot be a directory of the cache")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise FetchError(f"{source} names a port that is not a number") from None
+    host_dir = f"{host.strip('[]').replace(':', '-')}_{port}"
+    path = parts.path.rstrip("/") if source.endswith("/") else parts.path
+    segments = [unquote(s) for s in path.split("/")[1:]]
+    if not segments:
+        raise FetchError(f"{source} names no file or version, only a host")
+    for segment in segments:
+        problem = name_problem(segment)
+        if problem is not None:
+            raise FetchError(f"{source} has a path part {segment!r}, {problem}; it is refused rather than cached")
+    cache = Path(cache)
+    target = cache.joinpath(host_dir, *segments)
+    real_cache = Path(os.path.realpath(cache))
+    real = Path(os.path.realpath(target))
+    if real_cache not in real.parents:
+        raise FetchError(f"{source} would be written outside the cache {cache}; it is refused")
+    return target
+
+
+def read_manifest(session: requests.Session, source: str) -> list[Entry]:
+    """Ask the mirror what a version consists of, and refuse anything unsafe in the answer."""
+    try:
+        response = session.get(source, timeout=TIMEOUT, stream=True, headers={"Accept": "application/json"})
+    except requests.RequestException as error:
+        raise FetchError(f"asking {source} what it holds: {describe(error)}", transient=True) from None
+    with response:
+        if response.status_code != 200:
+            raise status_error(source, response.status_code)
+        try:
+            body = b""
+            for chunk in response.iter_content(64 * 1024):
+                body += chunk
+                if len(body) > MANIFEST_LIMIT:
+                    break
+        except Exception as error:
+            raise FetchError(f"asking {source} what it holds: {describe(error)}", transient=True) from None
+    if len(body) > MANIFEST_LIMIT:
+        raise FetchError(f"{source} answered more than 1 MiB where a manifest was expected; it is not a mirror version")
+    not_a_manifest = FetchError(
+        f"{source} did not answer with a manifest; a source ending in / has to be a mirror version, not a "
+        "directory listing"
+    )
+    try:
+        manifest = json.loads(body)
+    except ValueError:
+        # The likely cause is a plain file server with a directory index, which
+        # answers HTML. Said plainly, because "Expecting value: line 1 column 1"
+        # sends somebody looking at the wrong thing.
+        raise not_a_manifest from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        raise not_a_manifest
+    if not manifest["files"]:
+        raise FetchError(f"{source} holds no files")
+    entries, seen = [], set()
+    for item in manifest["files"]:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise not_a_manifest
+        name = item["name"]
+        # Rejected rather than joined: a name with a separator in it would
+        # write outside the directory the mirror said it was in.
+        problem = name_problem(name)
+        if problem is not None:
+            raise FetchError(f"{source}: the mirror offered a file named {name!r}, {problem}; it is refused")
+        if name in seen:
+            raise FetchError(f"{source}: the mirror offered a file named {name!r} twice")
+        seen.add(name)
+        size = item.get("bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise FetchError(f"{source}: the mirror gave no size for {name!r}")
+        sha = item.get("sha256") or ""
+        if not isinstance(sha, str) or (sha and not SHA256.match(sha.lower())):
+            raise FetchError(f"{source}: the mirror gave {name!r} a sha256 that is not one")
+        entries.append(Entry(name, size, sha.lower()))
+    return entries
+
+
+def describe(error: Exception) -> str:
+    if isinstance(error, requests.ConnectionError):
+        return "could not connect or the connection was dropped"
+    if isinstance(error, requests.Timeout):
+        return "timed out"
+    return str(error) or error.__class__.__name__
