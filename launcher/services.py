@@ -6,6 +6,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -87,6 +88,46 @@ def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen:
         time.sleep(0.1)
     process.terminate()
     raise StartError(f"redis-server did not start on port {port}; {data_dir / 'redis.log'} says why.")
+
+
+def address_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_addresses(addresses: dict[str, tuple[str, int]]) -> None:
+    """Refuse to start when a listening address is taken, naming the setting that chose it.
+
+    Said before anything starts: otherwise the server retries, gives up, and the
+    user sees five "Connection in use" lines and a stop they have to read back from.
+    """
+    for setting, (host, port) in addresses.items():
+        if address_in_use(host, port):
+            raise StartError(
+                f"{host}:{port} ({setting}) is already in use: stop what listens there, "
+                f"or set {setting} to another address."
+            )
+
+
+def wait_for_listeners(addresses: list[tuple[str, int]], supervisor: Supervisor, timeout: float = 60) -> bool:
+    """True once every address accepts a connection; False if a service died first."""
+    deadline = time.monotonic() + timeout
+    pending = list(addresses)
+    while pending and time.monotonic() < deadline:
+        if any(s.process.poll() is not None for s in supervisor.services):
+            return False
+        host, port = pending[0]
+        try:
+            with socket.create_connection(("127.0.0.1" if host in ("0.0.0.0", "") else host, port), timeout=0.5):
+                pending.pop(0)
+        except OSError:
+            time.sleep(0.2)
+    return not pending
 
 
 def ensure_staff_user() -> str | None:

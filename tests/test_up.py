@@ -97,3 +97,30 @@ def test_a_hand_copied_file_shows_on_the_byte_listener_and_in_the_admin_and_ctrl
     assert "llmgw stopped." in output()
     for port in ports.values():
         assert not answers(port), f"something still listens on {port} after Ctrl-C"
+
+
+def test_an_address_in_use_is_said_before_anything_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        redis_port = free_port()
+        env = dict(
+            os.environ,
+            LLMGW_VAR=str(tmp_path / "var"),
+            LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
+            LLMGW_BYTES_ADDR=f"127.0.0.1:{free_port()}",
+            REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
+        )
+        done = subprocess.run(
+            [sys.executable, "manage.py", "up", "--node", "testhost"],
+            cwd=BASE_DIR,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert f"127.0.0.1:{port} (LLMGW_ADMIN_ADDR) is already in use" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not answers(redis_port), "a private Redis was started for a run that could not start"

@@ -31,6 +31,7 @@ class Command(BaseCommand):
     def handle(self, *args, node, **options):
         supervisor = services.Supervisor(settings.VAR_DIR)
         try:
+            services.check_addresses({"LLMGW_ADMIN_ADDR": settings.ADMIN_ADDR, "LLMGW_BYTES_ADDR": settings.BYTES_ADDR})
             if services.redis_answers(settings.REDIS_URL):
                 self.stdout.write(f"Using the Redis at {settings.REDIS_URL}")
             else:
