@@ -162,7 +162,7 @@ def main() -> None:
 
         totals = {name: [] for name in servers}
         first_byte_worst = {name: [] for name in servers}
-        for _ in range(max(3, args.runs // 2)):
+        for _ in range(args.runs):
             for name in ("llmgw", "nginx"):
                 rate, first = parallel(urls[name], args.streams)
                 totals[name].append(rate)
