@@ -7,7 +7,9 @@ when the prefork pool forks a new child.
 
 from __future__ import annotations
 
+import importlib
 import logging
+import time
 
 from celery import bootsteps
 from django.conf import settings
@@ -22,19 +24,28 @@ class Heartbeat(bootsteps.StartStopStep):
         super().__init__(worker, **kwargs)
         self.tref = None
         self.static = None
+        self.probed_at = 0.0
 
     def start(self, worker):
         from . import facts
 
-        # Engines and GPUs change when somebody installs something; probed once,
-        # so a slow nvidia-smi never stalls the worker's loop on every beat.
+        # Engines and GPUs change when somebody installs something: probed at
+        # start and every few minutes after, not on every beat, so a slow
+        # nvidia-smi never stalls the worker's loop each time.
         self.static = facts.installed()
+        self.probed_at = time.monotonic()
         self.beat()
         self.tref = worker.timer.call_repeatedly(float(settings.HEARTBEAT_S), self.beat, priority=10)
 
     def beat(self):
+        from . import facts
         from .tasks import send_heartbeat
 
+        if time.monotonic() - self.probed_at >= settings.AGENT_REPROBE_S:
+            # An engine installed since the last probe is a new module on disk.
+            importlib.invalidate_caches()
+            self.static = facts.installed()
+            self.probed_at = time.monotonic()
         try:
             send_heartbeat(self.static)
         except Exception as error:

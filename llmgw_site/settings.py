@@ -49,6 +49,8 @@ MIRROR_SCAN_INTERVAL_S = env_int("LLMGW_SCAN_INTERVAL_S", 20, minimum=1)
 HEARTBEAT_S = env_int("LLMGW_HEARTBEAT_S", 15, minimum=1)
 # A node is not ready after this many heartbeats in a row have not arrived.
 HEARTBEATS_MISSED = env_int("LLMGW_HEARTBEATS_MISSED", 3, minimum=1)
+# How often a running agent probes its installed engines and GPUs again.
+AGENT_REPROBE_S = env_int("LLMGW_AGENT_REPROBE_S", 300, minimum=1)
 # The agent's cache on a node: fetched files and sets, under <host>_<port>/<path>.
 AGENT_CACHE = env_path("LLMGW_AGENT_CACHE", VAR_DIR / "agent-cache", BASE_DIR)
 # Files of one set fetched at once: one TCP stream rarely fills a fast link.

@@ -338,3 +338,25 @@ def test_a_permanent_failure_is_reported_at_once_with_its_sentence(
     finally:
         agent.stop()
         proxy.stop()
+
+
+def test_an_engine_installed_while_the_agent_runs_is_reported_without_a_restart(
+    enrolled_node, control_worker, agent_cache, tmp_path
+):
+    name, token = enrolled_node
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    agent = start_agent(
+        name, token, agent_cache, tmp_path, LLMGW_AGENT_REPROBE_S=1, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    )
+    try:
+        node = wait_until(
+            lambda: Node.objects.filter(name=name, last_heartbeat__isnull=False).first(), timeout=30, what="a heartbeat"
+        )
+        assert "vllm" not in node.engines
+        # Installed by hand on the node: an executable called vllm appears on its PATH.
+        (bin_dir / "vllm").write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / "vllm").chmod(0o755)
+        wait_until(lambda: "vllm" in Node.objects.get(name=name).engines, timeout=30, what="vllm in the heartbeat")
+    finally:
+        agent.stop()
