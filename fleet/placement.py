@@ -165,18 +165,16 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
         held = by_model.get(model.name, [])
         profiles = {p.name: p for p in model.profiles}
         live: list[ReplicaView] = []
+        outdated: list[ReplicaView] = []
         to_place: list[int | None] = []
         for replica in held:
             if replica.state == STOPPING:
                 continue
-            if replica.profile not in profiles:
-                # Its profile was removed: stop it and let a current profile take its place.
-                _stop(plan, replica, rooms)
-                continue
-            if not replica.runs_as(model, profiles[replica.profile]):
-                # The catalog entry was edited (a new --ctx-size, another version):
-                # an engine keeps what it was started with, so it is replaced.
-                _stop(plan, replica, rooms)
+            if replica.profile not in profiles or not replica.runs_as(model, profiles[replica.profile]):
+                # Its profile was removed, or the catalog entry was edited (a new
+                # --ctx-size, another version): an engine keeps what it was started
+                # with, so it is replaced, and stopped once its replacement serves.
+                outdated.append(replica)
                 continue
             live.append(replica)
 
@@ -201,9 +199,11 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
                 to_place.append(replica.id)
         to_place += [None] * (model.replicas - len(live))
 
+        unplaced = 0
         for replica_id in to_place:
             assignment = _place_one(model, replica_id, usable_by_engine, on_node, per_profile)
             if assignment is None:
+                unplaced += 1
                 plan.unplaced.append(Unplaced(replica_id, model.name, explain(model, rooms.values(), engines_known)))
                 continue
             room = rooms[assignment.node]
@@ -212,7 +212,49 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
             on_node[assignment.node] += 1
             per_profile[assignment.profile.name] += 1
             plan.assign.append(assignment)
+        _retire(plan, model, live, outdated, unplaced, rooms, engines_known)
     return plan
+
+
+def _retire(
+    plan: Plan,
+    model: ModelView,
+    live: list[ReplicaView],
+    outdated: list[ReplicaView],
+    unplaced: int,
+    rooms: dict[str, _Room],
+    engines_known: bool,
+) -> None:
+    """Stop outdated replicas without leaving the model with fewer serving than it asks for.
+
+    A rolling replacement: an outdated replica that still serves is stopped only
+    once a current one is ready to take its place. When its replacement fits
+    nowhere because the old engine holds the room it needs, it is stopped anyway,
+    since waiting would wait forever: on a full fleet an edit costs a short gap.
+    When the replacement fits nowhere for another reason (no node has the new
+    engine), the old one keeps serving.
+    """
+    serving = sum(1 for r in live if r.state == READY and _reachable(r, rooms))
+    still_serving = [r for r in outdated if r.state == READY and _reachable(r, rooms)]
+    for replica in outdated:
+        if replica not in still_serving:
+            _stop(plan, replica, rooms)
+    serving += len(still_serving)
+    for replica in sorted(still_serving, key=lambda r: -r.id):
+        if serving - 1 >= model.replicas:
+            _stop(plan, replica, rooms)
+            serving -= 1
+        elif unplaced > 0 and _frees_room_for(model, replica, rooms, engines_known):
+            _stop(plan, replica, rooms)
+            serving -= 1
+            unplaced -= 1
+
+
+def _frees_room_for(model: ModelView, replica: ReplicaView, rooms: dict[str, _Room], engines_known: bool) -> bool:
+    """Whether a current profile would fit on this replica's node once the replica is gone."""
+    room = rooms[replica.node]
+    freed = _Room(room.node, room.memory_gb + replica.memory_gb, room.gpus + replica.gpus)
+    return any(why_not(profile, freed, engines_known) is None for profile in model.profiles)
 
 
 def _reachable(replica: ReplicaView, rooms: dict[str, _Room]) -> bool:

@@ -143,11 +143,13 @@ def test_deleting_a_model_stops_its_replicas():
     assert plan.forget == [2]
 
 
-def test_a_removed_profile_stops_its_replica_and_a_current_profile_replaces_it():
+def test_a_removed_profile_is_replaced_by_a_current_one_which_then_takes_over():
     other = ProfileView("other", "llamacpp")
     plan = place([cpu_node("a")], [model(1, other)], [running(1, "a")])
-    assert plan.stop == [1]
+    assert plan.stop == []
     assert [(a.replica, a.profile.name) for a in plan.assign] == [(None, "other")]
+    taken_over = place([cpu_node("a")], [model(1, other)], [running(1, "a"), running(2, "a", other)])
+    assert taken_over.stop == [1] and taken_over.assign == []
 
 
 def test_a_stopping_replica_does_not_count_but_still_holds_its_memory():
@@ -217,21 +219,44 @@ def test_once_any_node_reports_engines_a_node_reporting_none_is_passed_over():
     assert place(fleet, [model()], []).unplaced[0].reason == "gpu, old: no llamacpp"
 
 
-def test_a_replica_started_with_other_arguments_is_replaced_after_the_catalog_is_edited():
-    started = ReplicaView(1, "tiny", "cpu", "cpu-1", READY, 8, 0, SOURCE, engine="llamacpp", args=("--ctx-size", "512"))
+def test_an_edited_profile_replaces_its_replica_and_stops_the_old_one_once_the_new_one_serves():
+    old = ReplicaView(1, "tiny", "cpu", "cpu-1", READY, 8, 0, SOURCE, engine="llamacpp", args=("--ctx-size", "512"))
     edited = ProfileView("cpu", "llamacpp", args=("--ctx-size", "4096"), min_memory_gb=8)
-    plan = place([cpu_node("cpu-1", 64)], [model(1, edited)], [started])
-    assert plan.stop == [1]
-    assert [(a.replica, a.profile.args) for a in plan.assign] == [(None, ("--ctx-size", "4096"))]
+    first = place([cpu_node("cpu-1", 64)], [model(1, edited)], [old])
+    assert [(a.replica, a.profile.args) for a in first.assign] == [(None, ("--ctx-size", "4096"))]
+    assert first.stop == []  # still the only one serving
+
+    starting = ReplicaView(2, "tiny", "cpu", "cpu-1", "starting", 8, 0, SOURCE, engine="llamacpp", args=edited.args)
+    assert place([cpu_node("cpu-1", 64)], [model(1, edited)], [old, starting]).stop == []
+
+    ready = ReplicaView(2, "tiny", "cpu", "cpu-1", READY, 8, 0, SOURCE, engine="llamacpp", args=edited.args)
+    then = place([cpu_node("cpu-1", 64)], [model(1, edited)], [old, ready])
+    assert then.stop == [1] and then.assign == []
 
 
-def test_a_replica_of_another_version_is_replaced_when_the_source_changes():
-    started = ReplicaView(
-        1, "tiny", "cpu", "cpu-1", READY, 8, 0, "http://mirror:8001/tiny/v0/", engine="llamacpp", args=()
-    )
-    plan = place([cpu_node("cpu-1", 64)], [model()], [started])
+def test_a_new_source_replaces_the_replica_of_the_old_version_the_same_way():
+    old_source = "http://mirror:8001/tiny/v0/"
+    old = ReplicaView(1, "tiny", "cpu", "cpu-1", READY, 8, 0, old_source, engine="llamacpp", args=())
+    plan = place([cpu_node("cpu-1", 64)], [model()], [old])
+    assert [a.source for a in plan.assign] == [SOURCE] and plan.stop == []
+    ready = ReplicaView(2, "tiny", "cpu", "cpu-1", READY, 8, 0, SOURCE, engine="llamacpp", args=())
+    assert place([cpu_node("cpu-1", 64)], [model()], [old, ready]).stop == [1]
+
+
+def test_on_a_full_node_the_old_replica_is_stopped_to_make_room_for_its_replacement():
+    old = ReplicaView(1, "tiny", "cpu", "cpu-1", READY, 8, 0, SOURCE, engine="llamacpp", args=("--ctx-size", "512"))
+    edited = ProfileView("cpu", "llamacpp", args=("--ctx-size", "4096"), min_memory_gb=8)
+    plan = place([cpu_node("cpu-1", 12)], [model(1, edited)], [old])
+    assert plan.assign == []
     assert plan.stop == [1]
-    assert [a.source for a in plan.assign] == [SOURCE]
+    assert "cpu-1: 4 GB free, needs 8" in plan.unplaced[0].reason
+
+
+def test_when_the_replacement_fits_nowhere_for_another_reason_the_old_one_keeps_serving():
+    old = ReplicaView(1, "tiny", "cpu", "cpu-1", READY, 8, 0, SOURCE, engine="llamacpp", args=())
+    plan = place([cpu_node("cpu-1", 64)], [model(1, GPU)], [old])
+    assert plan.stop == []
+    assert plan.unplaced and "no vllm" in plan.unplaced[0].reason
 
 
 def test_a_replica_that_runs_what_the_catalog_says_is_left_alone():
