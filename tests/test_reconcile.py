@@ -176,3 +176,25 @@ def test_a_failed_fetch_does_not_count_as_holding_the_weights(broker):
     Fetch.objects.record(failed, {"source": SOURCE, "state": "failed", "error": "the mirror answered 404"})
     reconcile.reconcile(models=tiny())
     assert Replica.objects.get().node.name == "a"
+
+
+def test_an_edited_profile_is_rolled_out_the_old_replica_stopping_once_the_new_one_is_ready(broker):
+    node("a", memory_gb=64)
+    reconcile.reconcile(models=tiny())
+    old = Replica.objects.get()
+    reconcile.record_report(old.node, old.pk, "ready", "http://a:9000/v1", "")
+    sent(broker, "node.a")
+
+    edited = [
+        ModelView("tiny", SOURCE, 1, (ProfileView("cpu", "llamacpp", args=("--ctx-size", "4096"), min_memory_gb=8),))
+    ]
+    reconcile.reconcile(models=edited)
+    new = Replica.objects.exclude(pk=old.pk).get()
+    assert new.args == ["--ctx-size", "4096"]
+    assert Replica.objects.get(pk=old.pk).state == "ready"  # still serving meanwhile
+    assert sent(broker, "node.a") == [("agent.start_replica", [new.pk, SOURCE, "llamacpp", ["--ctx-size", "4096"]])]
+
+    reconcile.record_report(new.node, new.pk, "ready", "http://a:9001/v1", "")
+    reconcile.reconcile(models=edited)
+    assert Replica.objects.get(pk=old.pk).state == "stopping"
+    assert sent(broker, "node.a") == [("agent.stop_replica", [old.pk])]
