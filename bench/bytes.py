@@ -20,30 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(url: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if subprocess.run(["curl", "-sfI", "-o", "/dev/null", url]).returncode == 0:
-            return
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not answer within {timeout}s")
+from benchlib import free_port, start_byte_listener, wait_for
 
 
 def start_nginx(root: Path, work: Path) -> tuple[subprocess.Popen, str]:
@@ -75,25 +58,6 @@ http {{
 }}
 """)
     process = subprocess.Popen([nginx, "-c", str(conf), "-p", str(work)], stderr=subprocess.DEVNULL)
-    return process, f"http://127.0.0.1:{port}/"
-
-
-def start_byte_listener(root: Path, work: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = dict(
-        os.environ,
-        LLMGW_MIRROR_ROOT=str(root),
-        LLMGW_BYTES_ADDR=f"127.0.0.1:{port}",
-        LLMGW_VAR=str(work / "var"),
-        DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
-    )
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "manage.py"), "byte_listener"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     return process, f"http://127.0.0.1:{port}/"
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,23 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchlib import ROOT, start_byte_listener, wait_for
+
 NAMES = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(url: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if subprocess.run(["curl", "-sf", "-o", "/dev/null", url]).returncode == 0:
-            return
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not answer within {timeout}s")
 
 
 def write_set(directory: Path, total_mib: int) -> int:
@@ -89,17 +74,8 @@ def main() -> None:
     from agent.fetch import fetch_source
 
     total = write_set(work / "mirror" / "bench" / "v1", args.size_mib)
-    port = free_port()
-    env = dict(os.environ, LLMGW_BYTES_ADDR=f"127.0.0.1:{port}")
-    listener = subprocess.Popen(
-        [sys.executable, "manage.py", "byte_listener"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}/bench/v1/"
+    listener, url = start_byte_listener(work / "mirror", work)
+    base = url + "bench/v1/"
     try:
         wait_for(base)
 
