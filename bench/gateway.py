@@ -1,0 +1,347 @@
+#!/usr/bin/env python
+"""llmgw's gateway vs LiteLLM's proxy: the same requests to one stub upstream, measured in one run.
+
+    .venv/bin/python bench/gateway.py [--quick] [--rounds 2000] [--duration 10] [--streams 1000]
+
+Starts bench/stub_upstream.py (answers at once; streams 20 chunks), llmgw's admin
+server (`manage.py admin_server`: one uvicorn process, Django and the /v1/ gateway,
+its own database under a temporary directory) and LiteLLM's proxy (`litellm
+--num_workers 1`, from PyPI, in its own venv under var/bench/litellm-venv, made the
+first time), both routing the model `stub` to the stub. Then sends the same requests
+directly to the stub and through each proxy, from this process (bench/httpload.py):
+
+  one at a time     one kept-alive connection per target, the targets taking turns;
+                    added latency = the proxy's p50 (p99) minus the direct p50 (p99)
+  first chunk       the same with "stream": true: time to the first `data:` event
+  64 concurrent     64 kept-alive connections for --duration seconds: requests per
+                    second, and the added p50 and p99
+  open streams      --streams streams that the stub holds open after their first
+                    event: how many each one holds, whether it still answers a plain
+                    request meanwhile, and its memory; then all are let go
+
+Prints a table, the ratios against LiteLLM, and whether each of the issue's goals is
+met. The stub, the proxies and this load generator share the machine's cores; nothing
+is pinned. Only loopback is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import uvloop
+from benchlib import ROOT, free_port
+from httpload import Connection, Target, concurrent, open_streams, pct, sequential
+
+LITELLM_VERSION = "1.110.2"
+LITELLM_VENV = ROOT / "var" / "bench" / "litellm-venv"
+
+# The issue's goals.
+ADDED_P50_MS = 2.0
+FIRST_CHUNK_ADDED_MS = 2.0
+TIMES_LITELLM_RPS = 10
+OPEN_STREAMS = 1000
+
+
+def quiet_popen(argv: list[str], env: dict, log: Path, cwd: Path = ROOT) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv, env=env, cwd=cwd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+async def answers(target: Target, timeout: float = 60) -> bool:
+    """Until a chat completion through `target` comes back 200 (routes and workers take a moment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            connection = await Connection.open(target.port)
+            response = await asyncio.wait_for(connection.send(target.request()), 10)
+            connection.close()
+            if response.ok:
+                return True
+        except (TimeoutError, OSError, ConnectionError):
+            pass
+        await asyncio.sleep(0.3)
+    return False
+
+
+# --- LiteLLM --------------------------------------------------------------------------------
+
+
+def ensure_litellm() -> Path | None:
+    """LiteLLM's proxy in its own venv, installed once; None, and why, if it cannot be had."""
+    litellm = LITELLM_VENV / "bin" / "litellm"
+    if litellm.exists():
+        return litellm
+    print(f"Installing litellm[proxy]=={LITELLM_VERSION} into {LITELLM_VENV} (once)...", flush=True)
+    subprocess.run(["python3", "-m", "venv", str(LITELLM_VENV)], check=True)
+    pip = [str(LITELLM_VENV / "bin" / "pip"), "install", "-q"]
+    if subprocess.run(pip + [f"litellm[proxy]=={LITELLM_VERSION}"], capture_output=True).returncode != 0:
+        # The proxy extra pins `litellm-proxy`, a package the registry here does not have, and two
+        # helper packages at versions it does not have; the proxy's code ships in `litellm` itself.
+        # So: litellm, then the extra's other requirements, the unavailable pins relaxed.
+        if subprocess.run(pip + [f"litellm=={LITELLM_VERSION}"], capture_output=True).returncode != 0:
+            print(f"LiteLLM {LITELLM_VERSION} could not be installed: it is left out of this run.")
+            return None
+        script = (
+            "from importlib.metadata import requires\n"
+            "from packaging.requirements import Requirement\n"
+            "for r in requires('litellm'):\n"
+            "    q = Requirement(r)\n"
+            "    if q.marker and q.marker.evaluate({'extra': 'proxy'}) and not q.marker.evaluate({'extra': ''}):\n"
+            "        if q.name == 'litellm-proxy': continue\n"
+            "        print(q.name if q.name.startswith('litellm-') else str(q).split(';')[0])\n"
+        )
+        python = str(LITELLM_VENV / "bin" / "python")
+        requirements = subprocess.run([python, "-c", script], capture_output=True, text=True).stdout.split()
+        if subprocess.run(pip + requirements, capture_output=True).returncode != 0:
+            print("LiteLLM's proxy requirements could not be installed: it is left out of this run.")
+            return None
+    return litellm
+
+
+def start_litellm(litellm: Path, stub_port: int, work: Path) -> tuple[subprocess.Popen, Target]:
+    port = free_port()
+    config = work / "litellm.yaml"
+    models = "".join(
+        f"""  - model_name: {name}
+    litellm_params:
+      model: openai/{name}
+      api_base: http://127.0.0.1:{stub_port}/v1
+      api_key: x
+"""
+        for name in ("stub", "stub-hold")
+    )
+    config.write_text(f"model_list:\n{models}litellm_settings:\n  telemetry: false\n")
+    key = "sk-" + secrets.token_hex(32)
+    env = dict(
+        os.environ,
+        LITELLM_MASTER_KEY=key,  # it refuses to start without one; llmgw checks a key too
+        LITELLM_LOCAL_MODEL_COST_MAP="True",  # no fetch of the price list from the internet
+        LITELLM_LOG="ERROR",
+        LITELLM_TELEMETRY="False",
+        DISABLE_ADMIN_UI="True",
+    )
+    for name in ("DATABASE_URL", "REDIS_URL", "REDIS_HOST"):
+        env.pop(name, None)
+    argv = [str(litellm), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    process = quiet_popen(argv + ["--num_workers", "1", "--telemetry", "False"], env, work / "litellm.log", work)
+    return process, Target("LiteLLM", port, key=key, pid=process.pid)
+
+
+# --- llmgw ----------------------------------------------------------------------------------
+
+SEED = """
+from catalog.models import Model, Profile
+from fleet.models import Node, Replica
+node, _ = Node.objects.get_or_create(name="bench")
+for name in ("stub", "stub-hold"):
+    model, _ = Model.objects.get_or_create(
+        name=name, defaults=dict(source=f"http://127.0.0.1:1/{name}/v1/stub.gguf", context_length=100000, max_output=0)
+    )
+    Profile.objects.get_or_create(model=model, name="cpu", defaults=dict(engine="llamacpp"))
+    Replica.objects.update_or_create(
+        model_name=name, profile_name="cpu", node=node,
+        defaults=dict(state="ready", endpoint="http://127.0.0.1:{stub_port}/v1"),
+    )
+"""
+
+
+def start_llmgw(stub_port: int, work: Path) -> tuple[subprocess.Popen, Target] | None:
+    port = free_port()
+    env = dict(
+        os.environ,
+        LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
+        LLMGW_VAR=str(work / "var"),
+        DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
+        REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens: it must not matter here
+    )
+    manage = [sys.executable, str(ROOT / "manage.py")]
+    commands = subprocess.run(manage + ["help", "--commands"], env=env, cwd=ROOT, capture_output=True, text=True)
+    if "admin_server" not in commands.stdout.split():
+        print("llmgw: this tree has no `manage.py admin_server` (the gateway): it is left out of this run.")
+        return None
+    subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
+    subprocess.run(manage + ["shell", "-c", SEED.replace("{stub_port}", str(stub_port))], env=env, cwd=ROOT, check=True)
+    created = subprocess.run(
+        manage + ["api_key", "create", "bench"], env=env, cwd=ROOT, check=True, capture_output=True, text=True
+    )
+    key = created.stdout.strip().splitlines()[-1].strip()
+    process = quiet_popen(manage + ["admin_server"], env, work / "llmgw.log")
+    return process, Target("llmgw", port, key=key, pid=process.pid)
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def ms(seconds: float) -> float:
+    return seconds * 1000
+
+
+async def release_held(stub_port: int) -> None:
+    connection = await Connection.open(stub_port)
+    raw = b"POST /release HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n"
+    await connection.send(raw)
+    connection.close()
+
+
+async def measure(direct: Target, proxies: list[Target], args: argparse.Namespace) -> None:
+    targets = [direct] + proxies
+    names = [t.name for t in targets]
+    print(f"\none at a time: {args.rounds} requests each, the targets taking turns", flush=True)
+    plain = await sequential(targets, args.rounds, stream=False)
+    streamed = await sequential(targets, args.rounds, stream=True)
+
+    print(f"{args.clients} concurrent: {args.duration:g} s each, best of {args.repeat}", flush=True)
+    loaded = {}
+    for t in targets:
+        runs = [await concurrent(t, args.clients, args.duration) for _ in range(args.repeat)]
+        loaded[t.name] = max(runs, key=lambda r: r.requests_per_second)
+
+    print(f"open streams: up to {args.streams} each", flush=True)
+    held = {}
+    for t in targets:
+        held[t.name] = await open_streams(t, args.streams, lambda: release_held(direct.port))
+
+    # --- the table ---
+    d_plain, d_stream, d_load = plain.seconds["direct"], streamed.first_event["direct"], loaded["direct"].seconds
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label: str, value) -> None:
+        rows.append((label, [value(n) for n in names]))
+
+    row("one at a time, p50", lambda n: f"{ms(pct(plain.seconds[n], 50)):.2f} ms")
+    row("one at a time, p99", lambda n: f"{ms(pct(plain.seconds[n], 99)):.2f} ms")
+    added50 = {n: ms(pct(plain.seconds[n], 50) - pct(d_plain, 50)) for n in names}
+    added99 = {n: ms(pct(plain.seconds[n], 99) - pct(d_plain, 99)) for n in names}
+    row("  added p50", lambda n: f"{added50[n]:.2f} ms" if n != "direct" else "")
+    row("  added p99", lambda n: f"{added99[n]:.2f} ms" if n != "direct" else "")
+    gateway_ms = {n: statistics.median(plain.gateway_ms[n]) if plain.gateway_ms[n] else None for n in names}
+    row("  Server-Timing gateway, p50", lambda n: f"{gateway_ms[n]:.2f} ms" if gateway_ms[n] is not None else "")
+    first_added = {n: ms(pct(streamed.first_event[n], 50) - pct(d_stream, 50)) for n in names}
+    row("first streamed chunk, p50", lambda n: f"{ms(pct(streamed.first_event[n], 50)):.2f} ms")
+    row("  added", lambda n: f"{first_added[n]:.2f} ms" if n != "direct" else "")
+    row("whole stream, p50", lambda n: f"{ms(pct(streamed.seconds[n], 50)):.2f} ms")
+    rps = {n: loaded[n].requests_per_second for n in names}
+    row(f"{args.clients} concurrent, requests/s", lambda n: f"{rps[n]:,.0f}")
+    row("  p50", lambda n: f"{ms(pct(loaded[n].seconds, 50)):.1f} ms")
+    row("  added p50", lambda n: f"{ms(pct(loaded[n].seconds, 50) - pct(d_load, 50)):.1f} ms" if n != "direct" else "")
+    row("  added p99", lambda n: f"{ms(pct(loaded[n].seconds, 99) - pct(d_load, 99)):.1f} ms" if n != "direct" else "")
+    row(
+        "  server CPU per request",
+        lambda n: f"{ms(loaded[n].cpu_seconds / max(1, len(loaded[n].seconds))):.2f} ms",
+    )
+    row("open streams held", lambda n: f"{held[n].held:,} / {held[n].asked:,}")
+    row("  completed when let go", lambda n: f"{held[n].completed:,}")
+    row("  a plain request meanwhile", lambda n: f"{held[n].answer_ms:.1f} ms")
+    row("  server memory (RSS)", lambda n: f"{held[n].rss_bytes / (1 << 20):.0f} MiB")
+    errors = {n: plain.errors[n] + streamed.errors[n] + loaded[n].errors for n in names}
+    row("errors (not open streams)", lambda n: str(errors[n]))
+
+    width = max(len(label) for label, _ in rows) + 2
+    print()
+    print(f"{'':{width}}" + "".join(f"{n:>16}" for n in names))
+    for label, values in rows:
+        print(f"{label:{width}}" + "".join(f"{v:>16}" for v in values))
+
+    llmgw = "llmgw" if "llmgw" in names else None
+    litellm = "LiteLLM" if "LiteLLM" in names else None
+    print()
+    if llmgw and litellm:
+        print(
+            f"llmgw / LiteLLM: added p50 {added50[llmgw] / added50[litellm]:.2f} ×, "
+            f"first chunk added {first_added[llmgw] / first_added[litellm]:.2f} ×, "
+            f"requests/s {rps[llmgw] / rps[litellm]:.1f} ×, open streams {held[llmgw].held} vs {held[litellm].held}"
+        )
+    if llmgw:
+        goals = [
+            (f"added p50 one at a time ≤ {ADDED_P50_MS:g} ms", added50[llmgw] <= ADDED_P50_MS),
+            (
+                f"first streamed chunk ≤ {FIRST_CHUNK_ADDED_MS:g} ms later than direct",
+                first_added[llmgw] <= FIRST_CHUNK_ADDED_MS,
+            ),
+            (f"{OPEN_STREAMS:,} open streams held on one process", held[llmgw].held >= OPEN_STREAMS),
+        ]
+        if litellm:
+            goals.append(
+                (f"requests/s ≥ {TIMES_LITELLM_RPS} × LiteLLM's", rps[llmgw] >= TIMES_LITELLM_RPS * rps[litellm])
+            )
+        for goal, met in goals:
+            print(f"{'met    ' if met else 'NOT met'}  {goal}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--quick", action="store_true", help="a short run: fewer requests, shorter loads")
+    parser.add_argument("--rounds", type=int, default=2000, help="requests one at a time, each target")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=10, help="seconds of concurrent load, each target")
+    parser.add_argument("--repeat", type=int, default=2, help="concurrent runs each target; the best counts")
+    parser.add_argument("--streams", type=int, default=OPEN_STREAMS)
+    parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory and its logs")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.duration, args.repeat = 300, 3, 1
+
+    # 1,000 streams through a proxy are 2,000 sockets in it; the children inherit this.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
+    processes: list[subprocess.Popen] = []
+    try:
+        stub_port = free_port()
+        stub = quiet_popen(
+            [sys.executable, str(ROOT / "bench" / "stub_upstream.py"), "--port", str(stub_port)],
+            dict(os.environ),
+            work / "stub.log",
+        )
+        processes.append(stub)
+        direct = Target("direct", stub_port, pid=stub.pid)
+        proxies = []
+        started = start_llmgw(stub_port, work)
+        if started:
+            processes.append(started[0])
+            proxies.append(started[1])
+        litellm = None if args.no_litellm else ensure_litellm()
+        if litellm:
+            process, target = start_litellm(litellm, stub_port, work)
+            processes.append(process)
+            proxies.append(target)
+
+        async def run() -> None:
+            for target in [direct] + proxies:
+                if not await answers(target):
+                    log = work / f"{target.name.lower()}.log"
+                    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                    raise SystemExit(f"{target.name} did not answer a chat completion within 60 s\n{tail}")
+            await measure(direct, proxies, args)
+
+        uvloop.run(run())
+        print(f"\n{os.cpu_count()} cores; load average before the end: {os.getloadavg()[0]:.2f}")
+    finally:
+        for process in processes:
+            try:
+                os.killpg(process.pid, 15)
+                process.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(process.pid, 9)
+        if args.keep:
+            print(f"work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
