@@ -46,27 +46,7 @@ class Command(BaseCommand):
 
         py = services.python()
         admin_host, admin_port = settings.ADMIN_ADDR
-        supervisor.start(
-            "admin server",
-            [
-                py,
-                "-m",
-                "gunicorn",
-                "llmgw_site.wsgi:application",
-                "--bind",
-                f"{admin_host}:{admin_port}",
-                "--worker-class",
-                "gthread",
-                "--workers",
-                "2",
-                "--threads",
-                "8",
-                "--timeout",
-                "120",
-                "--name",
-                "llmgw-admin",
-            ],
-        )
+        supervisor.start("admin server", [py, "manage.py", "admin_server"])
         supervisor.start("byte listener", [py, "manage.py", "byte_listener"])
         supervisor.start(
             "control worker",
@@ -101,6 +81,9 @@ class Command(BaseCommand):
         self.stdout.write("llmgw is up. Ctrl-C stops everything it started.")
         self.stdout.write(f"  admin:         http://{admin_host}:{admin_port}/admin/")
         self.stdout.write(f"  API:           http://{admin_host}:{admin_port}/api/  (schema at /api/schema/)")
+        self.stdout.write(
+            f"  gateway:       http://{admin_host}:{admin_port}/v1/  (keys: manage.py api_key create NAME)"
+        )
         self.stdout.write(f"  byte listener: {settings.BYTES_URL}")
         self.stdout.write(f"  mirror:        {settings.MIRROR_ROOT}  (copy files into <model>/<version>/)")
         if note:
