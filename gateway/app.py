@@ -59,7 +59,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._refresher: asyncio.Task | None = None
         self._refreshing: asyncio.Future | None = None
-        self._last_refresh = 0.0
+        self._last_refresh_start = 0.0
         self._turn = 0
 
     # --- life -----------------------------------------------------------------
@@ -109,15 +109,27 @@ class Gateway:
             return
         loop = asyncio.get_running_loop()
         self._refreshing = loop.create_future()
+        self._last_refresh_start = time.monotonic()
         try:
             self.table = await loop.run_in_executor(self._db, self._read_table)
         except Exception:
             # The old table keeps routing; the next refresh tries again.
             log.exception("the gateway could not read its routing table; keeping the previous one")
         finally:
-            self._last_refresh = time.monotonic()
             self._refreshing.set_result(None)
             self._refreshing = None
+
+    async def refresh_since(self, asked: float) -> None:
+        """A table read that began after `asked`: what a key made a moment ago needs.
+
+        At most one such read each KEY_MISS_REFRESH_S, so a stream of wrong keys
+        cannot keep the database busy; a wrong key waits that long for its 401.
+        """
+        wait = self._last_refresh_start + KEY_MISS_REFRESH_S - asked
+        if wait > 0:
+            await asyncio.sleep(wait)
+        while self._last_refresh_start < asked:
+            await self.refresh()
 
     def _read_table(self) -> routes.Table:
         close_old_connections()
@@ -221,8 +233,8 @@ class Gateway:
             )
         digest = hash_key(secret.strip())
         key = self.table.keys.get(digest)
-        if key is None and time.monotonic() - self._last_refresh > KEY_MISS_REFRESH_S:
-            await self.refresh()  # a key made a moment ago
+        if key is None:
+            await self.refresh_since(time.monotonic())  # perhaps a key made a moment ago
             key = self.table.keys.get(digest)
         if key is None:
             raise Refusal(401, "This API key is not valid: it is unknown or was turned off.", code="invalid_api_key")
