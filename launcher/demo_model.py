@@ -13,6 +13,7 @@ write it wherever they need it (`write_tiny_llama`).
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -101,7 +102,7 @@ def seed_mirror(mirror_root: Path) -> Path | None:
     files in it, and it is theirs from then on.
 
     Written into a hidden directory and renamed into place, so that a scan or a
-    node fetching never sees a version with one of its three parts: the scan
+    node fetching never sees a version with only some of its three parts: the scan
     and the byte listener ignore hidden names, and the rename is one step.
     """
     target = mirror_root / DEMO_MODEL
@@ -110,6 +111,10 @@ def seed_mirror(mirror_root: Path) -> Path | None:
     staging = mirror_root / f".{DEMO_MODEL}.tmp"
     # Left over from a start that was stopped halfway; it is ours and never shown.
     shutil.rmtree(staging, ignore_errors=True)
+    # The writer logs each part it plans at INFO; in `make run`'s output that is noise.
+    writer_log = logging.getLogger("gguf.gguf_writer")
+    level = writer_log.level
+    writer_log.setLevel(logging.WARNING)
     try:
         write_tiny_llama(staging / DEMO_VERSION)
         try:
@@ -118,6 +123,7 @@ def seed_mirror(mirror_root: Path) -> Path | None:
             # Something of that name appeared while we wrote, with files in it.
             return None
     finally:
+        writer_log.setLevel(level)
         shutil.rmtree(staging, ignore_errors=True)
     return target / DEMO_VERSION
 
