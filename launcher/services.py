@@ -18,6 +18,10 @@ import redis
 from django.conf import settings
 from django.contrib.auth import get_user_model
 
+from mirror import scan
+
+from . import demo_model
+
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", ""}
 
 
@@ -147,6 +151,26 @@ def ensure_staff_user() -> str | None:
     password = secrets.token_urlsafe(12)
     User.objects.create_superuser("admin", "", password)
     return f"Created the staff account admin with password {password} (shown this once)."
+
+
+def ensure_demo_model() -> str | None:
+    """The demo model in the mirror and in its index; a sentence saying where, or None when turned off.
+
+    Indexed at once rather than at the next scan, so that the admin shows it as
+    soon as `make run` says llmgw is up.
+    """
+    if not settings.DEMO_MODEL:
+        return None
+    where = Path(settings.MIRROR_ROOT) / demo_model.DEMO_MODEL
+    try:
+        written = demo_model.seed_mirror(Path(settings.MIRROR_ROOT))
+    except OSError as error:
+        # A demo is not worth refusing to start over (a full disk, say).
+        return f"Demo model: could not write it to {where} ({error}); llmgw runs without it."
+    scan.scan_mirror()
+    if written is None:
+        return f"Demo model: {where} was there already, so it is left as it is."
+    return f"Demo model (random weights): written to {written}; serve it from the admin's Mirror versions."
 
 
 @dataclass

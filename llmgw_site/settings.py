@@ -66,8 +66,18 @@ BYTES_THREADS = env_int("LLMGW_BYTES_THREADS", 32, minimum=1)
 # gunicorn's worker heartbeat timeout; with threads it bounds a stuck worker, not a long download.
 BYTES_WORKER_TIMEOUT_S = env_int("LLMGW_BYTES_WORKER_TIMEOUT_S", 120, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
+# `manage.py up` puts a tiny demo GGUF into the mirror (tiny-demo/v1) unless one is there.
+DEMO_MODEL = env_bool("LLMGW_DEMO_MODEL", True)
 # Models declared in configuration (YAML), loaded at migrate and by `manage.py catalog_load`.
 CATALOG_FILE = env_path("LLMGW_CATALOG", Path(""), BASE_DIR) if env_str("LLMGW_CATALOG", "") else None
+# The gateway (/v1/ on the admin port): how often it re-reads models, replicas and keys, in milliseconds.
+GATEWAY_REFRESH_MS = env_int("LLMGW_GATEWAY_REFRESH_MS", 1000, minimum=50)
+# How long a replica may take to start answering (headers) before the request fails, in seconds.
+GATEWAY_UPSTREAM_TIMEOUT_S = env_int("LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S", 600, minimum=1)
+# The largest request body the gateway reads, in bytes.
+GATEWAY_MAX_BODY = env_int("LLMGW_GATEWAY_MAX_BODY", 32 * 1024 * 1024, minimum=1024)
+# Threads that run Django's own pages (admin, API) beside the gateway in the admin server.
+ADMIN_THREADS = env_int("LLMGW_ADMIN_THREADS", 16, minimum=1)
 
 # --- applications -------------------------------------------------------------
 
@@ -88,6 +98,7 @@ INSTALLED_APPS = [
     "fleet",
     "agent",
     "launcher",
+    "gateway",
 ]
 
 MIDDLEWARE = [

@@ -66,3 +66,15 @@ def enrolled_node(transactional_db):
 @pytest.fixture
 def agent_cache(tmp_path) -> Path:
     return tmp_path / "agent-cache"
+
+
+@pytest.fixture
+def gateway(transactional_db, tmp_path):
+    """A real admin server (uvicorn) on the test database: `.url` and `.process`."""
+    from types import SimpleNamespace
+
+    from .processes import start_admin_server
+
+    process, url = start_admin_server(tmp_path)
+    yield SimpleNamespace(url=url, process=process)
+    process.stop()

@@ -263,3 +263,22 @@ def children_of(pid: int) -> list[int]:
             return [int(p) for p in fh.read().split()]
     except OSError:
         return []
+
+
+def start_admin_server(log_dir: Path, **settings_env) -> tuple[Process, str]:
+    """`manage.py admin_server` (uvicorn: Django and the /v1/ gateway) on a free port, on the test database."""
+    port = free_port()
+    env = process_env(LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}", LLMGW_GATEWAY_REFRESH_MS=100, **settings_env)
+    process = Process("admin-server", [sys.executable, "manage.py", "admin_server"], env, log_dir)
+    url = f"http://127.0.0.1:{port}"
+
+    def answers():
+        if not process.alive():
+            raise AssertionError(f"the admin server exited:\n{process.output()}")
+        try:
+            return requests.get(url + "/v1/models", timeout=1).status_code == 401
+        except requests.RequestException:
+            return False
+
+    wait_until(answers, what="the admin server to answer")
+    return process, url

@@ -24,8 +24,8 @@ from django.conf import settings
 
 from agent import engines, supervisor
 from agent.engine_tasks import start_on_node
+from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 
-from .gguf_model import EOS_TOKEN_ID, write_tiny_llama
 from .processes import process_env, wait_until
 
 BASE_DIR = Path(__file__).resolve().parent.parent

@@ -20,10 +20,10 @@ from agent.fetch import cache_path
 from catalog.models import Model
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
+from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 from mirror import scan
 
 from .conftest import put
-from .gguf_model import EOS_TOKEN_ID, write_tiny_llama
 from .processes import Process, process_env, wait_until
 from .staff_api import token_session
 

@@ -17,6 +17,7 @@ from .processes import BASE_DIR
         ("LLMGW_HEARTBEAT_S", "often", "LLMGW_HEARTBEAT_S must be a whole number, not 'often'"),
         ("LLMGW_SCAN_INTERVAL_S", "0", "LLMGW_SCAN_INTERVAL_S must be at least 1, not 0"),
         ("LLMGW_ALLOW_REMOTE_CODE", "maybe", "LLMGW_ALLOW_REMOTE_CODE must be true or false, not 'maybe'"),
+        ("LLMGW_DEMO_MODEL", "please", "LLMGW_DEMO_MODEL must be true or false, not 'please'"),
     ],
 )
 def test_a_wrong_setting_is_one_sentence_and_a_failed_start(tmp_path, name, value, sentence):

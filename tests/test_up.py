@@ -1,4 +1,4 @@
-"""`make run`'s command, as a new user meets it: up, a hand copy shows, Ctrl-C stops it all."""
+"""`make run`'s command, as a new user meets it: up with the demo model, a hand copy shows, Ctrl-C stops it all."""
 
 import os
 import re
@@ -65,6 +65,13 @@ def test_a_hand_copied_file_shows_on_the_byte_listener_and_in_the_admin_and_ctrl
     text = output()
     assert "starting a private redis-server" in text
     password = re.search(r"staff account admin with password (\S+) \(shown this once\)", text).group(1)
+    assert f"Demo model (random weights): written to {mirror / 'tiny-demo' / 'v1'}" in text
+    assert "gguf_writer" not in text, "the GGUF writer's log lines are noise in make run's output"
+    assert sorted(p.name for p in (mirror / "tiny-demo" / "v1").iterdir()) == [
+        "tiny-00001-of-00003.gguf",
+        "tiny-00002-of-00003.gguf",
+        "tiny-00003-of-00003.gguf",
+    ]
 
     (mirror / "m" / "v1").mkdir(parents=True)
     (mirror / "m" / "v1" / "model.gguf").write_bytes(b"GGUF" + b"\0" * 1000)
@@ -86,11 +93,13 @@ def test_a_hand_copied_file_shows_on_the_byte_listener_and_in_the_admin_and_ctrl
         timeout=5,
     )
 
-    def listed():
-        page = session.get(admin + "mirror/mirrorversion/", timeout=5).text
-        return '<td class="field-version">v1</td>' in page and '<td class="field-file_count">1</td>' in page
+    def listed(model: str, files: int):
+        page = session.get(admin + f"mirror/mirrorversion/?model={model}", timeout=5).text
+        return '<td class="field-version">v1</td>' in page and f'<td class="field-file_count">{files}</td>' in page
 
-    wait_until(listed, timeout=60, interval=1, what="the version to show in the admin")
+    # Indexed before `up` said it was up, not at the first scan.
+    assert listed("tiny-demo", 3)
+    wait_until(lambda: listed("m", 1), timeout=60, interval=1, what="the version to show in the admin")
 
     os.killpg(process.pid, signal.SIGINT)
     assert process.wait(timeout=60) == 0, output()

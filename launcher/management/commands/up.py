@@ -40,33 +40,15 @@ class Command(BaseCommand):
             call_command("migrate", interactive=False, verbosity=0)
             note = services.ensure_staff_user()
             settings.MIRROR_ROOT.mkdir(parents=True, exist_ok=True)
+            if demo := services.ensure_demo_model():
+                self.stdout.write(demo)
         except services.StartError as error:
             supervisor.stop()
             raise CommandError(str(error)) from None
 
         py = services.python()
         admin_host, admin_port = settings.ADMIN_ADDR
-        supervisor.start(
-            "admin server",
-            [
-                py,
-                "-m",
-                "gunicorn",
-                "llmgw_site.wsgi:application",
-                "--bind",
-                f"{admin_host}:{admin_port}",
-                "--worker-class",
-                "gthread",
-                "--workers",
-                "2",
-                "--threads",
-                "8",
-                "--timeout",
-                "120",
-                "--name",
-                "llmgw-admin",
-            ],
-        )
+        supervisor.start("admin server", [py, "manage.py", "admin_server"])
         supervisor.start("byte listener", [py, "manage.py", "byte_listener"])
         supervisor.start(
             "control worker",
@@ -101,6 +83,9 @@ class Command(BaseCommand):
         self.stdout.write("llmgw is up. Ctrl-C stops everything it started.")
         self.stdout.write(f"  admin:         http://{admin_host}:{admin_port}/admin/")
         self.stdout.write(f"  API:           http://{admin_host}:{admin_port}/api/  (schema at /api/schema/)")
+        self.stdout.write(
+            f"  gateway:       http://{admin_host}:{admin_port}/v1/  (keys: manage.py api_key create NAME)"
+        )
         self.stdout.write(f"  byte listener: {settings.BYTES_URL}")
         self.stdout.write(f"  mirror:        {settings.MIRROR_ROOT}  (copy files into <model>/<version>/)")
         if note:

@@ -1,14 +1,20 @@
 """A tiny llama-architecture GGUF, split into three files, that llama.cpp loads and runs.
 
-Real weights cannot be downloaded here and would be gigabytes; what the tests need
-is a model llama.cpp accepts as a llama and generates tokens from. The weights are
-random (seeded, so every run writes the same bytes), the vocabulary is the 256 bytes
-plus three specials, so any text tokenizes by byte fallback and nothing needs a
-trained tokenizer.
+Real weights cannot be downloaded here and would be gigabytes; what the tests need,
+and what a newcomer needs to see llmgw answer, is a model llama.cpp accepts as a
+llama and generates tokens from. The weights are random (seeded, so every run
+writes the same bytes), the vocabulary is the 256 bytes plus three specials, so any
+text tokenizes by byte fallback and nothing needs a trained tokenizer. It answers
+with random text.
+
+`make run` puts it into the mirror as `tiny-demo/v1/` (`seed_mirror`); the tests
+write it wherever they need it (`write_tiny_llama`).
 """
 
 from __future__ import annotations
 
+import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +88,44 @@ def write_tiny_llama(directory: Path, name: str = "tiny", files: int = 3) -> lis
     if len(written) != files:
         raise RuntimeError(f"the GGUF writer made {len(written)} files, not {files}: {written}")
     return written
+
+
+DEMO_MODEL = "tiny-demo"
+DEMO_VERSION = "v1"
+
+
+def seed_mirror(mirror_root: Path) -> Path | None:
+    """Put the demo model at `mirror_root/tiny-demo/v1/` unless `tiny-demo` is there already.
+
+    Returns the version's directory when it was written now, None when anything
+    of that name was already there: an operator may have replaced or removed
+    files in it, and it is theirs from then on.
+
+    Written into a hidden directory and renamed into place, so that a scan or a
+    node fetching never sees a version with only some of its three parts: the scan
+    and the byte listener ignore hidden names, and the rename is one step.
+    """
+    target = mirror_root / DEMO_MODEL
+    if target.exists() or target.is_symlink():
+        return None
+    staging = mirror_root / f".{DEMO_MODEL}.tmp"
+    # Left over from a start that was stopped halfway; it is ours and never shown.
+    shutil.rmtree(staging, ignore_errors=True)
+    # The writer logs each part it plans at INFO; in `make run`'s output that is noise.
+    writer_log = logging.getLogger("gguf.gguf_writer")
+    level = writer_log.level
+    writer_log.setLevel(logging.WARNING)
+    try:
+        write_tiny_llama(staging / DEMO_VERSION)
+        try:
+            staging.rename(target)
+        except OSError:
+            # Something of that name appeared while we wrote, with files in it.
+            return None
+    finally:
+        writer_log.setLevel(level)
+        shutil.rmtree(staging, ignore_errors=True)
+    return target / DEMO_VERSION
 
 
 if __name__ == "__main__":

@@ -1,0 +1,456 @@
+"""The OpenAI-compatible gateway: `/v1/` on the admin port, as a bare ASGI application.
+
+Why not a Django view: a request through Django's handler and middleware costs
+about a millisecond before any work is done, and the gateway's whole budget is
+a couple of milliseconds. So the hot path is plain asyncio: the routing table
+is a snapshot in memory (see routes.py), the replica is reached over kept-alive
+connections, and the answer is passed on chunk by chunk. Django is still where
+keys, models and replicas are kept and edited; the gateway reads them in a
+thread of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+from django.conf import settings
+from django.db import close_old_connections
+
+from . import routes
+from .errors import ClientGone, Refusal
+from .keys import hash_key
+from .relay import TAIL_BYTES, EventFilter
+from .usage import Recorder, tokens_in
+
+log = logging.getLogger("llmgw.gateway")
+
+# Where each of the gateway's addresses goes on a replica, below its /v1 base.
+ENDPOINTS = {
+    "/v1/chat/completions": "/chat/completions",
+    "/v1/completions": "/completions",
+    "/v1/embeddings": "/embeddings",
+}
+# A replica that refused a connection is tried last for this long, so one dead
+# engine costs one failed connect, not one per request, until the table says so.
+COOLDOWN_S = 5.0
+# A key the table does not know makes the gateway re-read the table, at most this often.
+KEY_MISS_REFRESH_S = 0.25
+JSON_TYPE = (b"content-type", b"application/json")
+
+
+def sentence_of(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.rstrip(".")
+
+
+class Gateway:
+    def __init__(self) -> None:
+        self.table = routes.Table()
+        self.in_flight: dict[int, int] = {}
+        self.cooling: dict[int, float] = {}
+        self.usage = Recorder()
+        self.refresh_s = settings.GATEWAY_REFRESH_MS / 1000
+        self._db = ThreadPoolExecutor(1, thread_name_prefix="gateway-db")
+        self._session: aiohttp.ClientSession | None = None
+        self._refresher: asyncio.Task | None = None
+        self._refreshing: asyncio.Future | None = None
+        self._last_refresh_start = 0.0
+        self._turn = 0
+
+    # --- life -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._session is not None:
+            return
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=60),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.GATEWAY_UPSTREAM_TIMEOUT_S),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        await self.refresh()
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    async def stop(self) -> None:
+        if self._refresher:
+            self._refresher.cancel()
+        if self._session:
+            await self._session.close()
+            self._session = None
+        await asyncio.get_running_loop().run_in_executor(self._db, self._flush_usage)
+
+    async def lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- the table --------------------------------------------------------------
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Read the table again; one read at a time, and callers meanwhile wait for that one."""
+        if self._refreshing is not None:
+            await asyncio.shield(self._refreshing)
+            return
+        loop = asyncio.get_running_loop()
+        self._refreshing = loop.create_future()
+        self._last_refresh_start = time.monotonic()
+        try:
+            self.table = await loop.run_in_executor(self._db, self._read_table)
+        except Exception:
+            # The old table keeps routing; the next refresh tries again.
+            log.exception("the gateway could not read its routing table; keeping the previous one")
+        finally:
+            self._refreshing.set_result(None)
+            self._refreshing = None
+
+    async def refresh_since(self, asked: float) -> None:
+        """A table read that began after `asked`: what a key made a moment ago needs.
+
+        At most one such read each KEY_MISS_REFRESH_S, so a stream of wrong keys
+        cannot keep the database busy; a wrong key waits that long for its 401.
+        """
+        wait = self._last_refresh_start + KEY_MISS_REFRESH_S - asked
+        if wait > 0:
+            await asyncio.sleep(wait)
+        while self._last_refresh_start < asked:
+            await self.refresh()
+
+    def _read_table(self) -> routes.Table:
+        close_old_connections()
+        self._flush_usage()
+        return routes.load()
+
+    def _flush_usage(self) -> None:
+        try:
+            self.usage.flush()
+        except Exception:
+            log.exception("usage not written this time; it is kept for the next try")
+
+    # --- requests --------------------------------------------------------------
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self.lifespan(receive, send)
+            return
+        started = time.perf_counter()
+        if self._session is None:
+            await self.start()
+        try:
+            await self.handle(scope, receive, send, started)
+        except Refusal as refusal:
+            await self.refuse(send, refusal, started)
+        except ClientGone:
+            pass
+
+    async def refuse(self, send, refusal: Refusal, started: float) -> None:
+        body = refusal.body()
+        headers = [JSON_TYPE, (b"content-length", str(len(body)).encode()), *refusal.headers]
+        headers.append(timing(time.perf_counter() - started))
+        await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def handle(self, scope, receive, send, started: float) -> None:
+        path, method = scope["path"], scope["method"]
+        if path == "/v1/models" or path.startswith("/v1/models/"):
+            if method not in ("GET", "HEAD"):
+                raise Refusal(405, f"{path} answers GET only.", code="method_not_allowed")
+            key = await self.authorize(scope)
+            await self.list_models(send, key, path[len("/v1/models/") :] if path != "/v1/models" else "", started)
+            return
+        target = ENDPOINTS.get(path)
+        if target is None:
+            raise Refusal(
+                404,
+                f"There is nothing at {path}. The gateway answers /v1/models, /v1/chat/completions, "
+                "/v1/completions and /v1/embeddings.",
+                code="unknown_url",
+            )
+        if method != "POST":
+            raise Refusal(405, f"{path} answers POST only.", code="method_not_allowed")
+        key = await self.authorize(scope)
+        body = await read_body(receive, settings.GATEWAY_MAX_BODY)
+        request = parse_request(body)
+        name = request["model"]
+        route = self.table.routes.get(name)
+        if route is None:
+            raise Refusal(
+                404,
+                f"There is no model named {name!r} here; GET /v1/models lists the models and their aliases.",
+                code="model_not_found",
+                param="model",
+            )
+        if not key.may_use(route.name):
+            raise Refusal(
+                403,
+                f"This API key may not use the model {route.name}.",
+                kind="permission_error",
+                code="model_not_allowed",
+            )
+        check_limits(path, request, route)
+        client_wants_usage = True
+        if request.get("stream") is True and path != "/v1/embeddings":
+            options = request.get("stream_options")
+            client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+            if not client_wants_usage:
+                request["stream_options"] = dict(options or {}, include_usage=True)
+                body = json.dumps(request).encode()
+        if not route.upstreams:
+            reason = await asyncio.get_running_loop().run_in_executor(self._db, routes.why_not_ready, route.name)
+            raise Refusal(
+                503, reason, kind="service_unavailable", code="no_ready_replica", headers=[(b"retry-after", b"5")]
+            )
+        await self.forward(scope, receive, send, key, route, target, body, client_wants_usage, started)
+
+    async def authorize(self, scope) -> routes.Key:
+        given = b""
+        for header, value in scope["headers"]:
+            if header == b"authorization":
+                given = value
+                break
+        scheme, _, secret = given.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise Refusal(
+                401,
+                "No API key: send it as 'Authorization: Bearer <key>'. Staff create keys in the admin "
+                "or with 'manage.py api_key create NAME'.",
+                code="invalid_api_key",
+            )
+        digest = hash_key(secret.strip())
+        key = self.table.keys.get(digest)
+        if key is None:
+            await self.refresh_since(time.monotonic())  # perhaps a key made a moment ago
+            key = self.table.keys.get(digest)
+        if key is None:
+            raise Refusal(401, "This API key is not valid: it is unknown or was turned off.", code="invalid_api_key")
+        return key
+
+    async def list_models(self, send, key: routes.Key, one: str, started: float) -> None:
+        entries = []
+        for route in self.table.models:
+            if not key.may_use(route.name):
+                continue
+            common = {"object": "model", "created": route.created, "owned_by": "llmgw", "ready": bool(route.upstreams)}
+            entries.append(
+                {
+                    "id": route.name,
+                    **common,
+                    "aliases": list(route.aliases),
+                    "context_length": route.context_length,
+                    "max_output": route.max_output or None,
+                }
+            )
+            entries.extend({"id": alias, **common, "alias_of": route.name} for alias in route.aliases)
+        if one:
+            found = [entry for entry in entries if entry["id"] == one]
+            if not found:
+                raise Refusal(404, f"There is no model named {one!r} here.", code="model_not_found")
+            payload = found[0]
+        else:
+            payload = {"object": "list", "data": entries}
+        body = json.dumps(payload).encode()
+        headers = [JSON_TYPE, (b"content-length", str(len(body)).encode()), timing(time.perf_counter() - started)]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    # --- forwarding ------------------------------------------------------------
+
+    def pick(self, upstreams: tuple[routes.Upstream, ...], tried: set[int]) -> routes.Upstream | None:
+        """The replica with the fewest requests in flight for its weight; cooling ones last."""
+        now = time.monotonic()
+        best, best_score = None, 0.0
+        count = len(upstreams)
+        self._turn += 1
+        for i in range(count):
+            upstream = upstreams[(self._turn + i) % count]
+            if upstream.replica_id in tried:
+                continue
+            score = (self.in_flight.get(upstream.replica_id, 0) + 1) / (upstream.weight or 0.001)
+            if self.cooling.get(upstream.replica_id, 0.0) > now:
+                score += 1e9
+            if best is None or score < best_score:
+                best, best_score = upstream, score
+        return best
+
+    async def forward(self, scope, receive, send, key, route, target, body, client_wants_usage, started) -> None:
+        tried: set[int] = set()
+        failures = []
+        while True:
+            upstream = self.pick(route.upstreams, tried)
+            if upstream is None:
+                raise Refusal(
+                    502,
+                    f"No replica of {route.name} could be reached: " + "; ".join(failures) + ".",
+                    kind="api_error",
+                    code="replica_unreachable",
+                )
+            tried.add(upstream.replica_id)
+            replica = upstream.replica_id
+            self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+            try:
+                sent_at = time.perf_counter()
+                try:
+                    response = await self._session.post(
+                        upstream.base + target, data=body, headers={"Content-Type": "application/json"}
+                    )
+                except aiohttp.ClientConnectionError as error:
+                    # Nothing came back from this one, so the request can go to another.
+                    self.cooling[replica] = time.monotonic() + COOLDOWN_S
+                    failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
+                    continue
+                except TimeoutError:
+                    raise Refusal(
+                        504,
+                        f"Replica {replica} of {route.name} did not start answering within "
+                        f"{settings.GATEWAY_UPSTREAM_TIMEOUT_S} s.",
+                        kind="api_error",
+                        code="replica_timeout",
+                    ) from None
+                self.cooling.pop(replica, None)
+                gateway_s = sent_at - started
+                try:
+                    tail = await self.relay(receive, send, response, replica, gateway_s, client_wants_usage)
+                finally:
+                    response.close()
+                prompt, completion = tokens_in(tail) or (0, 0)
+                self.usage.add(key.id, route.name, prompt, completion)
+                return
+            finally:
+                self.in_flight[replica] -= 1
+
+    async def relay(self, receive, send, response, replica: int, gateway_s: float, client_wants_usage: bool) -> bytes:
+        """Pass the replica's answer on as it comes; returns its last bytes, where the usage is."""
+        answered_at = time.perf_counter()
+        content_type = response.headers.get("Content-Type", "application/json")
+        event_stream = content_type.startswith("text/event-stream")
+        events = EventFilter() if event_stream and not client_wants_usage else None
+        headers = [(b"content-type", content_type.encode("latin-1"))]
+        if event_stream:
+            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        elif (length := response.headers.get("Content-Length")) is not None:
+            headers.append((b"content-length", length.encode("latin-1")))
+        headers.append((b"x-llmgw-replica", str(replica).encode()))
+        headers.append(timing(gateway_s + time.perf_counter() - answered_at))
+
+        # Watch for the client leaving while the answer streams, and stop then:
+        # closing the replica's connection is what makes the engine stop generating.
+        task = asyncio.current_task()
+        finished = False
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not finished:
+                        task.cancel()
+                    return
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        tail = b""
+        try:
+            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            async for chunk in response.content.iter_any():
+                tail = (tail + chunk)[-TAIL_BYTES:]
+                if events is not None:
+                    chunk = events.feed(chunk)
+                    if not chunk:
+                        continue
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            last = events.rest() if events is not None else b""
+            finished = True
+            await send({"type": "http.response.body", "body": last})
+        except asyncio.CancelledError:
+            if finished or watcher.done() is False:
+                raise
+            # The client went away: the answer so far is counted, the replica's connection closed.
+            asyncio.current_task().uncancel()
+            return tail
+        except aiohttp.ClientPayloadError as error:
+            # The replica broke off mid-answer: too late for another replica, so the
+            # client's connection is cut rather than ended as if the answer were whole.
+            log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))
+            raise ClientGone from None
+        finally:
+            watcher.cancel()
+        return tail
+
+
+def timing(seconds: float) -> tuple[bytes, bytes]:
+    """The Server-Timing header with the time the gateway itself added."""
+    return b"server-timing", f"gateway;dur={seconds * 1000:.3f}".encode()
+
+
+async def read_body(receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise Refusal(413, f"The request body is larger than the gateway's limit of {limit} bytes.")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def parse_request(body: bytes) -> dict:
+    try:
+        request = json.loads(body)
+    except ValueError as error:
+        raise Refusal(400, f"The request body is not valid JSON: {sentence_of(error)}.") from None
+    if not isinstance(request, dict):
+        raise Refusal(400, "The request body must be a JSON object.")
+    model = request.get("model")
+    if not isinstance(model, str) or not model:
+        raise Refusal(400, 'Say which model to use: the request has no "model".', param="model")
+    if "stream" in request and not isinstance(request["stream"], bool):
+        raise Refusal(400, '"stream" must be true or false.', param="stream")
+    return request
+
+
+def check_limits(path: str, request: dict, route: routes.Route) -> None:
+    """Refuse what the model cannot do, before a replica spends time on it.
+
+    A prompt longer than the context is refused by the engine itself, which is
+    the one that knows its tokenizer; its 400 is passed on as it is.
+    """
+    if path == "/v1/embeddings":
+        return
+    field = "max_completion_tokens" if request.get("max_completion_tokens") is not None else "max_tokens"
+    wanted = request.get(field)
+    if wanted is None:
+        return
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+        raise Refusal(400, f'"{field}" must be a whole number of at least 1.', param=field)
+    if route.max_output and wanted > route.max_output:
+        raise Refusal(
+            400,
+            f"{field} is {wanted}, above the output limit of {route.name}, which is {route.max_output} tokens.",
+            param=field,
+            code="max_tokens_too_large",
+        )
+    if wanted >= route.context_length:
+        raise Refusal(
+            400,
+            f"{field} is {wanted}, which leaves no room for the prompt in the context length of "
+            f"{route.name}, which is {route.context_length} tokens.",
+            param=field,
+            code="context_length_exceeded",
+        )

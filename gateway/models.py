@@ -1,0 +1,60 @@
+"""API keys for the gateway's clients, and what each key has used."""
+
+from django.core.exceptions import ValidationError
+from django.db import models
+
+
+class ApiKey(models.Model):
+    name = models.CharField(max_length=100, unique=True, help_text="Who or what uses this key.")
+    # The key's first characters, so staff can tell keys apart; the rest is never stored.
+    prefix = models.CharField(max_length=16, editable=False)
+    # sha256 of the whole key. Keys are 256 random bits, so a plain hash is as good as a slow one.
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    model_names = models.JSONField(
+        "models",
+        default=list,
+        blank=True,
+        help_text='Catalog model names this key may use, as a list like ["llama-3"]; empty for every model.',
+    )
+    active = models.BooleanField(default=True, help_text="Clear to refuse this key without losing its usage.")
+    created = models.DateTimeField(auto_now_add=True)
+    created_by = models.CharField(max_length=150, blank=True)
+    last_used = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        if not isinstance(self.model_names, list) or not all(
+            isinstance(m, str) and m.strip() for m in self.model_names
+        ):
+            raise ValidationError(
+                {"model_names": 'Write the models as a list of names, like ["llama-3"], or [] for all.'}
+            )
+
+
+class Usage(models.Model):
+    """Requests and tokens per key, model and day, as the engines counted them."""
+
+    key = models.ForeignKey(ApiKey, related_name="usage", on_delete=models.CASCADE)
+    model_name = models.CharField("model", max_length=200)
+    day = models.DateField()
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-day", "key", "model_name"]
+        verbose_name_plural = "usage"
+        constraints = [models.UniqueConstraint(fields=["key", "model_name", "day"], name="gateway_usage_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.key} / {self.model_name} / {self.day}"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

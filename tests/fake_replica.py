@@ -1,0 +1,98 @@
+"""A replica the tests can steer: a real HTTP server speaking the OpenAI API, in a thread.
+
+The real engine (llama.cpp) is what the end-to-end test uses. This one is for
+what a real engine cannot be made to do on cue: hold a stream open until told,
+say when its client hung up, answer a precise usage. It is a real server on a
+real socket, so the gateway under test cannot tell it from an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+from aiohttp import web
+
+from .services import free_port
+
+
+class FakeReplica:
+    def __init__(self, name: str = "fake") -> None:
+        self.name = name
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}/v1"
+        self.requests: list[dict] = []  # bodies as received
+        self.open_streams = 0
+        self.hung_up = 0  # streams whose client went away before the end
+        self.release = threading.Event()  # lets held streams finish
+        self.usage = {"prompt_tokens": 11, "completion_tokens": 3}
+        self.chunks = 3
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._started.wait(10)
+
+    # --- how it answers ------------------------------------------------------
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        if not body.get("stream"):
+            return web.json_response(
+                {
+                    "object": "chat.completion",
+                    "model": body.get("model"),
+                    "replica": self.name,
+                    "usage": self.usage,
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                    ],
+                }
+            )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        self.open_streams += 1
+        try:
+            for i in range(self.chunks):
+                chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": f"c{i}"}}]}
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if body.get("hold") and i == 0:
+                    # Wait here, with the first chunk sent, until the test lets go.
+                    while not self.release.is_set():
+                        await asyncio.sleep(0.02)
+                        if request.transport is None or request.transport.is_closing():
+                            raise ConnectionResetError
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"object": "chat.completion.chunk", "choices": [], "usage": self.usage}
+                await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.hung_up += 1
+            raise
+        finally:
+            self.open_streams -= 1
+        return response
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": []})
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+            app.router.add_post(path, self._answer)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handle_signals=False)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._started.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        self.release.set()
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

@@ -1,0 +1,405 @@
+"""The /v1/ gateway as clients see it: a real admin server (uvicorn) in front of replicas that answer on cue."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import requests
+
+from catalog.models import Model, Profile
+from fleet.models import Node, Replica
+from gateway.keys import create_key
+from gateway.models import ApiKey, Usage
+
+from .fake_replica import FakeReplica
+from .processes import wait_until
+from .services import free_port
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def redis_client():
+    from agent import progress
+
+    return progress.redis_client()
+
+
+@pytest.fixture
+def replicas():
+    made = []
+
+    def make(name: str = "fake") -> FakeReplica:
+        replica = FakeReplica(name)
+        made.append(replica)
+        return replica
+
+    yield make
+    for replica in made:
+        replica.stop()
+
+
+def add_model(name="chat", aliases=(), context_length=1024, max_output=0, profiles=(("cpu", 1),)) -> Model:
+    model = Model.objects.create(
+        name=name,
+        aliases=list(aliases),
+        source=f"http://127.0.0.1:1/{name}/v1/",
+        context_length=context_length,
+        max_output=max_output,
+    )
+    for profile, weight in profiles:
+        Profile.objects.create(model=model, name=profile, engine="llamacpp", weight=weight)
+    return model
+
+
+def add_replica(model: str, endpoint: str, state="ready", profile="cpu", reason="", source="") -> Replica:
+    node, _ = Node.objects.get_or_create(name="n1")
+    return Replica.objects.create(
+        model_name=model, profile_name=profile, node=node, state=state, endpoint=endpoint, reason=reason, source=source
+    )
+
+
+def client(key: str) -> requests.Session:
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {key}"
+    return session
+
+
+def until_routed(session, url, model="chat"):
+    """The gateway re-reads its table every 100 ms here; wait for the model to be routed."""
+
+    def ready():
+        models = session.get(url + "/v1/models").json().get("data", [])
+        return any(m["id"] == model and m["ready"] for m in models)
+
+    wait_until(ready, timeout=10, what=f"{model} to be routed")
+
+
+def chat(session, url, **body):
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], **body}
+    return session.post(url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def error_of(response) -> dict:
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+# --- keys ------------------------------------------------------------------------
+
+
+def test_a_request_without_a_key_or_with_a_wrong_one_is_refused_in_openais_shape(gateway):
+    add_model()
+    for headers in ({}, {"Authorization": "Bearer llmgw-not-a-key"}, {"Authorization": "Basic abc"}):
+        answer = requests.post(gateway.url + "/v1/chat/completions", json={"model": "chat"}, headers=headers)
+        assert answer.status_code == 401
+        assert error_of(answer)["code"] == "invalid_api_key"
+        assert "server-timing" in answer.headers
+
+
+def test_a_key_made_a_moment_ago_works_and_a_turned_off_key_stops_working(gateway, replicas):
+    add_model()
+    add_replica("chat", replicas().base)
+    key, secret = create_key("fresh")
+    # No waiting for the next refresh: an unknown key makes the gateway look again.
+    assert chat(client(secret), gateway.url).status_code == 200
+    ApiKey.objects.filter(pk=key.pk).update(active=False)
+    wait_until(lambda: chat(client(secret), gateway.url).status_code == 401, timeout=5, what="the key to be refused")
+
+
+def test_a_key_limited_to_some_models_sees_and_uses_only_those(gateway, replicas):
+    add_model("chat")
+    add_model("other")
+    add_replica("chat", replicas().base)
+    add_replica("other", replicas().base)
+    _, secret = create_key("limited", ["chat"])
+    session = client(secret)
+    until_routed(session, gateway.url)
+    assert [m["id"] for m in session.get(gateway.url + "/v1/models").json()["data"]] == ["chat"]
+    refused = chat(session, gateway.url, model="other")
+    assert refused.status_code == 403
+    assert "may not use the model other" in error_of(refused)["message"]
+
+
+# --- models and routing ---------------------------------------------------------------
+
+
+def test_models_lists_names_and_aliases_with_whether_each_has_a_ready_replica(gateway, replicas):
+    add_model("chat", aliases=["assistant"], max_output=512)
+    add_model("waiting")
+    add_replica("chat", replicas().base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    listed = {m["id"]: m for m in session.get(gateway.url + "/v1/models").json()["data"]}
+    assert (
+        listed["chat"]["ready"] and listed["chat"]["aliases"] == ["assistant"] and listed["chat"]["max_output"] == 512
+    )
+    assert listed["assistant"]["ready"] and listed["assistant"]["alias_of"] == "chat"
+    assert listed["waiting"]["ready"] is False
+    assert session.get(gateway.url + "/v1/models/assistant").json()["alias_of"] == "chat"
+
+
+def test_an_alias_reaches_the_model_and_an_unknown_name_is_a_404(gateway, replicas):
+    add_model("chat", aliases=["assistant"])
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    assert chat(session, gateway.url, model="assistant").json()["replica"] == "fake"
+    missing = chat(session, gateway.url, model="nothing-like-it")
+    assert missing.status_code == 404
+    assert error_of(missing)["code"] == "model_not_found" and "nothing-like-it" in error_of(missing)["message"]
+
+
+def test_the_replica_with_fewest_requests_in_flight_gets_the_next_one(gateway, replicas):
+    add_model()
+    first, second = replicas("first"), replicas("second")
+    add_replica("chat", first.base)
+    add_replica("chat", second.base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    held = requests.post(
+        gateway.url + "/v1/chat/completions",
+        json={"model": "chat", "messages": [], "stream": True, "hold": True},
+        headers={"Authorization": f"Bearer {secret}"},
+        stream=True,
+        timeout=30,
+    )
+    busy = held.headers["x-llmgw-replica"]
+    for _ in range(6):
+        answer = chat(session, gateway.url)
+        assert answer.headers["x-llmgw-replica"] != busy
+    first.release.set()
+    second.release.set()
+    held.close()
+
+
+def test_profile_weights_share_the_streams_in_flight(gateway, replicas):
+    add_model(profiles=(("big", 3), ("small", 1)))
+    big, small = replicas("big"), replicas("small")
+    add_replica("chat", big.base, profile="big")
+    add_replica("chat", small.base, profile="small")
+    _, secret = create_key("k")
+    until_routed(client(secret), gateway.url)
+    streams = []
+    for _ in range(8):
+        streams.append(
+            requests.post(
+                gateway.url + "/v1/chat/completions",
+                json={"model": "chat", "messages": [], "stream": True, "hold": True},
+                headers={"Authorization": f"Bearer {secret}"},
+                stream=True,
+                timeout=30,
+            )
+        )
+    wait_until(lambda: big.open_streams + small.open_streams == 8, timeout=10, what="eight open streams")
+    assert (big.open_streams, small.open_streams) == (6, 2)
+    big.release.set()
+    small.release.set()
+    for stream in streams:
+        stream.close()
+
+
+def test_a_replica_that_refuses_connections_is_passed_over_for_one_that_answers(gateway, replicas):
+    add_model()
+    dead = add_replica("chat", f"http://127.0.0.1:{free_port()}/v1")
+    alive = replicas("alive")
+    add_replica("chat", alive.base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    for _ in range(5):
+        answer = chat(session, gateway.url)
+        assert answer.status_code == 200 and answer.json()["replica"] == "alive"
+        assert answer.headers["x-llmgw-replica"] != str(dead.pk)
+    assert len(alive.requests) == 5
+
+
+def test_when_no_replica_can_be_reached_the_client_is_told_which_and_why(gateway):
+    add_model()
+    dead = add_replica("chat", f"http://127.0.0.1:{free_port()}/v1")
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    answer = chat(session, gateway.url)
+    assert answer.status_code == 502
+    assert f"replica {dead.pk}" in error_of(answer)["message"]
+
+
+# --- refusals -----------------------------------------------------------------------
+
+
+def test_no_ready_replica_is_a_503_that_says_why(gateway, redis_client):
+    from agent import progress
+
+    add_model("chat")
+    add_model("placing")
+    source = "http://127.0.0.1:1/chat/v1/"
+    replica = add_replica("chat", "", state="fetching", source=source)
+    progress_snapshot = {"state": "fetching", "bytes_done": 43, "bytes_total": 100, "node": "n1", "source": source}
+    redis_client.hset(progress.progress_key(source), "n1", json.dumps(progress_snapshot))
+    add_replica("placing", "", state="pending", reason="no node has 64 GB of memory free")
+    _, secret = create_key("k")
+    session = client(secret)
+
+    fetching = chat(session, gateway.url)
+    assert fetching.status_code == 503 and fetching.headers["retry-after"] == "5"
+    assert f"replica {replica.pk} on n1 is fetching 43%" in error_of(fetching)["message"]
+    pending = chat(session, gateway.url, model="placing")
+    assert "is pending: no node has 64 GB of memory free" in error_of(pending)["message"]
+    add_model("nowhere")
+    wait_until(lambda: chat(session, gateway.url, model="nowhere").status_code == 503, timeout=5, what="a 503")
+    assert "No replica of nowhere is placed yet" in error_of(chat(session, gateway.url, model="nowhere"))["message"]
+
+
+def test_max_tokens_above_the_output_limit_or_the_context_is_a_400(gateway, replicas):
+    add_model(context_length=256, max_output=64)
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    above = chat(session, gateway.url, max_tokens=65)
+    assert above.status_code == 400
+    assert error_of(above)["message"] == "max_tokens is 65, above the output limit of chat, which is 64 tokens."
+    add_model("long", context_length=256)
+    add_replica("long", replica.base)
+    until_routed(session, gateway.url, "long")
+    no_room = chat(session, gateway.url, model="long", max_completion_tokens=256)
+    assert no_room.status_code == 400 and error_of(no_room)["code"] == "context_length_exceeded"
+    assert chat(session, gateway.url, max_tokens=64).status_code == 200
+    assert len(replica.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b"{not json", "The request body is not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"messages": []}', 'the request has no "model"'),
+        (b'{"model": "chat", "max_tokens": "lots"}', '"max_tokens" must be a whole number'),
+        (b'{"model": "chat", "stream": "yes"}', '"stream" must be true or false'),
+    ],
+)
+def test_a_malformed_request_is_a_400_with_a_sentence(gateway, body, says):
+    add_model()
+    _, secret = create_key("k")
+    answer = client(secret).post(gateway.url + "/v1/chat/completions", data=body)
+    assert answer.status_code == 400
+    assert says in error_of(answer)["message"]
+
+
+def test_anything_but_the_four_addresses_is_a_404_and_the_wrong_method_a_405(gateway):
+    _, secret = create_key("k")
+    assert error_of(client(secret).get(gateway.url + "/v1/chat/completions"))["code"] == "method_not_allowed"
+    assert client(secret).post(gateway.url + "/v1/images/generations", json={}).status_code == 404
+
+
+# --- streaming, usage and the time the gateway adds ------------------------------------------
+
+
+def test_chunks_reach_the_client_while_the_replica_is_still_answering(gateway, replicas):
+    add_model()
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, secret = create_key("k")
+    until_routed(client(secret), gateway.url)
+    stream = requests.post(
+        gateway.url + "/v1/chat/completions",
+        json={"model": "chat", "messages": [], "stream": True, "hold": True},
+        headers={"Authorization": f"Bearer {secret}"},
+        stream=True,
+        timeout=10,
+    )
+    lines = stream.iter_lines()
+    first = next(line for line in lines if line)
+    # The replica is holding the rest back: this chunk came through on its own.
+    assert json.loads(first[len(b"data: ") :])["choices"][0]["delta"]["content"] == "c0"
+    assert replica.open_streams == 1
+    replica.release.set()
+    rest = [line for line in lines if line]
+    assert rest[-1] == b"data: [DONE]"
+    assert stream.headers["content-type"] == "text/event-stream"
+
+
+def test_usage_is_counted_per_key_and_model_streaming_included(gateway, replicas):
+    add_model(aliases=["assistant"])
+    replica = replicas()
+    replica.usage = {"prompt_tokens": 11, "completion_tokens": 3}
+    add_replica("chat", replica.base)
+    _, secret = create_key("counted")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    assert chat(session, gateway.url).json()["usage"]["prompt_tokens"] == 11
+    streamed = chat(session, gateway.url, model="assistant", stream=True)
+    events = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
+    # The client did not ask for the usage chunk, so it does not get one; the gateway counted it anyway.
+    assert all(json.loads(event[6:])["choices"] for event in events)
+    assert replica.requests[-1]["stream_options"] == {"include_usage": True}
+    asked = chat(session, gateway.url, stream=True, stream_options={"include_usage": True})
+    assert '"usage"' in asked.text
+
+    def counted():
+        row = Usage.objects.filter(key__name="counted", model_name="chat").first()
+        return row if row is not None and row.requests == 3 else None
+
+    row = wait_until(counted, timeout=5, what="the usage to be written")
+    assert (row.prompt_tokens, row.completion_tokens) == (33, 9)
+    assert ApiKey.objects.get(name="counted").last_used is not None
+
+
+def test_every_answer_says_how_long_the_gateway_itself_took(gateway, replicas):
+    add_model()
+    add_replica("chat", replicas().base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    for answer in (
+        chat(session, gateway.url),
+        chat(session, gateway.url, stream=True),
+        chat(session, gateway.url, model="x"),
+    ):
+        name, _, duration = answer.headers["server-timing"].partition(";dur=")
+        assert name == "gateway" and 0 < float(duration) < 1000
+
+
+def open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_client_that_hangs_up_mid_stream_closes_the_replicas_connection_and_leaks_nothing(gateway, replicas):
+    add_model()
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, secret = create_key("k")
+    until_routed(client(secret), gateway.url)
+    chat(client(secret), gateway.url)  # the gateway's pool has its connection now
+    pid = gateway.process.popen.pid
+    before = open_descriptors(pid)
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + secret.encode() + b"\r\nContent-Length: %d\r\n\r\n%s"
+    )
+    body = json.dumps({"model": "chat", "messages": [], "stream": True, "hold": True}).encode()
+    for round_ in range(10):
+        with socket.create_connection(("127.0.0.1", int(gateway.url.rsplit(":", 1)[1])), timeout=10) as sock:
+            sock.sendall(request % (len(body), body))
+            assert b"c0" in sock.recv(65536) or b"c0" in sock.recv(65536)
+            wait_until(lambda: replica.open_streams == 1, timeout=5, what="the stream to be open")
+        hung_up = round_ + 1
+        wait_until(lambda: replica.hung_up == hung_up, timeout=5, what="the replica to see the hang-up")  # noqa: B023
+        wait_until(lambda: replica.open_streams == 0, timeout=5, what="the stream to close")
+    # Sockets and tasks are gone: the process holds what it held before.
+    wait_until(lambda: open_descriptors(pid) <= before, timeout=5, what=f"descriptors back to {before}")
+    replica.release.set()
+    time.sleep(0.2)
+    assert chat(client(secret), gateway.url).status_code == 200
