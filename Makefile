@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.requirements-installed
 ENGINE := $(VENV)/.engine-installed
 
-.PHONY: run test venv engine test-deps lint bench clean
+.PHONY: run test venv engine test-deps lint bench bench-gateway clean
 
 venv: $(STAMP)
 
@@ -45,6 +45,10 @@ test: test-deps lint
 
 bench: venv
 	$(PY) bench/bytes.py
+
+# The gateway against LiteLLM's proxy, installed once into var/bench/litellm-venv.
+bench-gateway: venv
+	$(PY) bench/gateway.py
 
 clean:
 	rm -rf var/test* .pytest_cache

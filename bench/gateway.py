@@ -10,8 +10,8 @@ its own database under a temporary directory) and LiteLLM's proxy (`litellm
 first time), both routing the model `stub` to the stub. Then sends the same requests
 directly to the stub and through each proxy, from this process (bench/httpload.py):
 
-  one at a time     one kept-alive connection per target, the targets taking turns;
-                    added latency = the proxy's p50 (p99) minus the direct p50 (p99)
+  one at a time     one kept-alive connection per target, direct and one proxy taking
+                    turns; added latency = the proxy's p50 (p99) minus the direct p50 (p99)
   first chunk       the same with "stream": true: time to the first `data:` event
   64 concurrent     64 kept-alive connections for --duration seconds: requests per
                     second, and the added p50 and p99
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import uvloop
 from benchlib import ROOT, free_port
-from httpload import Connection, Target, concurrent, open_streams, pct, sequential
+from httpload import Connection, Sequential, Target, concurrent, open_streams, pct, sequential
 
 LITELLM_VERSION = "1.110.2"
 LITELLM_VENV = ROOT / "var" / "bench" / "litellm-venv"
@@ -81,7 +81,8 @@ async def answers(target: Target, timeout: float = 60) -> bool:
 def ensure_litellm() -> Path | None:
     """LiteLLM's proxy in its own venv, installed once; None, and why, if it cannot be had."""
     litellm = LITELLM_VENV / "bin" / "litellm"
-    if litellm.exists():
+    installed = LITELLM_VENV / f".installed-{LITELLM_VERSION}"  # not just bin/litellm: a half install has that
+    if installed.exists():
         return litellm
     print(f"Installing litellm[proxy]=={LITELLM_VERSION} into {LITELLM_VENV} (once)...", flush=True)
     subprocess.run(["python3", "-m", "venv", str(LITELLM_VENV)], check=True)
@@ -103,10 +104,11 @@ def ensure_litellm() -> Path | None:
             "        print(q.name if q.name.startswith('litellm-') else str(q).split(';')[0])\n"
         )
         python = str(LITELLM_VENV / "bin" / "python")
-        requirements = subprocess.run([python, "-c", script], capture_output=True, text=True).stdout.split()
+        requirements = subprocess.run([python, "-c", script], capture_output=True, text=True).stdout.splitlines()
         if subprocess.run(pip + requirements, capture_output=True).returncode != 0:
             print("LiteLLM's proxy requirements could not be installed: it is left out of this run.")
             return None
+    installed.touch()
     return litellm
 
 
@@ -172,7 +174,13 @@ def start_llmgw(stub_port: int, work: Path) -> tuple[subprocess.Popen, Target] |
         print("llmgw: this tree has no `manage.py admin_server` (the gateway): it is left out of this run.")
         return None
     subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
-    subprocess.run(manage + ["shell", "-c", SEED.replace("{stub_port}", str(stub_port))], env=env, cwd=ROOT, check=True)
+    # Quietly: without Redis the catalog's signal warns that it could not queue a reconcile,
+    # which does not matter here (the replicas are written ready).
+    seeded = subprocess.run(
+        manage + ["shell", "-c", SEED.replace("{stub_port}", str(stub_port))], env=env, cwd=ROOT, capture_output=True
+    )
+    if seeded.returncode:
+        raise SystemExit(f"llmgw: the routes could not be written:\n{seeded.stderr.decode()[-2000:]}")
     created = subprocess.run(
         manage + ["api_key", "create", "bench"], env=env, cwd=ROOT, check=True, capture_output=True, text=True
     )
@@ -198,9 +206,13 @@ async def release_held(stub_port: int) -> None:
 async def measure(direct: Target, proxies: list[Target], args: argparse.Namespace) -> None:
     targets = [direct] + proxies
     names = [t.name for t in targets]
-    print(f"\none at a time: {args.rounds} requests each, the targets taking turns", flush=True)
-    plain = await sequential(targets, args.rounds, stream=False)
-    streamed = await sequential(targets, args.rounds, stream=True)
+    print(f"\none at a time: {args.rounds} requests each, direct and one proxy taking turns", flush=True)
+    # Each proxy is measured against direct requests interleaved with its own, so that
+    # one proxy's after-work (LiteLLM logs and prices each answer) never lands on another's turn.
+    plain, streamed = {}, {}
+    for proxy in proxies:
+        plain[proxy.name] = await sequential([direct, proxy], args.rounds, stream=False)
+        streamed[proxy.name] = await sequential([direct, proxy], args.rounds, stream=True)
 
     print(f"{args.clients} concurrent: {args.duration:g} s each, best of {args.repeat}", flush=True)
     loaded = {}
@@ -214,27 +226,37 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
         held[t.name] = await open_streams(t, args.streams, lambda: release_held(direct.port))
 
     # --- the table ---
-    d_plain, d_stream, d_load = plain.seconds["direct"], streamed.first_event["direct"], loaded["direct"].seconds
+    d_load = loaded["direct"].seconds
+
+    def one(n: str) -> Sequential:  # the direct column shows the first pair's direct requests
+        return plain[n if n != "direct" else proxies[0].name]
+
+    def one_stream(n: str) -> Sequential:
+        return streamed[n if n != "direct" else proxies[0].name]
+
     rows: list[tuple[str, list[str]]] = []
 
     def row(label: str, value) -> None:
         rows.append((label, [value(n) for n in names]))
 
-    row("one at a time, p50", lambda n: f"{ms(pct(plain.seconds[n], 50)):.2f} ms")
-    row("one at a time, p99", lambda n: f"{ms(pct(plain.seconds[n], 99)):.2f} ms")
-    added50 = {n: ms(pct(plain.seconds[n], 50) - pct(d_plain, 50)) for n in names}
-    added99 = {n: ms(pct(plain.seconds[n], 99) - pct(d_plain, 99)) for n in names}
+    row("one at a time, p50", lambda n: f"{ms(pct(one(n).seconds[n], 50)):.2f} ms")
+    row("one at a time, p99", lambda n: f"{ms(pct(one(n).seconds[n], 99)):.2f} ms")
+    added50 = {n: ms(pct(one(n).seconds[n], 50) - pct(one(n).seconds["direct"], 50)) for n in names}
+    added99 = {n: ms(pct(one(n).seconds[n], 99) - pct(one(n).seconds["direct"], 99)) for n in names}
     row("  added p50", lambda n: f"{added50[n]:.2f} ms" if n != "direct" else "")
     row("  added p99", lambda n: f"{added99[n]:.2f} ms" if n != "direct" else "")
-    gateway_ms = {n: statistics.median(plain.gateway_ms[n]) if plain.gateway_ms[n] else None for n in names}
+    gateway_ms = {n: statistics.median(one(n).gateway_ms[n]) if one(n).gateway_ms[n] else None for n in names}
     row("  Server-Timing gateway, p50", lambda n: f"{gateway_ms[n]:.2f} ms" if gateway_ms[n] is not None else "")
-    first_added = {n: ms(pct(streamed.first_event[n], 50) - pct(d_stream, 50)) for n in names}
-    row("first streamed chunk, p50", lambda n: f"{ms(pct(streamed.first_event[n], 50)):.2f} ms")
+    first_added = {
+        n: ms(pct(one_stream(n).first_event[n], 50) - pct(one_stream(n).first_event["direct"], 50)) for n in names
+    }
+    row("first streamed chunk, p50", lambda n: f"{ms(pct(one_stream(n).first_event[n], 50)):.2f} ms")
     row("  added", lambda n: f"{first_added[n]:.2f} ms" if n != "direct" else "")
-    row("whole stream, p50", lambda n: f"{ms(pct(streamed.seconds[n], 50)):.2f} ms")
+    row("whole stream, p50", lambda n: f"{ms(pct(one_stream(n).seconds[n], 50)):.2f} ms")
     rps = {n: loaded[n].requests_per_second for n in names}
     row(f"{args.clients} concurrent, requests/s", lambda n: f"{rps[n]:,.0f}")
     row("  p50", lambda n: f"{ms(pct(loaded[n].seconds, 50)):.1f} ms")
+    row("  p99", lambda n: f"{ms(pct(loaded[n].seconds, 99)):.1f} ms")
     row("  added p50", lambda n: f"{ms(pct(loaded[n].seconds, 50) - pct(d_load, 50)):.1f} ms" if n != "direct" else "")
     row("  added p99", lambda n: f"{ms(pct(loaded[n].seconds, 99) - pct(d_load, 99)):.1f} ms" if n != "direct" else "")
     row(
@@ -243,9 +265,12 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
     )
     row("open streams held", lambda n: f"{held[n].held:,} / {held[n].asked:,}")
     row("  completed when let go", lambda n: f"{held[n].completed:,}")
-    row("  a plain request meanwhile", lambda n: f"{held[n].answer_ms:.1f} ms")
+    row(
+        "  a plain request meanwhile",
+        lambda n: f"{held[n].answer_ms:.2f} ms" if held[n].answer_ms is not None else "none in 10 s",
+    )
     row("  server memory (RSS)", lambda n: f"{held[n].rss_bytes / (1 << 20):.0f} MiB")
-    errors = {n: plain.errors[n] + streamed.errors[n] + loaded[n].errors for n in names}
+    errors = {n: one(n).errors[n] + one_stream(n).errors[n] + loaded[n].errors for n in names}
     row("errors (not open streams)", lambda n: str(errors[n]))
 
     width = max(len(label) for label, _ in rows) + 2

@@ -1,8 +1,8 @@
 """A lean HTTP/1.1 load generator for bench/gateway.py: raw asyncio and httptools, kept-alive connections.
 
-aiohttp's client costs several times more CPU a request than this, and on two shared
-cores the load generator's CPU is taken from the server it measures. Every target gets
-the same client, so what it does cost falls out of the differences.
+Kept as light as it can be: on two shared cores whatever the load generator spends is
+taken from the server it measures. Every target gets the same client, so what it does
+cost falls out of the differences.
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        for future in (self.first, self.done):
-            if future is not None and not future.done():
-                future.set_exception(ConnectionError("connection closed"))
+        if self.first is not None and not self.first.done():
+            self.first.set_result(None)  # no first event: it will not come now
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("connection closed"))
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -130,6 +131,8 @@ class Connection(asyncio.Protocol):
         return self.done
 
     def close(self) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.cancel()  # nobody waits for it now
         self.transport.close()
 
 
@@ -278,7 +281,7 @@ class OpenStreams:
     asked: int
     held: int  # streams whose first event arrived and that stayed open
     completed: int  # of those, how many ran to [DONE] once the upstream let them go
-    answer_ms: float  # a plain request's time through the target while the streams are held
+    answer_ms: float | None  # a plain request's time through the target while the streams are held
     rss_bytes: int
 
 
@@ -303,7 +306,7 @@ async def open_streams(target: Target, count: int, release, wait: float = 30.0, 
         await asyncio.sleep(0.05)
     remaining = max(1.0, deadline - loop.time())
     await asyncio.wait(firsts, timeout=remaining)
-    held = sum(1 for c, f in zip(connections, firsts, strict=False) if f.done() and not f.exception() and not c.lost)
+    held = sum(1 for c, f in zip(connections, firsts, strict=True) if f.done() and f.result() and not c.lost)
 
     # Is the target still answering while it holds them?
     answer = []
@@ -311,19 +314,20 @@ async def open_streams(target: Target, count: int, release, wait: float = 30.0, 
     for _ in range(10):
         try:
             response = await asyncio.wait_for(probe.send(target.request()), 10)
-            answer.append(response.seconds)
-        except (TimeoutError, ConnectionError):
+        except (ConnectionError, TimeoutError):
             break
+        if response.ok:
+            answer.append(response.seconds)
     probe.close()
     rss = cpu_and_rss(target.pid)[1]
 
     await release()
     await asyncio.wait(dones, timeout=wait)
-    completed = sum(1 for d in dones if d.done() and not d.exception() and d.result().ok)
-    for future in firsts + dones:
+    completed = sum(1 for d in dones if d.done() and not d.cancelled() and not d.exception() and d.result().ok)
+    for future in dones:
         if future.done() and not future.cancelled():
             future.exception()  # retrieved, so asyncio does not log it
     for connection in connections:
         connection.close()
     await asyncio.sleep(0.5)
-    return OpenStreams(count, held, completed, statistics.median(answer) * 1000 if answer else float("nan"), rss)
+    return OpenStreams(count, held, completed, statistics.median(answer) * 1000 if answer else None, rss)
