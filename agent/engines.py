@@ -22,6 +22,9 @@ ENGINES = ("llamacpp", "vllm")
 # Arguments that make an engine import and run Python shipped beside the weights.
 REMOTE_CODE_ARGS = ("--trust-remote-code",)
 TAIL_LINES = 20
+# Where `python -m agent.llamacpp_server` finds the agent package, whatever directory
+# the agent itself was started from.
+PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 
 class EngineError(Exception):
@@ -76,7 +79,7 @@ LLAMA_CPP_PYTHON_FLAGS = {
 
 
 def for_llama_cpp_python(args: list[str]) -> list[str]:
-    """Profile args in llama-server's spelling, translated for `python -m llama_cpp.server`."""
+    """Profile args in llama-server's spelling, translated for PyPI's `llama_cpp.server`."""
     translated = []
     for arg in args:
         flag, eq, value = arg.partition("=")
@@ -102,11 +105,12 @@ def command(
     target = str(weights_argument(engine, weights))
     if engine == "llamacpp":
         server = which("llama-server")
-        # The native server when installed; PyPI's llama-cpp-python otherwise.
+        # The native server when installed; PyPI's llama-cpp-python otherwise, through
+        # the shim that gives its streamed answers the usage the gateway counts.
         if server:
             return [server, "--model", target, "--host", host, "--port", str(port), *args]
         return [
-            *[python, "-m", "llama_cpp.server"],
+            *[python, "-m", "agent.llamacpp_server"],
             *["--model", target, "--host", host, "--port", str(port)],
             *for_llama_cpp_python(args),
         ]
@@ -139,6 +143,7 @@ def spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            cwd=PROJECT_DIR,
         )
 
 

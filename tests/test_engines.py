@@ -76,7 +76,8 @@ def test_llamacpp_without_llama_server_runs_the_python_server_on_the_first_file_
     assert argv == [
         "py",
         "-m",
-        "llama_cpp.server",
+        # PyPI's server, through the shim that puts usage into streamed answers.
+        "agent.llamacpp_server",
         "--model",
         str(tmp_path / "m-00001-of-00003.gguf"),
         "--host",
@@ -209,7 +210,7 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     _, _, endpoint, _ = reports.last()
     assert reports.states() == ["starting", "ready"]
     first = supervisor.read_state(cache)["replicas"]["1"]
-    assert first["argv"][1:4] == ["-m", "llama_cpp.server", "--model"]
+    assert first["argv"][1:4] == ["-m", "agent.llamacpp_server", "--model"]
     assert first["argv"][4] == str(tiny_gguf / "tiny-00001-of-00003.gguf")
     assert endpoint == f"http://127.0.0.1:{first['port']}/v1"
 
@@ -225,7 +226,7 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     step_until(sup, lambda: reports.states()[-1] == "failed", 20, "the crash to be reported")
     reason = reports.last()[3]
     assert reason.startswith("the engine exited with code -9; starting it again in 1 s. Its last lines:")
-    assert "llama_cpp.server" in reason or "Uvicorn" in reason or "INFO" in reason
+    assert "agent.llamacpp_server" in reason or "Uvicorn" in reason or "INFO" in reason
     step_until(sup, lambda: reports.states()[-1] == "ready", 120, "llama.cpp to come back")
     second = supervisor.read_state(cache)["replicas"]["1"]
     assert second["pid"] != first["pid"]
