@@ -203,13 +203,18 @@ class Gateway:
                 code="model_not_allowed",
             )
         check_limits(path, request, route)
+        changed = False
+        if name != route.name:
+            # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
+            request["model"], changed = route.name, True
         client_wants_usage = True
         if request.get("stream") is True and path != "/v1/embeddings":
             options = request.get("stream_options")
             client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
             if not client_wants_usage:
-                request["stream_options"] = dict(options or {}, include_usage=True)
-                body = json.dumps(request).encode()
+                request["stream_options"], changed = dict(options or {}, include_usage=True), True
+        if changed:
+            body = json.dumps(request).encode()
         if not route.upstreams:
             reason = await asyncio.get_running_loop().run_in_executor(self._db, routes.why_not_ready, route.name)
             raise Refusal(

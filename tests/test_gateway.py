@@ -154,6 +154,7 @@ def test_an_alias_reaches_the_model_and_an_unknown_name_is_a_404(gateway, replic
     session = client(secret)
     until_routed(session, gateway.url)
     assert chat(session, gateway.url, model="assistant").json()["replica"] == "fake"
+    assert replica.requests[-1]["model"] == "chat"
     missing = chat(session, gateway.url, model="nothing-like-it")
     assert missing.status_code == 404
     assert error_of(missing)["code"] == "model_not_found" and "nothing-like-it" in error_of(missing)["message"]
