@@ -313,12 +313,8 @@ class Gateway:
                     response = await self._session.post(
                         upstream.base + target, data=body, headers={"Content-Type": "application/json"}
                     )
-                except aiohttp.ClientConnectionError as error:
-                    # Nothing came back from this one, so the request can go to another.
-                    self.cooling[replica] = time.monotonic() + COOLDOWN_S
-                    failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
-                    continue
-                except TimeoutError:
+                except aiohttp.SocketTimeoutError:
+                    # The replica has the request and may be working on it: another would do it twice.
                     raise Refusal(
                         504,
                         f"Replica {replica} of {route.name} did not start answering within "
@@ -326,6 +322,11 @@ class Gateway:
                         kind="api_error",
                         code="replica_timeout",
                     ) from None
+                except aiohttp.ClientConnectionError as error:
+                    # Nothing came back from this one, so the request can go to another.
+                    self.cooling[replica] = time.monotonic() + COOLDOWN_S
+                    failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
+                    continue
                 self.cooling.pop(replica, None)
                 gateway_s = sent_at - started
                 try:
@@ -385,9 +386,9 @@ class Gateway:
             # The client went away: the answer so far is counted, the replica's connection closed.
             asyncio.current_task().uncancel()
             return tail
-        except aiohttp.ClientPayloadError as error:
-            # The replica broke off mid-answer: too late for another replica, so the
-            # client's connection is cut rather than ended as if the answer were whole.
+        except aiohttp.ClientError as error:
+            # The replica broke off or fell silent mid-answer: too late for another replica,
+            # so the client's connection is cut rather than ended as if the answer were whole.
             log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))
             raise ClientGone from None
         finally:

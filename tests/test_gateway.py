@@ -299,6 +299,39 @@ def test_a_malformed_request_is_a_400_with_a_sentence(gateway, body, says):
     assert says in error_of(answer)["message"]
 
 
+def test_completions_and_embeddings_reach_the_same_addresses_on_the_replica(gateway, replicas):
+    add_model()
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    for path in ("/v1/completions", "/v1/embeddings", "/v1/chat/completions"):
+        assert session.post(gateway.url + path, json={"model": "chat", "input": "x"}).status_code == 200
+    assert replica.paths == ["/v1/completions", "/v1/embeddings", "/v1/chat/completions"]
+
+
+def test_a_body_over_the_limit_is_a_413_and_is_not_passed_on(tmp_path, transactional_db, replicas):
+    from .processes import start_admin_server
+
+    add_model()
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, secret = create_key("k")
+    process, url = start_admin_server(tmp_path, LLMGW_GATEWAY_MAX_BODY=4096, LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S=1)
+    try:
+        session = client(secret)
+        until_routed(session, url)
+        big = chat(session, url, messages=[{"role": "user", "content": "x" * 5000}])
+        assert big.status_code == 413 and "larger than the gateway's limit of 4096 bytes" in error_of(big)["message"]
+        assert replica.requests == []
+        # And a replica that does not begin to answer within the timeout is a 504 that says so.
+        slow = chat(session, url, delay=3)
+        assert slow.status_code == 504 and "did not start answering within 1 s" in error_of(slow)["message"]
+    finally:
+        process.stop()
+
+
 def test_anything_but_the_four_addresses_is_a_404_and_the_wrong_method_a_405(gateway):
     _, secret = create_key("k")
     assert error_of(client(secret).get(gateway.url + "/v1/chat/completions"))["code"] == "method_not_allowed"

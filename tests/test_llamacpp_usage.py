@@ -16,8 +16,7 @@ import pytest
 import requests
 
 from agent import engines, llamacpp_server
-
-from .gguf_model import EOS_TOKEN_ID, write_tiny_llama
+from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 
 SAME_TOKENS = {
     "max_tokens": 8,
