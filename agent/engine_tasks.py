@@ -29,8 +29,12 @@ def start_on_node(
     fetch: Callable[[str, Path], Path],
     report: supervisor.Report,
     allow_remote_code: bool = False,
+    model: str = "",
 ) -> bool:
-    """Fetch and hand over one replica; False when it failed (and was reported so)."""
+    """Fetch and hand over one replica; False when it failed (and was reported so).
+
+    `model` is the catalog's name, which the engine is to serve under.
+    """
     try:
         if engine not in engines.ENGINES:
             raise engines.EngineError(f"no engine called {engine!r}; llmgw runs {' and '.join(engines.ENGINES)}")
@@ -39,7 +43,7 @@ def start_on_node(
     except engines.EngineError as e:
         report(replica_id, "failed", "", str(e))
         return False
-    if supervisor.wanted_as(cache, replica_id, engine, source, list(args)):
+    if supervisor.wanted_as(cache, replica_id, engine, source, list(args), model):
         return True
     report(replica_id, "fetching", "", "")
     try:
@@ -48,12 +52,14 @@ def start_on_node(
         # The fetch module's errors are sentences; anything else is said as it is.
         report(replica_id, "failed", "", str(e) or e.__class__.__name__)
         return False
-    supervisor.want(cache, replica_id, engine, source, weights, list(args))
+    supervisor.want(cache, replica_id, engine, source, weights, list(args), model)
     return True
 
 
 @shared_task(name="agent.start_replica", ignore_result=True, acks_late=True, reject_on_worker_lost=True)
-def start_replica(replica_id: int, source: str, engine: str, args: list[str]) -> None:
+def start_replica(replica_id: int, source: str, engine: str, args: list[str], model: str = "") -> None:
+    # `model` has a default: a start queued before the control plane sent it still
+    # runs, and the engine serves under its own default name.
     # The agent issue's modules: what this node is, and how it fetches.
     from agent import runtime
 
@@ -66,6 +72,7 @@ def start_replica(replica_id: int, source: str, engine: str, args: list[str]) ->
         fetch=fetch_reported,
         report=supervisor.celery_report(runtime.token()),
         allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,
+        model=model,
     )
 
 

@@ -22,6 +22,9 @@ ENGINES = ("llamacpp", "vllm")
 # Arguments that make an engine import and run Python shipped beside the weights.
 REMOTE_CODE_ARGS = ("--trust-remote-code",)
 TAIL_LINES = 20
+# Where `python -m agent.llamacpp_server` finds the agent package, whatever directory
+# the agent itself was started from.
+PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 
 class EngineError(Exception):
@@ -72,11 +75,19 @@ LLAMA_CPP_PYTHON_FLAGS = {
     "--ubatch-size": "--n_ubatch",
     "-ub": "--n_ubatch",
     "--chat-template": "--chat_format",
+    "--alias": "--model_alias",
+    "-a": "--model_alias",
+}
+
+# Flags that name the model an engine serves, as a profile may already write them.
+SERVED_NAME_FLAGS = {
+    "llamacpp": ("--alias", "-a", "--model_alias"),
+    "vllm": ("--served-model-name",),
 }
 
 
 def for_llama_cpp_python(args: list[str]) -> list[str]:
-    """Profile args in llama-server's spelling, translated for `python -m llama_cpp.server`."""
+    """Profile args in llama-server's spelling, translated for PyPI's `llama_cpp.server`."""
     translated = []
     for arg in args:
         flag, eq, value = arg.partition("=")
@@ -86,34 +97,53 @@ def for_llama_cpp_python(args: list[str]) -> list[str]:
     return translated
 
 
+def served_name_args(engine: str, model: str, args: list[str]) -> list[str]:
+    """The flag that makes the engine serve under the catalog's name, unless the profile names it.
+
+    vLLM answers 404 to a request whose "model" is not its served name, which is
+    otherwise the weights' path; the gateway forwards the catalog's name. llama.cpp
+    ignores the field, and is told only so that its /v1/models says the same name.
+    """
+    if not model or any(arg.split("=", 1)[0] in SERVED_NAME_FLAGS[engine] for arg in args):
+        return []
+    return ["--served-model-name" if engine == "vllm" else "--alias", model]
+
+
 def command(
     engine: str,
     weights: Path,
     port: int,
     args: list[str],
     *,
+    model: str = "",
     host: str = "127.0.0.1",
     allow_remote_code: bool = False,
     which=shutil.which,
     python: str = sys.executable,
 ) -> list[str]:
-    """The argument list that runs `engine` on `weights`, listening on host:port."""
+    """The argument list that runs `engine` on `weights`, listening on host:port.
+
+    `model` is the catalog's name for it; empty when a start came from a control
+    plane that did not send it, and the engine then serves under its default name.
+    """
     refuse_remote_code(args, allow_remote_code)
     target = str(weights_argument(engine, weights))
+    named = served_name_args(engine, model, args)
     if engine == "llamacpp":
         server = which("llama-server")
-        # The native server when installed; PyPI's llama-cpp-python otherwise.
+        # The native server when installed; PyPI's llama-cpp-python otherwise, through
+        # the shim that gives its streamed answers the usage the gateway counts.
         if server:
-            return [server, "--model", target, "--host", host, "--port", str(port), *args]
+            return [server, "--model", target, "--host", host, "--port", str(port), *named, *args]
         return [
-            *[python, "-m", "llama_cpp.server"],
+            *[python, "-m", "agent.llamacpp_server"],
             *["--model", target, "--host", host, "--port", str(port)],
-            *for_llama_cpp_python(args),
+            *for_llama_cpp_python([*named, *args]),
         ]
     vllm = which("vllm")
     if vllm is None:
         raise EngineError("vllm is not installed on this node (no vllm on PATH)")
-    return [vllm, "serve", target, "--host", host, "--port", str(port), *args]
+    return [vllm, "serve", target, "--host", host, "--port", str(port), *named, *args]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -139,6 +169,7 @@ def spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            cwd=PROJECT_DIR,
         )
 
 

@@ -78,12 +78,19 @@ def read_state(cache: Path) -> dict:
         return json.loads(json.dumps(state))
 
 
-def want(cache: Path, replica_id: int, engine: str, source: str, weights: Path, args: list[str]) -> bool:
+def _spec_of(entry: dict, keys) -> dict:
+    # An entry written before the model name was recorded has none: it was started without one.
+    return {k: entry.get(k, "" if k == "model" else None) for k in keys}
+
+
+def want(
+    cache: Path, replica_id: int, engine: str, source: str, weights: Path, args: list[str], model: str = ""
+) -> bool:
     """Ask for this replica to run; False when it is already wanted exactly so."""
-    spec = {"engine": engine, "source": source, "weights": str(weights), "args": list(args)}
+    spec = {"engine": engine, "source": source, "weights": str(weights), "args": list(args), "model": model}
     with _locked_state(cache) as state:
         entry = state["replicas"].get(str(replica_id))
-        if entry and entry.get("wanted") and all(entry.get(k) == v for k, v in spec.items()):
+        if entry and entry.get("wanted") and _spec_of(entry, spec) == spec:
             return False
         if entry and entry.get("pid"):
             # Wanted differently: the running engine is stopped first and started anew.
@@ -103,7 +110,7 @@ def want(cache: Path, replica_id: int, engine: str, source: str, weights: Path, 
         return True
 
 
-def wanted_as(cache: Path, replica_id: int, engine: str, source: str, args: list[str]) -> bool:
+def wanted_as(cache: Path, replica_id: int, engine: str, source: str, args: list[str], model: str = "") -> bool:
     """Whether this replica is already wanted exactly so; a waiting restart is brought forward.
 
     The control plane sends a start again when a replica has stayed failed; here
@@ -113,7 +120,8 @@ def wanted_as(cache: Path, replica_id: int, engine: str, source: str, args: list
         entry = state["replicas"].get(str(replica_id))
         if not entry or not entry.get("wanted") or "replace" in entry:
             return False
-        if (entry["engine"], entry["source"], entry["args"]) != (engine, source, list(args)):
+        spec = {"engine": engine, "source": source, "args": list(args), "model": model}
+        if _spec_of(entry, spec) != spec:
             return False
         if entry.get("pid") is None:
             entry["next_start"] = 0.0
@@ -291,6 +299,7 @@ class Supervisor:
                 Path(entry["weights"]),
                 port,
                 entry["args"],
+                model=entry.get("model", ""),
                 host=self.host,
                 allow_remote_code=self.allow_remote_code,
             )

@@ -113,6 +113,8 @@ def send_start(replica: Replica) -> None:
     current_app.send_task(
         "agent.start_replica",
         args=[replica.pk, replica.source, replica.engine, list(replica.args)],
+        # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
+        kwargs={"model": replica.model_name},
         queue=f"node.{replica.node.name}",
     )
 

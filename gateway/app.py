@@ -203,13 +203,18 @@ class Gateway:
                 code="model_not_allowed",
             )
         check_limits(path, request, route)
+        changed = False
+        if name != route.name:
+            # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
+            request["model"], changed = route.name, True
         client_wants_usage = True
         if request.get("stream") is True and path != "/v1/embeddings":
             options = request.get("stream_options")
             client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
             if not client_wants_usage:
-                request["stream_options"] = dict(options or {}, include_usage=True)
-                body = json.dumps(request).encode()
+                request["stream_options"], changed = dict(options or {}, include_usage=True), True
+        if changed:
+            body = json.dumps(request).encode()
         if not route.upstreams:
             reason = await asyncio.get_running_loop().run_in_executor(self._db, routes.why_not_ready, route.name)
             raise Refusal(
@@ -308,12 +313,8 @@ class Gateway:
                     response = await self._session.post(
                         upstream.base + target, data=body, headers={"Content-Type": "application/json"}
                     )
-                except aiohttp.ClientConnectionError as error:
-                    # Nothing came back from this one, so the request can go to another.
-                    self.cooling[replica] = time.monotonic() + COOLDOWN_S
-                    failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
-                    continue
-                except TimeoutError:
+                except aiohttp.SocketTimeoutError:
+                    # The replica has the request and may be working on it: another would do it twice.
                     raise Refusal(
                         504,
                         f"Replica {replica} of {route.name} did not start answering within "
@@ -321,6 +322,11 @@ class Gateway:
                         kind="api_error",
                         code="replica_timeout",
                     ) from None
+                except aiohttp.ClientConnectionError as error:
+                    # Nothing came back from this one, so the request can go to another.
+                    self.cooling[replica] = time.monotonic() + COOLDOWN_S
+                    failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
+                    continue
                 self.cooling.pop(replica, None)
                 gateway_s = sent_at - started
                 try:
@@ -380,9 +386,9 @@ class Gateway:
             # The client went away: the answer so far is counted, the replica's connection closed.
             asyncio.current_task().uncancel()
             return tail
-        except aiohttp.ClientPayloadError as error:
-            # The replica broke off mid-answer: too late for another replica, so the
-            # client's connection is cut rather than ended as if the answer were whole.
+        except aiohttp.ClientError as error:
+            # The replica broke off or fell silent mid-answer: too late for another replica,
+            # so the client's connection is cut rather than ended as if the answer were whole.
             log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))
             raise ClientGone from None
         finally:

@@ -23,6 +23,7 @@ class FakeReplica:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}/v1"
         self.requests: list[dict] = []  # bodies as received
+        self.paths: list[str] = []
         self.open_streams = 0
         self.hung_up = 0  # streams whose client went away before the end
         self.release = threading.Event()  # lets held streams finish
@@ -39,6 +40,9 @@ class FakeReplica:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        self.paths.append(request.path)
+        if body.get("delay"):
+            await asyncio.sleep(body["delay"])
         if not body.get("stream"):
             return web.json_response(
                 {

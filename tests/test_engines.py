@@ -76,7 +76,8 @@ def test_llamacpp_without_llama_server_runs_the_python_server_on_the_first_file_
     assert argv == [
         "py",
         "-m",
-        "llama_cpp.server",
+        # PyPI's server, through the shim that puts usage into streamed answers.
+        "agent.llamacpp_server",
         "--model",
         str(tmp_path / "m-00001-of-00003.gguf"),
         "--host",
@@ -108,6 +109,37 @@ def test_a_set_without_a_gguf_file_is_refused_with_a_sentence(tmp_path):
 def test_vllm_is_handed_the_directory(tmp_path):
     argv = engines.command("vllm", tmp_path, 9002, ["--dtype", "half"], which=lambda n: "/opt/bin/vllm")
     assert argv == ["/opt/bin/vllm", "serve", str(tmp_path), "--host", "127.0.0.1", "--port", "9002", "--dtype", "half"]
+
+
+# vLLM cannot run here (it needs a GPU), so its argument list is the honest check
+# that it serves under the catalog's name, the "model" the gateway forwards.
+
+
+def test_vllm_serves_under_the_catalog_name_so_the_gateway_forwarded_model_is_not_refused(tmp_path):
+    argv = engines.command(
+        "vllm", tmp_path, 9002, ["--dtype", "half"], model="llama-3", which=lambda n: "/opt/bin/vllm"
+    )
+    assert argv == [
+        *["/opt/bin/vllm", "serve", str(tmp_path), "--host", "127.0.0.1", "--port", "9002"],
+        *["--served-model-name", "llama-3", "--dtype", "half"],
+    ]
+
+
+@pytest.mark.parametrize("named", [["--served-model-name", "mine"], ["--served-model-name=mine"]])
+def test_a_profile_that_names_the_served_model_itself_is_left_to_do_so(tmp_path, named):
+    argv = engines.command("vllm", tmp_path, 9002, named, model="llama-3", which=lambda n: "/opt/bin/vllm")
+    assert argv == ["/opt/bin/vllm", "serve", str(tmp_path), "--host", "127.0.0.1", "--port", "9002", *named]
+
+
+def test_llamacpp_is_given_the_catalog_name_as_its_alias_in_either_server_spelling(tmp_path):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"")
+    native = engines.command("llamacpp", weights, 9001, [], model="llama-3", which=lambda n: "/usr/bin/llama-server")
+    assert native[-2:] == ["--alias", "llama-3"]
+    python = engines.command("llamacpp", weights, 9001, [], model="llama-3", which=no_llama_server, python="py")
+    assert python[-2:] == ["--model_alias", "llama-3"]
+    own = engines.command("llamacpp", weights, 9001, ["-a", "mine"], model="llama-3", which=no_llama_server)
+    assert own[-2:] == ["--model_alias", "mine"] and "llama-3" not in own
 
 
 def test_vllm_missing_says_so(tmp_path):
@@ -173,6 +205,35 @@ def test_the_same_start_delivered_twice_fetches_once_and_brings_a_waiting_restar
     assert list(supervisor.read_state(tmp_path)["replicas"]) == ["1"]
 
 
+def test_the_model_name_reaches_the_state_and_a_start_without_one_still_runs(tmp_path):
+    fetched, reports = [], Reports()
+
+    def fetch(source, cache):
+        fetched.append(source)
+        return tmp_path / "w"
+
+    args = dict(cache=tmp_path, fetch=fetch, report=reports)
+    assert start_on_node(1, "http://mirror/m/v1/", "vllm", [], model="llama-3", **args)
+    assert start_on_node(1, "http://mirror/m/v1/", "vllm", [], model="llama-3", **args)
+    assert supervisor.read_state(tmp_path)["replicas"]["1"]["model"] == "llama-3"
+    # A start queued by a control plane that sent no name: wanted as before, under vLLM's default name.
+    assert start_on_node(2, "http://mirror/m/v1/", "vllm", [], **args)
+    assert supervisor.read_state(tmp_path)["replicas"]["2"]["model"] == ""
+    assert fetched == ["http://mirror/m/v1/"] * 2
+
+
+def test_an_engine_recorded_before_names_were_kept_is_not_restarted_by_a_start_without_one(tmp_path):
+    supervisor.want(tmp_path, 1, "vllm", "http://mirror/m/v1/", tmp_path / "w", [])
+    with supervisor._locked_state(tmp_path) as state:
+        del state["replicas"]["1"]["model"]
+        state["replicas"]["1"]["pid"] = 12345
+    assert supervisor.wanted_as(tmp_path, 1, "vllm", "http://mirror/m/v1/", [])
+    assert not supervisor.want(tmp_path, 1, "vllm", "http://mirror/m/v1/", tmp_path / "w", [])
+    # Given a name, it is started again under it.
+    assert supervisor.want(tmp_path, 1, "vllm", "http://mirror/m/v1/", tmp_path / "w", [], "llama-3")
+    assert supervisor.read_state(tmp_path)["replicas"]["1"]["replace"]["model"] == "llama-3"
+
+
 # --- a real llama.cpp ------------------------------------------------------------
 
 
@@ -203,16 +264,18 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     cache = tmp_path / "cache"
     reports = Reports()
     sup = supervisor.Supervisor(cache, reports)
-    assert supervisor.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--n_ctx", "256"])
+    assert supervisor.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--n_ctx", "256"], "tiny")
 
     step_until(sup, lambda: "ready" in reports.states(), 120, "llama.cpp to answer on /v1/models")
     _, _, endpoint, _ = reports.last()
     assert reports.states() == ["starting", "ready"]
     first = supervisor.read_state(cache)["replicas"]["1"]
-    assert first["argv"][1:4] == ["-m", "llama_cpp.server", "--model"]
+    assert first["argv"][1:4] == ["-m", "agent.llamacpp_server", "--model"]
     assert first["argv"][4] == str(tiny_gguf / "tiny-00001-of-00003.gguf")
     assert endpoint == f"http://127.0.0.1:{first['port']}/v1"
 
+    # The engine lists itself under the catalog's name, as the gateway does.
+    assert [m["id"] for m in requests.get(endpoint + "/models", timeout=10).json()["data"]] == ["tiny"]
     answer = chat(endpoint)
     # Generated up to the limit: tokens, not an empty answer. (The usage count may
     # differ from 8, since llama-cpp-python counts the decoded text's tokens again.)
@@ -225,7 +288,7 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     step_until(sup, lambda: reports.states()[-1] == "failed", 20, "the crash to be reported")
     reason = reports.last()[3]
     assert reason.startswith("the engine exited with code -9; starting it again in 1 s. Its last lines:")
-    assert "llama_cpp.server" in reason or "Uvicorn" in reason or "INFO" in reason
+    assert "agent.llamacpp_server" in reason or "Uvicorn" in reason or "INFO" in reason
     step_until(sup, lambda: reports.states()[-1] == "ready", 120, "llama.cpp to come back")
     second = supervisor.read_state(cache)["replicas"]["1"]
     assert second["pid"] != first["pid"]
@@ -301,11 +364,12 @@ def test_vllm_stand_in_is_handed_the_directory_and_the_profile_args(tmp_path, vl
     cache = tmp_path / "cache"
     reports = Reports()
     sup = supervisor.Supervisor(cache, reports)
-    supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "2048"])
+    supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "2048"], "m")
     step_until(sup, lambda: "ready" in reports.states(), 30, "the vLLM stand-in to answer")
     port = supervisor.read_state(cache)["replicas"]["1"]["port"]
     assert calls_of(vllm_stand_in) == [
-        ["serve", str(weights), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
+        ["serve", str(weights), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m"]
+        + ["--max-model-len", "2048"]
     ]
     assert reports.last()[2] == f"http://127.0.0.1:{port}/v1"
 

@@ -154,6 +154,7 @@ def test_an_alias_reaches_the_model_and_an_unknown_name_is_a_404(gateway, replic
     session = client(secret)
     until_routed(session, gateway.url)
     assert chat(session, gateway.url, model="assistant").json()["replica"] == "fake"
+    assert replica.requests[-1]["model"] == "chat"
     missing = chat(session, gateway.url, model="nothing-like-it")
     assert missing.status_code == 404
     assert error_of(missing)["code"] == "model_not_found" and "nothing-like-it" in error_of(missing)["message"]
@@ -296,6 +297,39 @@ def test_a_malformed_request_is_a_400_with_a_sentence(gateway, body, says):
     answer = client(secret).post(gateway.url + "/v1/chat/completions", data=body)
     assert answer.status_code == 400
     assert says in error_of(answer)["message"]
+
+
+def test_completions_and_embeddings_reach_the_same_addresses_on_the_replica(gateway, replicas):
+    add_model()
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    for path in ("/v1/completions", "/v1/embeddings", "/v1/chat/completions"):
+        assert session.post(gateway.url + path, json={"model": "chat", "input": "x"}).status_code == 200
+    assert replica.paths == ["/v1/completions", "/v1/embeddings", "/v1/chat/completions"]
+
+
+def test_a_body_over_the_limit_is_a_413_and_is_not_passed_on(tmp_path, transactional_db, replicas):
+    from .processes import start_admin_server
+
+    add_model()
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, secret = create_key("k")
+    process, url = start_admin_server(tmp_path, LLMGW_GATEWAY_MAX_BODY=4096, LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S=1)
+    try:
+        session = client(secret)
+        until_routed(session, url)
+        big = chat(session, url, messages=[{"role": "user", "content": "x" * 5000}])
+        assert big.status_code == 413 and "larger than the gateway's limit of 4096 bytes" in error_of(big)["message"]
+        assert replica.requests == []
+        # And a replica that does not begin to answer within the timeout is a 504 that says so.
+        slow = chat(session, url, delay=3)
+        assert slow.status_code == 504 and "did not start answering within 1 s" in error_of(slow)["message"]
+    finally:
+        process.stop()
 
 
 def test_anything_but_the_four_addresses_is_a_404_and_the_wrong_method_a_405(gateway):

@@ -34,13 +34,20 @@ def broker():
     return client
 
 
-def sent(broker, queue: str) -> list[tuple[str, list]]:
-    """Tasks waiting on a queue, oldest first; taken off it, so the next look sees only new ones."""
+def sent(broker, queue: str) -> list[tuple]:
+    """Tasks waiting on a queue, oldest first, as (name, args) or (name, args, kwargs) when
+    there are kwargs; taken off it, so the next look sees only new ones."""
     messages = []
     while (raw := broker.rpop(queue)) is not None:
         message = json.loads(raw)
-        messages.append((message["headers"]["task"], json.loads(base64.b64decode(message["body"]))[0]))
+        args, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+        messages.append((message["headers"]["task"], args, kwargs) if kwargs else (message["headers"]["task"], args))
     return messages
+
+
+def start_of(replica_id: int, args: tuple[str, ...] = ("--ctx-size", "512")) -> tuple:
+    # The catalog's name goes with it: a vLLM engine serves under it, and refuses any other.
+    return ("agent.start_replica", [replica_id, SOURCE, "llamacpp", list(args)], {"model": "tiny"})
 
 
 def node(name: str, memory_gb: int = 32, **kw) -> Node:
@@ -65,7 +72,7 @@ def test_a_replica_is_written_and_its_node_told_to_start_it(broker):
         ["--ctx-size", "512"],
         8,
     )
-    assert sent(broker, "node.a") == [("agent.start_replica", [replica.pk, SOURCE, "llamacpp", ["--ctx-size", "512"]])]
+    assert sent(broker, "node.a") == [start_of(replica.pk)]
     # A second pass finds the model at its count and sends nothing.
     reconcile.reconcile(models=tiny())
     assert Replica.objects.count() == 1
@@ -97,7 +104,7 @@ def test_a_node_that_stops_heartbeating_has_its_replica_placed_elsewhere(broker)
     reconcile.reconcile(models=tiny())
     replica.refresh_from_db()
     assert (replica.node.name, replica.state, replica.endpoint) == ("b", "pending", "")
-    assert sent(broker, "node.b") == [("agent.start_replica", [replica.pk, SOURCE, "llamacpp", ["--ctx-size", "512"]])]
+    assert sent(broker, "node.b") == [start_of(replica.pk)]
 
 
 def test_scaling_down_stops_a_replica_and_its_stopped_report_removes_it(broker):
@@ -137,7 +144,7 @@ def test_a_failed_replica_is_started_again_after_its_backoff(broker):
     reconcile.reconcile(models=tiny(), now=replica.since + timedelta(seconds=5))
     assert sent(broker, "node.a") == []
     reconcile.reconcile(models=tiny(), now=replica.since + reconcile.retry_delay(1))
-    assert sent(broker, "node.a") == [("agent.start_replica", [replica.pk, SOURCE, "llamacpp", ["--ctx-size", "512"]])]
+    assert sent(broker, "node.a") == [start_of(replica.pk)]
     replica.refresh_from_db()
     assert replica.state == "pending"
     assert replica.reason == "starting again after: the engine exited with code 1"
@@ -192,7 +199,7 @@ def test_an_edited_profile_is_rolled_out_the_old_replica_stopping_once_the_new_o
     new = Replica.objects.exclude(pk=old.pk).get()
     assert new.args == ["--ctx-size", "4096"]
     assert Replica.objects.get(pk=old.pk).state == "ready"  # still serving meanwhile
-    assert sent(broker, "node.a") == [("agent.start_replica", [new.pk, SOURCE, "llamacpp", ["--ctx-size", "4096"]])]
+    assert sent(broker, "node.a") == [start_of(new.pk, ["--ctx-size", "4096"])]
 
     reconcile.record_report(new.node, new.pk, "ready", "http://a:9001/v1", "")
     reconcile.reconcile(models=edited)
