@@ -1,4 +1,4 @@
-"""The admin port: Django admin, serve pages, the DRF API and (later) the gateway."""
+"""The admin port's Django pages: admin, serve pages and the DRF API. The /v1/ gateway is in asgi.py."""
 
 from django.contrib import admin
 from django.urls import include, path
@@ -13,6 +13,7 @@ api_patterns = [
     path("", include("agent.api.urls")),
     path("catalog/", include("catalog.api.urls")),
     path("fleet/", include("fleet.api.urls")),
+    path("gateway/", include("gateway.api.urls")),
     path("serve/plan/", ServePlanView.as_view(), name="serve-plan"),
     path("serve/", ServeView.as_view(), name="serve"),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),

@@ -1,0 +1,66 @@
+from django.core.exceptions import ValidationError
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.response import Response
+
+from ..keys import create_key, describe_problem
+from ..models import ApiKey, Usage
+from .serializers import ApiKeySerializer, NewApiKeySerializer, UsageSerializer
+
+
+class ApiKeyViewSet(mixins.CreateModelMixin, mixins.UpdateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """The gateway's API keys. POST makes one and answers the key once; PATCH sets `active` or `models`.
+
+    There is no DELETE: a key is turned off (`active: false`) so its usage stays on the books.
+    """
+
+    queryset = ApiKey.objects.all()
+    serializer_class = ApiKeySerializer
+    http_method_names = ["get", "post", "patch", "head", "options"]
+
+    @extend_schema(responses={201: NewApiKeySerializer})
+    def create(self, request, *args, **kwargs):
+        incoming = ApiKeySerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        name = incoming.validated_data["name"]
+        try:
+            key, secret = create_key(
+                name, incoming.validated_data.get("model_names", []), created_by=request.user.get_username()
+            )
+        except ValidationError as error:
+            raise serializers.ValidationError(describe_problem(error)) from None
+        answer = NewApiKeySerializer(key).data
+        answer["key"] = secret
+        return Response(answer, status=status.HTTP_201_CREATED)
+
+    def perform_update(self, serializer):
+        key = serializer.save()
+        try:
+            key.full_clean()
+        except ValidationError as error:
+            raise serializers.ValidationError(describe_problem(error)) from None
+
+
+@extend_schema(
+    parameters=[
+        OpenApiParameter("key", str, description="a key's name"),
+        OpenApiParameter("model", str, description="a catalog model name"),
+        OpenApiParameter("since", str, description="the first day, YYYY-MM-DD"),
+    ]
+)
+class UsageViewSet(viewsets.ReadOnlyModelViewSet):
+    """Requests and tokens per key, model and day, as the engines counted them."""
+
+    serializer_class = UsageSerializer
+
+    def get_queryset(self):
+        rows = Usage.objects.select_related("key")
+        params = self.request.query_params
+        if params.get("key"):
+            rows = rows.filter(key__name=params["key"])
+        if params.get("model"):
+            rows = rows.filter(model_name=params["model"])
+        if params.get("since"):
+            day = serializers.DateField().to_internal_value(params["since"])
+            rows = rows.filter(day__gte=day)
+        return rows
