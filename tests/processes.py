@@ -80,17 +80,22 @@ def start_byte_listener(mirror_root: Path, log_dir: Path, **settings_env) -> tup
     )
     process = Process("byte-listener", [sys.executable, "manage.py", "byte_listener"], env, log_dir)
     url = f"http://127.0.0.1:{port}/"
+    wait_for_status(process, url, 200, "the byte listener")
+    return process, url
+
+
+def wait_for_status(process: Process, url: str, status: int, what: str) -> None:
+    """Until `url` answers `status`; the process's output if it exits first."""
 
     def answers():
         if not process.alive():
-            raise AssertionError(f"the byte listener exited:\n{process.output()}")
+            raise AssertionError(f"{what} exited:\n{process.output()}")
         try:
-            return requests.get(url, timeout=1).status_code == 200
+            return requests.get(url, timeout=1).status_code == status
         except requests.RequestException:
             return False
 
-    wait_until(answers, what="the byte listener to answer")
-    return process, url
+    wait_until(answers, what=f"{what} to answer")
 
 
 def start_celery_worker(name: str, queues: str, log_dir: Path, **env: str) -> Process:
@@ -271,14 +276,5 @@ def start_admin_server(log_dir: Path, **settings_env) -> tuple[Process, str]:
     env = process_env(LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}", LLMGW_GATEWAY_REFRESH_MS=100, **settings_env)
     process = Process("admin-server", [sys.executable, "manage.py", "admin_server"], env, log_dir)
     url = f"http://127.0.0.1:{port}"
-
-    def answers():
-        if not process.alive():
-            raise AssertionError(f"the admin server exited:\n{process.output()}")
-        try:
-            return requests.get(url + "/v1/models", timeout=1).status_code == 401
-        except requests.RequestException:
-            return False
-
-    wait_until(answers, what="the admin server to answer")
+    wait_for_status(process, url + "/v1/models", 401, "the admin server")
     return process, url
