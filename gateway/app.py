@@ -291,7 +291,9 @@ class Gateway:
             upstream = upstreams[(self._turn + i) % count]
             if upstream.replica_id in tried:
                 continue
-            score = (self.in_flight.get(upstream.replica_id, 0) + 1) / (upstream.weight or 0.001)
+            in_flight = self.in_flight.get(upstream.replica_id, 0)
+            # Weight 0 is a standby: behind every replica that has a weight, however busy.
+            score = (in_flight + 1) / upstream.weight if upstream.weight else 1e6 + in_flight
             if self.cooling.get(upstream.replica_id, 0.0) > now:
                 score += 1e9
             if best is None or score < best_score:

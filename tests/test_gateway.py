@@ -210,6 +210,36 @@ def test_profile_weights_share_the_streams_in_flight(gateway, replicas):
         stream.close()
 
 
+def test_a_profile_of_weight_zero_is_a_standby(gateway, replicas):
+    add_model(profiles=(("main", 1), ("standby", 0)))
+    main, standby = replicas("main"), replicas("standby")
+    add_replica("chat", main.base, profile="main")
+    add_replica("chat", standby.base, profile="standby")
+    _, secret = create_key("k")
+    until_routed(client(secret), gateway.url)
+    streams = [
+        requests.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": "chat", "messages": [], "stream": True, "hold": True},
+            headers={"Authorization": f"Bearer {secret}"},
+            stream=True,
+            timeout=30,
+        )
+        for _ in range(4)
+    ]
+    wait_until(lambda: main.open_streams == 4, timeout=10, what="four streams on the main replica")
+    assert standby.requests == []
+    main.release.set()
+    for stream in streams:
+        stream.close()
+    # Where the main replica cannot be reached, the standby answers.
+    add_model("spare", profiles=(("main", 1), ("standby", 0)))
+    add_replica("spare", f"http://127.0.0.1:{free_port()}/v1", profile="main")
+    add_replica("spare", standby.base, profile="standby")
+    until_routed(client(secret), gateway.url, "spare")
+    assert chat(client(secret), gateway.url, model="spare").json()["replica"] == "standby"
+
+
 def test_a_replica_that_refuses_connections_is_passed_over_for_one_that_answers(gateway, replicas):
     add_model()
     dead = add_replica("chat", f"http://127.0.0.1:{free_port()}/v1")
