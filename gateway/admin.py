@@ -1,7 +1,7 @@
 from django.contrib import admin, messages
 from django.http import HttpRequest
 
-from .keys import hash_key, new_secret
+from .keys import give_secret
 from .models import ApiKey, Usage
 
 
@@ -32,7 +32,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def save_model(self, request: HttpRequest, obj: ApiKey, form, change: bool) -> None:
         if not change:
             obj.created_by = request.user.get_username()
-            secret = self._new_secret(obj)
+            secret = give_secret(obj)
         super().save_model(request, obj, form, change)
         if not change:
             self._show(request, obj, secret)
@@ -45,15 +45,9 @@ class ApiKeyAdmin(admin.ModelAdmin):
     @admin.action(description="Make a new secret for the selected keys (the old one stops working)")
     def make_new_secret(self, request: HttpRequest, queryset) -> None:
         for key in queryset:
-            secret = self._new_secret(key)
+            secret = give_secret(key)
             key.save(update_fields=["prefix", "key_hash"])
             self._show(request, key, secret)
-
-    @staticmethod
-    def _new_secret(key: ApiKey) -> str:
-        secret = new_secret()
-        key.prefix, key.key_hash = secret[:12], hash_key(secret)
-        return secret
 
     def _show(self, request: HttpRequest, key: ApiKey, secret: str) -> None:
         self.message_user(

@@ -20,16 +20,17 @@ def new_secret() -> str:
     return PREFIX + secrets.token_urlsafe(32)
 
 
+def give_secret(key: ApiKey) -> str:
+    """A new secret for this key (unsaved): the record keeps its prefix and hash, the caller shows the rest once."""
+    secret = new_secret()
+    key.prefix, key.key_hash = secret[:12], hash_key(secret)
+    return secret
+
+
 def create_key(name: str, models: list[str] | None = None, created_by: str = "") -> tuple[ApiKey, str]:
     """A new key: the record, and the key itself, which is shown once and never stored."""
-    secret = new_secret()
-    key = ApiKey(
-        name=name.strip(),
-        model_names=list(models or []),
-        created_by=created_by,
-        prefix=secret[:12],
-        key_hash=hash_key(secret),
-    )
+    key = ApiKey(name=name.strip(), model_names=list(models or []), created_by=created_by)
+    secret = give_secret(key)
     key.full_clean()
     key.save()
     return key, secret

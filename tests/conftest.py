@@ -78,3 +78,14 @@ def gateway(transactional_db, tmp_path):
     process, url = start_admin_server(tmp_path)
     yield SimpleNamespace(url=url, process=process)
     process.stop()
+
+
+@pytest.fixture
+def redis_client():
+    """The tests' Redis, as the control plane reaches it; llmgw's progress keys are gone after each test."""
+    from agent import progress
+
+    client = progress.redis_client()
+    yield client
+    for key in client.scan_iter("llmgw:*"):
+        client.delete(key)

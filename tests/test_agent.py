@@ -34,11 +34,6 @@ def four_files(mirror_root):
     return files
 
 
-@pytest.fixture
-def redis_client():
-    return progress.redis_client()
-
-
 @pytest.fixture(autouse=True)
 def no_tasks_left_from_another_test():
     """Each test's agent starts with nothing queued or unacknowledged for its node.

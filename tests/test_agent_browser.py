@@ -20,14 +20,6 @@ def staff_page(live_server):
         yield page
 
 
-@pytest.fixture
-def redis_client():
-    client = progress.redis_client()
-    yield client
-    for key in client.scan_iter("llmgw:*"):
-        client.delete(key)
-
-
 def publish(client, done: int, state: str = "fetching") -> None:
     live = progress.RedisProgress(client, SOURCE, "n1")
     live.begin(bytes_total=4000, files_total=4, bytes_done=done, files_done=done // 1000)

@@ -15,12 +15,9 @@ SOURCE = "http://mirror:8001/m/v1/"
 
 
 @pytest.fixture
-def redis_client():
-    client = progress.redis_client()
-    yield client
-    for key in client.scan_iter("llmgw:*"):
-        client.delete(key)
-    client.delete("node.n1")
+def redis_client(redis_client):
+    yield redis_client
+    redis_client.delete("node.n1")
 
 
 @pytest.fixture

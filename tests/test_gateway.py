@@ -23,13 +23,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def redis_client():
-    from agent import progress
-
-    return progress.redis_client()
-
-
-@pytest.fixture
 def replicas():
     made = []
 
@@ -77,6 +70,17 @@ def until_routed(session, url, model="chat"):
         return any(m["id"] == model and m["ready"] for m in models)
 
     wait_until(ready, timeout=10, what=f"{model} to be routed")
+
+
+def held_stream(url: str, secret: str) -> requests.Response:
+    """A streamed chat the fake replica holds open after its first chunk, until released."""
+    return requests.post(
+        url + "/v1/chat/completions",
+        json={"model": "chat", "messages": [], "stream": True, "hold": True},
+        headers={"Authorization": f"Bearer {secret}"},
+        stream=True,
+        timeout=30,
+    )
 
 
 def chat(session, url, **body):
@@ -168,13 +172,7 @@ def test_the_replica_with_fewest_requests_in_flight_gets_the_next_one(gateway, r
     _, secret = create_key("k")
     session = client(secret)
     until_routed(session, gateway.url)
-    held = requests.post(
-        gateway.url + "/v1/chat/completions",
-        json={"model": "chat", "messages": [], "stream": True, "hold": True},
-        headers={"Authorization": f"Bearer {secret}"},
-        stream=True,
-        timeout=30,
-    )
+    held = held_stream(gateway.url, secret)
     busy = held.headers["x-llmgw-replica"]
     for _ in range(6):
         answer = chat(session, gateway.url)
@@ -193,15 +191,7 @@ def test_profile_weights_share_the_streams_in_flight(gateway, replicas):
     until_routed(client(secret), gateway.url)
     streams = []
     for _ in range(8):
-        streams.append(
-            requests.post(
-                gateway.url + "/v1/chat/completions",
-                json={"model": "chat", "messages": [], "stream": True, "hold": True},
-                headers={"Authorization": f"Bearer {secret}"},
-                stream=True,
-                timeout=30,
-            )
-        )
+        streams.append(held_stream(gateway.url, secret))
     wait_until(lambda: big.open_streams + small.open_streams == 8, timeout=10, what="eight open streams")
     assert (big.open_streams, small.open_streams) == (6, 2)
     big.release.set()
@@ -217,16 +207,7 @@ def test_a_profile_of_weight_zero_is_a_standby(gateway, replicas):
     add_replica("chat", standby.base, profile="standby")
     _, secret = create_key("k")
     until_routed(client(secret), gateway.url)
-    streams = [
-        requests.post(
-            gateway.url + "/v1/chat/completions",
-            json={"model": "chat", "messages": [], "stream": True, "hold": True},
-            headers={"Authorization": f"Bearer {secret}"},
-            stream=True,
-            timeout=30,
-        )
-        for _ in range(4)
-    ]
+    streams = [held_stream(gateway.url, secret) for _ in range(4)]
     wait_until(lambda: main.open_streams == 4, timeout=10, what="four streams on the main replica")
     assert standby.requests == []
     main.release.set()
@@ -377,13 +358,7 @@ def test_chunks_reach_the_client_while_the_replica_is_still_answering(gateway, r
     add_replica("chat", replica.base)
     _, secret = create_key("k")
     until_routed(client(secret), gateway.url)
-    stream = requests.post(
-        gateway.url + "/v1/chat/completions",
-        json={"model": "chat", "messages": [], "stream": True, "hold": True},
-        headers={"Authorization": f"Bearer {secret}"},
-        stream=True,
-        timeout=10,
-    )
+    stream = held_stream(gateway.url, secret)
     lines = stream.iter_lines()
     first = next(line for line in lines if line)
     # The replica is holding the rest back: this chunk came through on its own.
