@@ -1,0 +1,73 @@
+"""The messages between the control plane and the nodes: queues, task names, arguments.
+
+Every message travels through Celery by name, so the name and the arguments are the
+whole contract. A node's queue is `node.NAME`; the control plane's is `control`.
+Names are never renamed: an agent of the last release may still be sending them.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+CONTROL_QUEUE = "control"
+
+
+def node_queue(node: str) -> str:
+    return f"node.{node}"
+
+
+# --- sent to a node, on its own queue --------------------------------------------------
+
+# fetch(source: str): fetch a mirror address into the node's cache; task_id is set by the
+# sender so that a cancel can revoke it before it starts.
+FETCH = "agent.fetch"
+# start_replica(replica_id: int, source: str, engine: str, args: list[str], model: str = ""):
+# fetch the weights and run them with the engine, serving under the catalog name `model`.
+START_REPLICA = "agent.start_replica"
+# stop_replica(replica_id: int): stop that replica's engine; a node that runs no such
+# replica answers `stopped` so the control plane can let the row go.
+STOP_REPLICA = "agent.stop_replica"
+
+# --- sent by a node, on the control queue; the first argument is always its token --------
+
+# heartbeat(token: str, facts: Facts)
+HEARTBEAT = "fleet.heartbeat"
+# fetch_finished(token: str, report: FetchReport)
+FETCH_FINISHED = "agent.fetch_finished"
+# replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "")
+REPLICA_REPORT = "fleet.replica_report"
+
+# --- the control plane to itself ---------------------------------------------------------
+
+RECONCILE = "fleet.reconcile"
+
+# What a node reports of a replica it runs.
+REPLICA_STATES = ("fetching", "starting", "ready", "failed", "stopped")
+# How a fetch can end.
+FETCH_ENDINGS = ("complete", "failed", "cancelled")
+
+
+class Facts(TypedDict, total=False):
+    """What a node says about itself on every heartbeat."""
+
+    node: str
+    agent_version: str
+    engines: list[str]
+    gpus: list[dict]
+    memory_gb: int
+    disk_free_bytes: int
+    labels: dict[str, str]
+
+
+class FetchReport(TypedDict, total=False):
+    """How one fetch on a node ended."""
+
+    node: str
+    source: str
+    state: str  # one of FETCH_ENDINGS
+    path: str
+    error: str
+    bytes_total: int
+    files_total: int
+    seconds: float
+    started: float  # when the run began, to tell it from a newer request of the same source
