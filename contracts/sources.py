@@ -1,0 +1,57 @@
+"""What a source address names, checked the same way where it is asked for and where it is fetched.
+
+A source ending in `/` names a version (a set of files); without it, one file. The
+control plane checks an address with `cache_parts` before it sends a node anything,
+so staff get the node's own sentence at once rather than a failed fetch later.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote, urlsplit
+
+from .names import plain_name_problem
+
+
+class SourceError(ValueError):
+    """A source that no node would fetch; str() is the sentence."""
+
+
+def is_remote(source: str) -> bool:
+    parts = urlsplit(source)
+    return parts.scheme in ("http", "https") and bool(parts.netloc)
+
+
+def is_set(source: str) -> bool:
+    """Whether a source names a set of files (a mirror version) rather than one file."""
+    return is_remote(source) and source.endswith("/")
+
+
+def cache_parts(source: str) -> tuple[str, list[str]]:
+    """(host directory, path segments) of where a source lives in a node's cache.
+
+    Every path segment is decoded and checked on its own: no address, however
+    encoded, names anything but plain names under its host's directory.
+    """
+    if not is_remote(source):
+        raise SourceError(f"{source!r} is not an http:// or https:// address")
+    parts = urlsplit(source)
+    if parts.query or parts.fragment:
+        raise SourceError(f"{source} carries a query or fragment; a mirror address is a plain path")
+    host = (parts.hostname or "").lower()
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]*|\[?[0-9a-f:.]+\]?", host):
+        raise SourceError(f"{source} names a host that cannot be a directory of the cache")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise SourceError(f"{source} names a port that is not a number") from None
+    host_dir = f"{host.strip('[]').replace(':', '-')}_{port}"
+    path = parts.path.rstrip("/") if source.endswith("/") else parts.path
+    segments = [unquote(s) for s in path.split("/")[1:]]
+    if not segments:
+        raise SourceError(f"{source} names no file or version, only a host")
+    for segment in segments:
+        problem = plain_name_problem(segment)
+        if problem is not None:
+            raise SourceError(f"{source} has a path part that is refused rather than cached: {problem}")
+    return host_dir, segments
