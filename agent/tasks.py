@@ -80,20 +80,6 @@ def fetch(self, source: str) -> None:
     report(source, "complete", live.snapshot(), path=str(path), started=started)
 
 
-@shared_task(name="agent.fetch_finished", ignore_result=True)
-def fetch_finished(token: str, payload: dict) -> None:
-    """A node's report of how a fetch ended; arrives on the control queue."""
-    from fleet.enrolment import node_for_token
-
-    from .models import Fetch
-
-    node = node_for_token(token, claimed_name=payload.get("node"))
-    if node is None:
-        log.warning("fetch report refused: the token does not enrol a node called %r", payload.get("node"))
-        return
-    Fetch.objects.record(node, payload)
-
-
 def send_heartbeat(static: dict | None = None) -> None:
     """One heartbeat from this node: its facts and its token, as a task on `control`."""
     labels = json.loads(os.environ.get("LLMGW_NODE_LABELS", "{}") or "{}")

@@ -6,7 +6,7 @@ class CatalogConfig(AppConfig):
     name = "catalog"
 
     def ready(self) -> None:
-        from . import checks, signals  # noqa: F401
+        from . import checks  # noqa: F401
 
         post_migrate.connect(load_declared_models, sender=self)
 

@@ -49,7 +49,8 @@ class Model(models.Model):
             errors["scaling_max"] = problem
         if not self.declared and (problem := source_problem(self.source)):
             errors["source"] = problem
-        if not errors and (problem := clash(self)):
+        others = Model.objects.exclude(pk=self.pk).values_list("name", "aliases", "declared")
+        if not errors and (problem := clash(self.name, self.aliases, others)):
             errors[problem[0]] = problem[1]
         if errors:
             raise ValidationError(errors)

@@ -7,9 +7,12 @@ file all ask these, so a rule is never written twice for the UI and the API.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from django.conf import settings
+
+from contracts.sources import SourceError, cache_parts
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
 # An alias may be written the way clients of other servers already ask for the
@@ -72,6 +75,11 @@ def source_problem(source: str, byte_base: str | None = None) -> str | None:
         or len(given.path) <= len(wanted.path)
     ):
         return f"the source must be an address on the byte listener, {base}, so nodes fetch only from the mirror"
+    try:
+        # And one that every node would fetch: each name in it plain, however encoded.
+        cache_parts(source)
+    except SourceError as error:
+        return str(error)
     return None
 
 
@@ -89,36 +97,34 @@ def selector_problem(selector) -> str | None:
     return None
 
 
-def clash(model) -> tuple[str, str] | None:
-    """(field, sentence) when this model's name or an alias is already another model's name or alias.
+def clash(name: str, aliases: list[str], others: Iterable[tuple[str, list[str], bool]]) -> tuple[str, str] | None:
+    """(field, sentence) when this name or an alias is already another model's name or alias.
 
-    The gateway resolves names and aliases alike, so one string meaning two
-    models would send requests to whichever it happened to find first.
+    `others` is every other model's (name, aliases, declared). The gateway resolves
+    names and aliases alike, so one string meaning two models would send requests
+    to whichever it happened to find first.
     """
-    from .models import Model
-
-    if model.name in model.aliases:
-        return "aliases", f"{model.name} is the model's own name, not an alias"
+    if name in aliases:
+        return "aliases", f"{name} is the model's own name, not an alias"
     taken: dict[str, str] = {}
     declared: set[str] = set()
-    for other_name, other_aliases, is_declared in Model.objects.exclude(pk=model.pk).values_list(
-        "name", "aliases", "declared"
-    ):
+    for other_name, other_aliases, is_declared in others:
         taken[other_name] = other_name
         for alias in other_aliases or []:
             taken[alias] = other_name
         if is_declared:
             declared.add(other_name)
-    if model.name in taken:
-        owner = taken[model.name]
-        if owner == model.name and owner in declared:
-            return "name", (
-                f"a model called {model.name} is declared in configuration; edit it there rather than adding a second"
+    if name in taken:
+        owner = taken[name]
+        if owner == name and owner in declared:
+            return (
+                "name",
+                f"a model called {name} is declared in configuration; edit it there rather than adding a second",
             )
-        if owner == model.name:
-            return "name", f"a model called {model.name} is already in the catalog"
-        return "name", f"{model.name} is already an alias of {owner}"
-    for alias in model.aliases:
+        if owner == name:
+            return "name", f"a model called {name} is already in the catalog"
+        return "name", f"{name} is already an alias of {owner}"
+    for alias in aliases:
         if alias in taken:
             return "aliases", f"the alias {alias} is already a name or alias of {taken[alias]}"
     return None

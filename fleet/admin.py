@@ -3,8 +3,10 @@ from django.contrib import admin, messages
 from django.http import HttpRequest
 from django.template.defaultfilters import filesizeformat
 
+from contracts.names import node_name_problem
+
 from . import enrolment
-from .models import Node, node_name_problem
+from .models import Node
 
 
 class NodeForm(forms.ModelForm):

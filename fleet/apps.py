@@ -5,5 +5,6 @@ class FleetConfig(AppConfig):
     name = "fleet"
 
     def ready(self) -> None:
-        # The replica admin lives in its own module beside fleet/admin.py.
-        from . import admin_replicas  # noqa: F401
+        # The replica and fetch admins live in their own modules beside fleet/admin.py;
+        # the signals are how a catalog change reaches placement.
+        from . import admin_fetches, admin_replicas, signals  # noqa: F401

@@ -1,27 +1,28 @@
-"""The fleet: the nodes that run replicas, as their agents report them."""
+"""The fleet: the nodes that run replicas, as their agents report them, and what they fetched."""
 
-import re
-from datetime import timedelta
+from __future__ import annotations
 
+import uuid
+from datetime import datetime, timedelta
+
+from celery import current_app
 from django.conf import settings
-from django.db import models
+from django.db import models, transaction
 from django.utils import timezone
 
-NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+from contracts import progress, tasks
+from contracts.sources import cache_parts
+
+from .live import redis_client
 
 
-def node_name_problem(name: str) -> str | None:
-    """Why this cannot be a node's name, or None.
+def heartbeat_deadline(now: datetime | None = None) -> datetime:
+    """A node whose last heartbeat is older than this has missed too many to be ready."""
+    return (now or timezone.now()) - timedelta(seconds=settings.HEARTBEAT_S * settings.HEARTBEATS_MISSED)
 
-    The name becomes the agent's Celery queue (node.NAME) and is typed on the
-    agent's command line, so it is kept to characters that survive both.
-    """
-    if not NODE_NAME.fullmatch(name):
-        return (
-            f"{name!r} is not a node name: use up to 100 letters, digits, dots, dashes and underscores, "
-            "starting with a letter or digit"
-        )
-    return None
+
+def heard_from_lately(last_heartbeat: datetime | None, now: datetime | None = None) -> bool:
+    return last_heartbeat is not None and last_heartbeat >= heartbeat_deadline(now)
 
 
 class Node(models.Model):
@@ -58,12 +59,7 @@ class Node(models.Model):
     def state(self) -> str:
         if self.draining:
             return self.State.DRAINING
-        if self.last_heartbeat is None:
-            return self.State.NOT_READY
-        missed_after = timedelta(seconds=settings.HEARTBEAT_S * settings.HEARTBEATS_MISSED)
-        if timezone.now() - self.last_heartbeat > missed_after:
-            return self.State.NOT_READY
-        return self.State.READY
+        return self.State.READY if heard_from_lately(self.last_heartbeat) else self.State.NOT_READY
 
 
 class Replica(models.Model):
@@ -116,3 +112,111 @@ class Replica(models.Model):
         self.reason = reason
         if endpoint is not None:
             self.endpoint = endpoint
+
+
+class FetchQuerySet(models.QuerySet):
+    def request(self, node: Node, source: str, user=None) -> Fetch:
+        """Ask a node to fetch a source; the task is sent once the row is saved.
+
+        Raises SourceError, before anything is saved or sent, for an address the
+        node would refuse: staff get the sentence now, not a failed fetch later.
+        """
+        cache_parts(source)
+        task_id = str(uuid.uuid4())
+        fetch, _ = self.update_or_create(
+            node=node,
+            source=source,
+            defaults={
+                "state": Fetch.State.REQUESTED,
+                "requested_at": timezone.now(),
+                "requested_by": user,
+                "task_id": task_id,
+                "error": "",
+                "finished_at": None,
+            },
+        )
+
+        def send():
+            # A cancel left over from an earlier request must not stop this one.
+            progress.clear_cancel(redis_client(), node.name, source)
+            current_app.send_task(tasks.FETCH, args=[source], queue=tasks.node_queue(node.name), task_id=task_id)
+
+        transaction.on_commit(send)
+        return fetch
+
+    def record(self, node: Node, report: tasks.FetchReport) -> Fetch | None:
+        """A node's report of a finished, failed or cancelled fetch."""
+        source = str(report.get("source") or "")[:1000]
+        state = report.get("state")
+        if not source or state not in tasks.FETCH_ENDINGS:
+            return None
+        fetch = self.filter(node=node, source=source).first() or Fetch(node=node, source=source)
+        started = report.get("started")
+        if fetch.pk and started and fetch.requested_at and fetch.requested_at.timestamp() > float(started) + 1:
+            # The report of a run that began before staff asked again: the newer
+            # request is still under way, and its own report will come.
+            return fetch
+        fetch.state = state
+        fetch.error = str(report.get("error") or "")[:2000]
+        fetch.path = str(report.get("path") or "")[:1000]
+        fetch.bytes_total = max(0, int(report.get("bytes_total") or 0))
+        fetch.files_total = max(0, int(report.get("files_total") or 0))
+        fetch.seconds = max(0.0, float(report.get("seconds") or 0))
+        fetch.finished_at = timezone.now()
+        fetch.save()
+        return fetch
+
+
+class Fetch(models.Model):
+    """The control plane's record of a fetch: one row per node and source.
+
+    Live progress is in Redis under the source's address; this is what remains
+    when a fetch has finished or failed, reported by the node as a task on
+    `control` (a node has no database), and what staff asked for and cancelled.
+    """
+
+    class State(models.TextChoices):
+        REQUESTED = "requested", "requested"
+        COMPLETE = "complete", "complete"
+        FAILED = "failed", "failed"
+        CANCELLED = "cancelled", "cancelled"
+
+    node = models.ForeignKey(Node, related_name="fetches", on_delete=models.CASCADE)
+    source = models.CharField(
+        max_length=1000, help_text="A mirror address: a version ends in /, a single file does not."
+    )
+    state = models.CharField(max_length=20, choices=State.choices, default=State.REQUESTED)
+    requested_at = models.DateTimeField(null=True, blank=True)
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    # The Celery id of the last request, so a cancel can revoke it before it starts.
+    task_id = models.CharField(max_length=64, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    path = models.CharField(max_length=1000, blank=True, help_text="Where the node keeps it.")
+    bytes_total = models.BigIntegerField(default=0)
+    files_total = models.PositiveIntegerField(default=0)
+    seconds = models.FloatField(default=0)
+    error = models.TextField(blank=True)
+
+    objects = FetchQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["node__name", "source"]
+        verbose_name_plural = "fetches"
+        # Named from when fetches were the agent app's; renaming it would rebuild the table for nothing.
+        constraints = [models.UniqueConstraint(fields=["node", "source"], name="agent_fetch_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.source} on {self.node}"
+
+    def cancel(self) -> bool:
+        """Stop this fetch: revoked if it has not started, stopped between chunks if it has."""
+        if self.state != self.State.REQUESTED:
+            return False
+        progress.request_cancel(redis_client(), self.node.name, self.source)
+        if self.task_id:
+            current_app.control.revoke(self.task_id)
+        self.state = self.State.CANCELLED
+        self.error = "cancelled by staff"
+        self.finished_at = timezone.now()
+        self.save(update_fields=["state", "error", "finished_at"])
+        return True

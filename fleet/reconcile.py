@@ -15,7 +15,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from .models import Node, Replica
+from contracts import tasks
+
+from .models import Fetch, Node, Replica
 from .placement import HOLDING_WEIGHTS, ModelView, NodeView, Plan, ProfileView, ReplicaView, place
 
 log = logging.getLogger(__name__)
@@ -35,8 +37,6 @@ def retry_delay(attempts: int) -> timedelta:
 
 def fetched_sources() -> list[tuple[int, str]]:
     """(node id, source) for every fetch a node reported complete: weights it already holds."""
-    from agent.models import Fetch
-
     return list(Fetch.objects.filter(state=Fetch.State.COMPLETE).values_list("node_id", "source"))
 
 
@@ -111,16 +111,16 @@ def replica_views(replicas: list[Replica], node_names: dict[int, str]) -> list[R
 
 def send_start(replica: Replica) -> None:
     current_app.send_task(
-        "agent.start_replica",
+        tasks.START_REPLICA,
         args=[replica.pk, replica.source, replica.engine, list(replica.args)],
         # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
         kwargs={"model": replica.model_name},
-        queue=f"node.{replica.node.name}",
+        queue=tasks.node_queue(replica.node.name),
     )
 
 
 def send_stop(replica_id: int, node_name: str) -> None:
-    current_app.send_task("agent.stop_replica", args=[replica_id], queue=f"node.{node_name}")
+    current_app.send_task(tasks.STOP_REPLICA, args=[replica_id], queue=tasks.node_queue(node_name))
 
 
 def reconcile(now: datetime | None = None, models: list[ModelView] | None = None) -> Plan | None:
@@ -198,7 +198,7 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
     return plan
 
 
-REPORTED_STATES = {"fetching", "starting", "ready", "failed", "stopped"}
+REPORTED_STATES = set(tasks.REPLICA_STATES)
 
 
 def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason: str) -> str:

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import redis
+
 from catalog.models import Model, Profile
+from contracts import progress
+from fleet.live import redis_client
 from fleet.models import Replica
 
 from .models import ApiKey
@@ -101,16 +105,10 @@ def why_not_ready(model_name: str) -> str:
 
 def fetched_percent(replica: Replica) -> str:
     """How far the replica's node is with its weights, from the agent's progress in Redis."""
-    import redis
-
-    from agent import progress
-
     try:
-        snapshot = progress.read(progress.redis_client(), replica.source).get(
-            replica.node.name if replica.node_id else ""
-        )
+        snapshot = progress.read(redis_client(), replica.source).get(replica.node.name if replica.node_id else "")
     except redis.RedisError:  # progress is a courtesy here; Redis away must not turn a 503 into a 500
         snapshot = None
     if not snapshot or not snapshot.get("bytes_total"):
         return "(progress not reported yet)"
-    return f"{100 * snapshot['bytes_done'] // snapshot['bytes_total']}%"
+    return f"{progress.percent(snapshot):.0f}%"

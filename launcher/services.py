@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,22 +117,6 @@ def check_addresses(addresses: dict[str, tuple[str, int]]) -> None:
             )
 
 
-def wait_for_listeners(addresses: list[tuple[str, int]], supervisor: Supervisor, timeout: float = 60) -> bool:
-    """True once every address accepts a connection; False if a service died first."""
-    deadline = time.monotonic() + timeout
-    pending = list(addresses)
-    while pending and time.monotonic() < deadline:
-        if any(s.process.poll() is not None for s in supervisor.services):
-            return False
-        host, port = pending[0]
-        try:
-            with socket.create_connection(("127.0.0.1" if host in ("0.0.0.0", "") else host, port), timeout=0.5):
-                pending.pop(0)
-        except OSError:
-            time.sleep(0.2)
-    return not pending
-
-
 def ensure_staff_user() -> str | None:
     """The staff account: from LLMGW_ADMIN_USER/LLMGW_ADMIN_PASSWORD, or made once and printed."""
     User = get_user_model()
@@ -181,13 +164,11 @@ class Service:
     process: subprocess.Popen | None = None
 
 
-class Supervisor:
+class ProcessGroup:
     """Starts services in order and stops them in reverse; one that dies stops the rest."""
 
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
+    def __init__(self) -> None:
         self.services: list[Service] = []
-        self.extra: list[subprocess.Popen] = []
         self.stopping = False
 
     def adopt(self, name: str, process: subprocess.Popen) -> None:
@@ -229,7 +210,3 @@ class Supervisor:
                 print(f"{service.name} did not stop in time; killing it.", flush=True)
                 os.killpg(service.process.pid, signal.SIGKILL)
                 service.process.wait()
-
-
-def python() -> str:
-    return sys.executable

@@ -97,6 +97,7 @@ INSTALLED_APPS = [
     "catalog",
     "fleet",
     "agent",
+    "serving",
     "launcher",
     "gateway",
 ]

@@ -5,17 +5,16 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from catalog.api.views import ServePlanView, ServeView
-from catalog.views import serve_version
+from fleet.api.progress import ProgressView
+from serving.urls import api_urlpatterns as serving_api
 
 api_patterns = [
     path("mirror/", include("mirror.api.urls")),
-    path("", include("agent.api.urls")),
+    path("progress/", ProgressView.as_view(), name="api-progress"),
     path("catalog/", include("catalog.api.urls")),
     path("fleet/", include("fleet.api.urls")),
     path("gateway/", include("gateway.api.urls")),
-    path("serve/plan/", ServePlanView.as_view(), name="serve-plan"),
-    path("serve/", ServeView.as_view(), name="serve"),
+    *serving_api,
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
 ]
@@ -24,6 +23,6 @@ urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
     path("api/", include(api_patterns)),
-    path("fleet/", include("agent.urls")),
-    path("serve/<str:model>/<str:version>/", serve_version, name="serve-version"),
+    path("fleet/", include("fleet.urls")),
+    path("", include("serving.urls")),
 ]

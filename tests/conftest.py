@@ -83,9 +83,9 @@ def gateway(transactional_db, tmp_path):
 @pytest.fixture
 def redis_client():
     """The tests' Redis, as the control plane reaches it; llmgw's progress keys are gone after each test."""
-    from agent import progress
+    from fleet.live import redis_client
 
-    client = progress.redis_client()
+    client = redis_client()
     yield client
     for key in client.scan_iter("llmgw:*"):
         client.delete(key)

@@ -10,8 +10,7 @@ from celery import current_app
 
 from agent import progress
 from agent.fetch import cache_path
-from agent.models import Fetch
-from fleet.models import Node
+from fleet.models import Fetch, Node
 
 from .conftest import put
 from .processes import CountingProxy, children_of, start_agent, wait_until

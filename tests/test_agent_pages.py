@@ -5,8 +5,7 @@ import json
 import pytest
 
 from agent import progress
-from agent.models import Fetch
-from fleet.models import Node
+from fleet.models import Fetch, Node
 from mirror.models import MirrorVersion
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -79,7 +78,7 @@ def test_the_fleet_page_shows_each_nodes_fetches_and_its_fragment_refreshes(admi
 
 
 def test_the_fetch_records_link_to_the_live_page(admin_client):
-    assert 'href="/fleet/fetches/"' in admin_client.get("/admin/agent/fetch/").content.decode()
+    assert 'href="/fleet/fetches/"' in admin_client.get("/admin/fleet/fetch/").content.decode()
 
 
 def test_the_fleet_page_is_for_staff(client):
@@ -99,21 +98,21 @@ def test_the_mirror_version_page_follows_that_versions_progress(admin_client, re
 
 
 def test_staff_ask_a_node_for_a_fetch_and_the_task_waits_on_its_queue(admin_client, redis_client, node):
-    response = admin_client.post("/admin/agent/fetch/add/", {"node": node.pk, "source": SOURCE})
+    response = admin_client.post("/admin/fleet/fetch/add/", {"node": node.pk, "source": SOURCE})
     assert response.status_code == 302
     fetch = Fetch.objects.get(node=node, source=SOURCE)
     assert fetch.state == "requested" and fetch.requested_by.username == "admin"
     queued = [json.loads(m) for m in redis_client.lrange("node.n1", 0, -1)]
     assert [(m["headers"]["task"], m["headers"]["id"]) for m in queued] == [("agent.fetch", fetch.task_id)]
     # Asking again is a new request of the same row, not a second row.
-    admin_client.post("/admin/agent/fetch/add/", {"node": node.pk, "source": SOURCE})
+    admin_client.post("/admin/fleet/fetch/add/", {"node": node.pk, "source": SOURCE})
     assert Fetch.objects.filter(node=node, source=SOURCE).count() == 1
     assert redis_client.llen("node.n1") == 2
 
 
 def test_asking_for_an_unsafe_source_says_why_and_sends_nothing(admin_client, redis_client, node):
     response = admin_client.post(
-        "/admin/agent/fetch/add/", {"node": node.pk, "source": "http://mirror:8001/m/%2e%2e/%2e%2e/etc/"}
+        "/admin/fleet/fetch/add/", {"node": node.pk, "source": "http://mirror:8001/m/%2e%2e/%2e%2e/etc/"}
     )
     assert response.status_code == 200
     assert "refused rather than cached" in response.content.decode()
@@ -122,10 +121,10 @@ def test_asking_for_an_unsafe_source_says_why_and_sends_nothing(admin_client, re
 
 
 def test_staff_cancel_a_fetch_and_the_node_finds_the_flag(admin_client, redis_client, node):
-    admin_client.post("/admin/agent/fetch/add/", {"node": node.pk, "source": SOURCE})
+    admin_client.post("/admin/fleet/fetch/add/", {"node": node.pk, "source": SOURCE})
     fetch = Fetch.objects.get()
     response = admin_client.post(
-        "/admin/agent/fetch/", {"action": "cancel", "_selected_action": [fetch.pk]}, follow=True
+        "/admin/fleet/fetch/", {"action": "cancel", "_selected_action": [fetch.pk]}, follow=True
     )
     assert "Cancelled 1 fetch(es)." in response.content.decode()
     fetch.refresh_from_db()
@@ -137,8 +136,8 @@ def test_staff_cancel_a_fetch_and_the_node_finds_the_flag(admin_client, redis_cl
 
 
 def test_a_report_from_a_node_is_recorded_only_with_its_token(node):
-    from agent.tasks import fetch_finished
     from fleet.enrolment import issue_token
+    from fleet.tasks import fetch_finished
 
     token = issue_token("n1")
     report = {"node": "n1", "source": SOURCE, "state": "complete", "path": "/c/m/v1", "bytes_total": 10}

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from catalog.services import plan_for
 from launcher import demo_model
 from launcher.services import ensure_demo_model
 from mirror import disk, scan
 from mirror.models import MirrorVersion
+from serving.services import plan_for
 
 from .conftest import put
 from .processes import BASE_DIR

@@ -166,7 +166,7 @@ def test_a_pass_while_another_holds_the_lock_does_nothing(broker):
 
 
 def test_a_node_that_reported_the_weights_fetched_is_preferred(broker):
-    from agent.models import Fetch
+    from fleet.models import Fetch
 
     node("a")
     holder = node("b")
@@ -176,7 +176,7 @@ def test_a_node_that_reported_the_weights_fetched_is_preferred(broker):
 
 
 def test_a_failed_fetch_does_not_count_as_holding_the_weights(broker):
-    from agent.models import Fetch
+    from fleet.models import Fetch
 
     node("a")
     failed = node("b")

@@ -109,7 +109,7 @@ def test_a_served_gguf_is_fetched_started_answers_and_comes_back_after_its_engin
     assert answer["usage"]["completion_tokens"] > 0
 
     # The replica's fetch is on the record like any other, which placement reads too.
-    from agent.models import Fetch
+    from fleet.models import Fetch
 
     fetched = wait_until(
         lambda: Fetch.objects.filter(node__name="n1", source=plan["source"], state="complete").first(),

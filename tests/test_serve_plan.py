@@ -6,7 +6,7 @@ so they also show that neither function touches the database.
 
 import pytest
 
-from catalog.planning import (
+from serving.planning import (
     CatalogFacts,
     FileFacts,
     NodeFacts,

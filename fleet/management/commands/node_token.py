@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
+from contracts.names import node_name_problem
 from fleet import enrolment
-from fleet.models import node_name_problem
 
 
 class Command(BaseCommand):

@@ -1,11 +1,13 @@
 import os
 import socket
+import subprocess
 import sys
 
 from django.conf import settings
-from django.core.management import call_command, get_commands
+from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+from fleet.enrolment import issue_token
 from launcher import services
 
 
@@ -15,42 +17,36 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--node", default=socket.gethostname().split(".")[0], help="this host's node name")
 
-    def stop_engines(self) -> None:
-        """The engines this host's agent started: they outlive the agent by design, not `make run`."""
-        try:
-            from agent import engines
-            from agent import supervisor as engine_supervisor
-        except ImportError:
-            return
-        for replica_id, entry in engine_supervisor.read_state(settings.AGENT_CACHE)["replicas"].items():
-            pid = entry.get("pid")
-            if pid and engines.group_alive(pid):
-                self.stdout.write(f"Stopping the engine of replica {replica_id} (pid {pid}).")
-                engines.stop_group(pid, grace=10)
+    def stop_engines(self, py: str, node: str) -> None:
+        """The engines this host's agent started: they outlive the agent by design, not `make run`.
+
+        Asked of the agent's own command, not imported: the launcher is control plane.
+        """
+        subprocess.run([py, "manage.py", "agent", "--node", node, "--stop-engines"], cwd=settings.BASE_DIR)
 
     def handle(self, *args, node, **options):
-        supervisor = services.Supervisor(settings.VAR_DIR)
+        processes = services.ProcessGroup()
         try:
             services.check_addresses({"LLMGW_ADMIN_ADDR": settings.ADMIN_ADDR, "LLMGW_BYTES_ADDR": settings.BYTES_ADDR})
             if services.redis_answers(settings.REDIS_URL):
                 self.stdout.write(f"Using the Redis at {settings.REDIS_URL}")
             else:
                 self.stdout.write(f"Nothing answers at {settings.REDIS_URL}; starting a private redis-server.")
-                supervisor.adopt("redis", services.start_private_redis(settings.REDIS_URL, settings.VAR_DIR / "redis"))
+                processes.adopt("redis", services.start_private_redis(settings.REDIS_URL, settings.VAR_DIR / "redis"))
             call_command("migrate", interactive=False, verbosity=0)
             note = services.ensure_staff_user()
             settings.MIRROR_ROOT.mkdir(parents=True, exist_ok=True)
             if demo := services.ensure_demo_model():
                 self.stdout.write(demo)
         except services.StartError as error:
-            supervisor.stop()
+            processes.stop()
             raise CommandError(str(error)) from None
 
-        py = services.python()
+        py = sys.executable
         admin_host, admin_port = settings.ADMIN_ADDR
-        supervisor.start("admin server", [py, "manage.py", "admin_server"])
-        supervisor.start("byte listener", [py, "manage.py", "byte_listener"])
-        supervisor.start(
+        processes.start("admin server", [py, "manage.py", "admin_server"])
+        processes.start("byte listener", [py, "manage.py", "byte_listener"])
+        processes.start(
             "control worker",
             [
                 py,
@@ -72,12 +68,9 @@ class Command(BaseCommand):
                 str(settings.VAR_DIR / "celerybeat-schedule"),
             ],
         )
-        if "agent" in get_commands():
-            # This host enrols itself: a fresh token each start, handed straight to its agent.
-            from fleet.enrolment import issue_token
-
-            agent_env = dict(os.environ, LLMGW_NODE_TOKEN=issue_token(node), LLMGW_NODE_NAME=node)
-            supervisor.start("agent", [py, "manage.py", "agent", "--node", node], env=agent_env)
+        # This host enrols itself: a fresh token each start, handed straight to its agent.
+        agent_env = dict(os.environ, LLMGW_NODE_TOKEN=issue_token(node), LLMGW_NODE_NAME=node)
+        processes.start("agent", [py, "manage.py", "agent", "--node", node], env=agent_env)
 
         self.stdout.write("")
         self.stdout.write("llmgw is up. Ctrl-C stops everything it started.")
@@ -91,8 +84,8 @@ class Command(BaseCommand):
         if note:
             self.stdout.write(f"  {note}")
         sys.stdout.flush()
-        code = supervisor.wait()
-        self.stop_engines()
+        code = processes.wait()
+        self.stop_engines(py, node)
         self.stdout.write("llmgw stopped.")
         if code:
             raise CommandError("a service stopped unexpectedly; its output above says why")

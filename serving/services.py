@@ -1,38 +1,16 @@
-"""The catalog's writes and the facts the serve plan is made from."""
+"""The serve flow's reads and its one write: the facts a plan is made from, and the new catalog entry."""
 
 from __future__ import annotations
 
-import logging
-
-from celery import current_app
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 
-from .models import Model, Profile
+from catalog.models import Model, Profile
+from fleet.models import Node
+from mirror.models import MirrorVersion
+
 from .planning import CatalogFacts, FileFacts, NodeFacts, ServeError, ServePlan, plan_serve
-
-log = logging.getLogger(__name__)
-
-
-def send_reconcile() -> None:
-    """Ask the control plane to place replicas for the catalog as it now is.
-
-    Sent by name so the catalog does not import placement. A broker that is down
-    never breaks a save: the catalog row is the record, and the next reconcile,
-    whatever starts it, places from it.
-    """
-    try:
-        current_app.send_task("fleet.reconcile", queue="control", retry_policy={"max_retries": 2})
-    except Exception as error:  # any broker failure: the save itself succeeded
-        log.warning("catalog saved, but fleet.reconcile could not be queued: %s", error)
-
-
-def reconcile_after_commit() -> None:
-    """Queue one fleet.reconcile once the current transaction commits (however many rows it wrote)."""
-    # run_on_commit holds (savepoints, callback, robust) for what this transaction has queued so far.
-    if not any(send_reconcile in queued for queued in connection.run_on_commit):
-        transaction.on_commit(send_reconcile)
 
 
 def catalog_facts() -> CatalogFacts:
@@ -46,15 +24,13 @@ def catalog_facts() -> CatalogFacts:
 
 
 def fleet_facts() -> list[NodeFacts]:
-    from fleet.models import Node
-
     return [
         NodeFacts(engines=tuple(engines or ()), gpus=len(gpus or ()), memory_gb=memory_gb)
         for engines, gpus, memory_gb in Node.objects.values_list("engines", "gpus", "memory_gb")
     ]
 
 
-def plan_for(mirror_version) -> ServePlan:
+def plan_for(mirror_version: MirrorVersion) -> ServePlan:
     """The serve plan of one mirror version, from the database as it is now."""
     files = [FileFacts(name, size) for name, size in mirror_version.files.values_list("name", "bytes")]
     return plan_serve(
@@ -87,8 +63,9 @@ def add_model(model: Model, profiles: list[Profile], added_by: str) -> Model:
 
 
 def serve_error(error: ValidationError) -> ServeError:
-    """The first problem of a ValidationError, as the field and sentence the form shows."""
-    if hasattr(error, "error_dict"):
-        field, errors = next(iter(error.error_dict.items()))
-        return ServeError(field, errors[0].messages[0])
-    return ServeError("name", error.messages[0])
+    """Every problem of a ValidationError, as the fields and sentences the form shows."""
+    if not hasattr(error, "error_dict"):
+        return ServeError.of([("name", message) for message in error.messages])
+    return ServeError.of(
+        [(field, message) for field, errors in error.error_dict.items() for e in errors for message in e.messages]
+    )

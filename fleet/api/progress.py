@@ -3,7 +3,9 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from .. import progress
+from contracts import progress
+
+from ..live import redis_client
 from .serializers import ProgressSerializer
 
 
@@ -20,6 +22,6 @@ class ProgressView(APIView):
         source = request.query_params.get("source", "").strip()
         if not source:
             raise ValidationError({"source": "say which source: ?source=http://mirror:8001/<model>/<version>/"})
-        snapshots = progress.read(progress.redis_client(), source)
+        snapshots = progress.read(redis_client(), source)
         nodes = [dict(snapshot, node=node) for node, snapshot in snapshots.items()]
         return Response(ProgressSerializer({"source": source, "nodes": nodes}).data)

@@ -11,15 +11,15 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from . import progress
-from .models import Fetch
+from contracts import progress
+
+from .live import redis_client
+from .models import Fetch, Node
 
 
 def fleet_fetches() -> list[dict]:
     """Per node: its recorded fetches joined with what Redis says is happening now."""
-    from fleet.models import Node
-
-    client = progress.redis_client()
+    client = redis_client()
     live: dict[tuple[str, str], dict] = {}
     for source in progress.recent_sources(client):
         for node, snapshot in progress.read(client, source).items():
@@ -46,7 +46,7 @@ def _row(source: str, snapshot: dict | None, record: Fetch | None) -> dict:
         "state": state,
         "bytes_done": done,
         "bytes_total": total,
-        "percent": round(100 * done / total, 1) if total else (100.0 if state == "complete" else 0.0),
+        "percent": progress.percent({"state": state, "bytes_done": done, "bytes_total": total}),
         "files_done": snapshot.get("files_done", 0),
         "files_total": snapshot.get("files_total") or (record.files_total if record else 0),
         "current_file": snapshot.get("current_file", ""),
@@ -60,16 +60,16 @@ def _row(source: str, snapshot: dict | None, record: Fetch | None) -> dict:
 def fetches(request: HttpRequest) -> HttpResponse:
     context = {"nodes": fleet_fetches()}
     if request.htmx:
-        return render(request, "agent/partials/fetches.html", context)
+        return render(request, "fleet/partials/fetches.html", context)
     # The admin's own header, links and theme, as on every other staff page.
     context.update(admin.site.each_context(request), title="Fetches on the fleet")
-    return render(request, "agent/fetches.html", context)
+    return render(request, "fleet/fetches.html", context)
 
 
 @staff_member_required
 def source_progress(request: HttpRequest) -> HttpResponse:
     """One source's progress on every node: the fragment the mirror version page polls."""
     source = request.GET.get("source", "")
-    snapshots = progress.read(progress.redis_client(), source) if source else {}
+    snapshots = progress.read(redis_client(), source) if source else {}
     rows = [dict(_row(source, snapshot, None), node=node) for node, snapshot in snapshots.items()]
-    return render(request, "agent/partials/progress.html", {"source": source, "rows": rows})
+    return render(request, "fleet/partials/progress.html", {"source": source, "rows": rows})

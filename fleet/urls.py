@@ -2,7 +2,7 @@ from django.urls import path
 
 from . import views
 
-app_name = "agent"
+app_name = "fleet"
 
 urlpatterns = [
     path("fetches/", views.fetches, name="fetches"),

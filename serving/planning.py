@@ -12,8 +12,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from urllib.parse import quote
 
-from .models import Engine, Model, Profile
-from .rules import source_problem
+from catalog.models import Engine, Model, Profile
+from catalog.rules import source_problem
 
 
 @dataclass(frozen=True)
@@ -192,34 +192,46 @@ def memory_for(size_bytes: int) -> int:
 
 
 class ServeError(ValueError):
-    """The submitted form cannot become a catalog entry; `sentence` says why, `field` where."""
+    """The submitted form cannot become a catalog entry: `errors` says where and why, every one.
 
-    def __init__(self, field: str, sentence: str):
+    `field` and `sentence` are the first, for callers that show one.
+    """
+
+    def __init__(self, field: str, sentence: str, more: Sequence[tuple[str, str]] = ()):
         super().__init__(sentence)
         self.field = field
         self.sentence = sentence
+        self.errors = [(field, sentence), *more]
+
+    @classmethod
+    def of(cls, errors: Sequence[tuple[str, str]]) -> ServeError:
+        return cls(*errors[0], more=errors[1:])
 
 
 WHOLE_NUMBER = re.compile(r"\+?[0-9]+")
 
 
-def whole_number(value: str, what: str, field: str) -> int:
-    value = value.strip()
-    if not WHOLE_NUMBER.fullmatch(value):
-        raise ServeError(field, f"{what} must be a whole number")
-    return int(value)
+class _Problems(list):
+    """The sentences found so far, each beside its field: every field is checked, not only the first."""
+
+    def whole_number(self, value: str, what: str, field: str) -> int:
+        if not WHOLE_NUMBER.fullmatch(value.strip()):
+            self.append((field, f"{what} must be a whole number"))
+            return 0
+        return int(value.strip())
 
 
 def build_model(form: Mapping[str, str], byte_base: str) -> tuple[Model, Profile]:
     """Turn the submitted serve form into an unsaved catalog entry and its profile.
 
-    Raises ServeError with the sentence to show beside the field.
+    Raises ServeError with every sentence to show, each beside its field.
     """
 
     def get(key: str) -> str:
         value = form.get(key)
         return str(value).strip() if value is not None else ""
 
+    problems = _Problems()
     model = Model(
         name=get("name"),
         description=get("description"),
@@ -227,21 +239,21 @@ def build_model(form: Mapping[str, str], byte_base: str) -> tuple[Model, Profile
         routing_profile="chat",
     )
     if not model.name or not model.source:
-        raise ServeError("name" if not model.name else "source", "a model needs a name and a source")
-    if problem := source_problem(model.source, byte_base):
-        raise ServeError("source", problem)
+        problems.append(("name" if not model.name else "source", "a model needs a name and a source"))
+    elif problem := source_problem(model.source, byte_base):
+        problems.append(("source", problem))
     model.aliases = [a.strip() for a in get("aliases").split(",") if a.strip()]
-    model.context_length = whole_number(get("context_length"), "the context length", "context_length")
+    model.context_length = problems.whole_number(get("context_length"), "the context length", "context_length")
     if get("max_output"):
-        model.max_output = whole_number(get("max_output"), "the output limit", "max_output")
-    replicas = whole_number(get("replicas"), "the replica count", "replicas")
+        model.max_output = problems.whole_number(get("max_output"), "the output limit", "max_output")
+    replicas = problems.whole_number(get("replicas"), "the replica count", "replicas")
     model.scaling_min = model.scaling_max = replicas
 
     engine = get("engine")
     if not engine:
-        raise ServeError("engine", "which engine should run it?")
-    if engine not in Engine.values:
-        raise ServeError("engine", f"the engine must be llamacpp or vllm, not {engine}")
+        problems.append(("engine", "which engine should run it?"))
+    elif engine not in Engine.values:
+        problems.append(("engine", f"the engine must be llamacpp or vllm, not {engine}"))
     profile = Profile(name=get("profile") or engine, engine=engine, weight=1, priority=100)
     # vLLM without a card is not a setup anyone runs; a profile for it asks for one.
     profile.gpus = 1 if engine == Engine.VLLM else 0
@@ -249,12 +261,14 @@ def build_model(form: Mapping[str, str], byte_base: str) -> tuple[Model, Profile
         # The pool, not the per-request limit: llama.cpp divides it across its
         # parallel slots, so the number a client may use is smaller and is what
         # the context length above says.
-        pool = whole_number(ctx_size, "the engine's context pool", "ctx_size")
-        if engine != Engine.LLAMACPP:
-            raise ServeError("ctx_size", "the context pool is a llama.cpp setting; vLLM sizes its pool from GPU memory")
+        pool = problems.whole_number(ctx_size, "the engine's context pool", "ctx_size")
+        if engine == Engine.VLLM:
+            problems.append(
+                ("ctx_size", "the context pool is a llama.cpp setting; vLLM sizes its pool from GPU memory")
+            )
         profile.args = ["--ctx-size", str(pool)]
     if get("min_memory_gb"):
-        profile.min_memory_gb = whole_number(get("min_memory_gb"), "the memory requirement", "min_memory_gb")
+        profile.min_memory_gb = problems.whole_number(get("min_memory_gb"), "the memory requirement", "min_memory_gb")
     key, value = get("selector_key"), get("selector_value")
     if key and value:
         # What keeps a large model off the small nodes. A CPU profile has no
@@ -262,5 +276,7 @@ def build_model(form: Mapping[str, str], byte_base: str) -> tuple[Model, Profile
         # candidate and the first one picked is the one that gets OOM-killed.
         profile.node_selector = {key: value}
     elif key or value:
-        raise ServeError("selector_key", "a node selector needs both a label key and its value")
+        problems.append(("selector_key", "a node selector needs both a label key and its value"))
+    if problems:
+        raise ServeError.of(problems)
     return model, profile

@@ -6,8 +6,10 @@ from django.template.defaultfilters import filesizeformat
 from django.urls import reverse
 from django.utils.html import format_html
 
-from . import progress
-from .fetch import FetchError, cache_path
+from contracts import progress
+from contracts.sources import SourceError, cache_parts
+
+from .live import redis_client
 from .models import Fetch
 
 
@@ -19,12 +21,10 @@ class FetchRequestForm(forms.ModelForm):
         fields = ["node", "source"]
 
     def clean_source(self):
-        from django.conf import settings
-
         source = self.cleaned_data["source"].strip()
         try:
-            cache_path(source, settings.AGENT_CACHE)
-        except FetchError as error:
+            cache_parts(source)
+        except SourceError as error:
             raise forms.ValidationError(str(error)) from None
         return source
 
@@ -82,16 +82,14 @@ class FetchAdmin(admin.ModelAdmin):
 
     def response_add(self, request, obj, post_url_continue=None):
         self.message_user(request, f"Asked {obj.node} to fetch {obj.source}.", messages.SUCCESS)
-        return HttpResponseRedirect(reverse("admin:agent_fetch_changelist"))
+        return HttpResponseRedirect(reverse("admin:fleet_fetch_changelist"))
 
     @admin.display(description="live progress")
     def live(self, obj: Fetch) -> str:
-        snapshot = progress.read(progress.redis_client(), obj.source).get(obj.node.name)
+        snapshot = progress.read(redis_client(), obj.source).get(obj.node.name)
         if not snapshot:
             return "-"
-        total = snapshot.get("bytes_total") or 0
-        percent = 100 * snapshot.get("bytes_done", 0) / total if total else 0
-        return format_html("{} {:.0f}%", snapshot["state"], percent)
+        return format_html("{} {:.0f}%", snapshot["state"], progress.percent(snapshot))
 
     @admin.display(description="size")
     def size(self, obj: Fetch) -> str:

@@ -1,0 +1,46 @@
+"""The serve page: one mirrored version offered as a catalog entry, pre-filled from its plan."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib import admin, messages
+from django.contrib.admin.views.decorators import staff_member_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.template.defaultfilters import filesizeformat
+from django.urls import reverse
+from django_htmx.http import HttpResponseClientRedirect
+
+from mirror.models import MirrorVersion
+
+from . import services
+from .forms import ServeForm
+
+
+@staff_member_required
+def serve_version(request: HttpRequest, model: str, version: str) -> HttpResponse:
+    mirror_version = get_object_or_404(MirrorVersion, model=model, version=version)
+    plan = services.plan_for(mirror_version)
+    form = ServeForm.for_plan(plan, settings.BYTES_URL)
+    if request.method == "POST" and not plan.refusal:
+        form = ServeForm(request.POST, byte_base=settings.BYTES_URL)
+        entry = form.save(added_by=request.user.get_username())
+        if entry is not None:
+            messages.success(request, f"Added {entry.name} to the catalog; placement will start its replicas.")
+            destination = reverse("admin:catalog_model_change", args=[entry.pk])
+            return HttpResponseClientRedirect(destination) if request.htmx else redirect(destination)
+
+    context = {
+        **admin.site.each_context(request),
+        "title": f"Serve {model}/{version}",
+        "mirror_version": mirror_version,
+        "plan": plan,
+        "total_size": filesizeformat(plan.bytes_total),
+        "form": form,
+    }
+    # Whole page, or just the form when htmx submitted it.
+    template = "serving/partials/serve_form.html" if request.htmx else "serving/serve.html"
+    refused = form.errors or (request.method == "POST" and plan.refusal)
+    # htmx swaps in only a 2xx answer; the form with its sentences is the answer it asked for.
+    status = 400 if refused and not request.htmx else 200
+    return render(request, template, context, status=status)
