@@ -283,3 +283,25 @@ def test_post_serve_takes_aliases_as_a_list_and_refuses_a_field_that_is_not_text
     assert r.status_code == 400
     assert r.json() == {"field": "replicas", "error": "replicas must be written as text or a number"}
     assert Model.objects.count() == 1
+
+
+def test_the_page_shows_every_bad_fields_sentence_beside_its_field_at_once(live_server, mirrored):
+    bad = {**SERVE_FORM, "context_length": "lots", "replicas": "two", "engine": "", "selector_key": "size"}
+    r = page_post(live_server, "/serve/qwen/q4/", bad)
+    assert r.status_code == 400
+    for field, sentence in [
+        ("context_length", "the context length must be a whole number"),
+        ("replicas", "the replica count must be a whole number"),
+        ("engine", "which engine should run it?"),
+        ("selector_key", "a node selector needs both a label key and its value"),
+    ]:
+        assert f'<ul class="errorlist" id="error_{field}"><li>{sentence}</li></ul>' in r.text, field
+    assert not Model.objects.exists()
+
+
+def test_post_serve_names_the_first_of_several_bad_fields_in_the_forms_order(live_server, mirrored):
+    r = token_session().post(
+        live_server.url + "/api/serve/", json={**SERVE_FORM, "replicas": "two", "context_length": "lots"}
+    )
+    assert r.status_code == 400
+    assert r.json() == {"field": "context_length", "error": "the context length must be a whole number"}
