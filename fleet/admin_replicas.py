@@ -9,12 +9,14 @@ from django.contrib import admin, messages
 from django.db import transaction
 from django.utils.html import format_html_join
 
+from common.admin import RecordAdmin
+
+from . import reconcile
 from .models import Replica
-from .reconcile import send_stop
 
 
 @admin.register(Replica)
-class ReplicaAdmin(admin.ModelAdmin):
+class ReplicaAdmin(RecordAdmin):
     list_display = ["model_name", "profile_name", "node", "state", "endpoint", "short_reason", "since"]
     list_filter = ["state", "node", "model_name"]
     search_fields = ["model_name", "node__name", "reason"]
@@ -48,15 +50,8 @@ class ReplicaAdmin(admin.ModelAdmin):
         # An engine's last lines of output are lines: keep them so.
         return format_html_join("", "{}<br>", ((line,) for line in replica.reason.splitlines()))
 
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        # Deleting the row would leave its engine running with nobody to stop it.
-        return False
+    # A RecordAdmin: placement writes replicas, and deleting a row would leave its
+    # engine running with nobody to stop it.
 
     @admin.action(description="Stop the selected replicas (placement starts new ones)")
     def replace(self, request, queryset) -> None:
@@ -66,8 +61,6 @@ class ReplicaAdmin(admin.ModelAdmin):
                 if replica.node_id is None:
                     replica.delete()
                     continue
-                replica.enter(Replica.State.STOPPING, f"stopped by {request.user}")
-                replica.save()
-                transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
+                reconcile.stop(replica, f"stopped by {request.user}")
                 stopped += 1
         self.message_user(request, f"{stopped} replica(s) asked to stop.", messages.SUCCESS)

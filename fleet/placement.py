@@ -129,6 +129,21 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
     """
     plan = Plan()
     rooms = {n.name: _Room(n, n.memory_gb, n.gpus) for n in nodes}
+    by_model = _book_held(replicas, rooms)
+    wanted = {m.name: m for m in models}
+    _stop_unwanted(plan, by_model, wanted, rooms)
+    engines_known = any(room.node.engines for room in rooms.values())
+    usable_by_engine = _usable_by_engine(rooms, wanted, engines_known)
+    for model in sorted(wanted.values(), key=lambda m: m.name):
+        live, outdated = _current_and_outdated(model, by_model.get(model.name, []))
+        live = _trim_extras(plan, model, live, rooms)
+        unplaced = _place_missing(plan, model, live, rooms, usable_by_engine, engines_known)
+        _retire(plan, model, live, outdated, unplaced, rooms, engines_known)
+    return plan
+
+
+def _book_held(replicas: Iterable[ReplicaView], rooms: dict[str, _Room]) -> dict[str, list[ReplicaView]]:
+    """Replicas by model, with what each holds taken off its node's room."""
     by_model: dict[str, list[ReplicaView]] = defaultdict(list)
     for replica in replicas:
         by_model[replica.model].append(replica)
@@ -136,8 +151,12 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
         if room is not None and room.node.ready:
             room.memory_gb -= replica.memory_gb
             room.gpus -= replica.gpus
+    return by_model
 
-    wanted = {m.name: m for m in models}
+
+def _stop_unwanted(
+    plan: Plan, by_model: dict[str, list[ReplicaView]], wanted: dict[str, ModelView], rooms: dict[str, _Room]
+) -> None:
     for model_name, held in by_model.items():
         for replica in held:
             if replica.state == STOPPING:
@@ -148,10 +167,13 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
                 # Deleted from the catalog: everything it runs stops.
                 _stop(plan, replica, rooms)
 
-    # Nodes that can take anything at all, by engine; what the candidates are
-    # scanned from, so a pass over a large fleet only looks at nodes that matter.
-    usable_by_engine: dict[str, list[_Room]] = defaultdict(list)
-    engines_known = any(room.node.engines for room in rooms.values())
+
+def _usable_by_engine(
+    rooms: dict[str, _Room], wanted: dict[str, ModelView], engines_known: bool
+) -> dict[str, list[_Room]]:
+    """Nodes that can take anything at all, by engine; what the candidates are
+    scanned from, so a pass over a large fleet only looks at nodes that matter."""
+    usable: dict[str, list[_Room]] = defaultdict(list)
     all_engines = {p.engine for m in wanted.values() for p in m.profiles}
     for room in rooms.values():
         if room.node.ready and not room.node.draining:
@@ -159,61 +181,77 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
             # engine probe and nothing is known: every node is a candidate. The serve
             # page warns on the same condition, and the two must not disagree.
             for engine in room.node.engines if engines_known else all_engines:
-                usable_by_engine[engine].append(room)
+                usable[engine].append(room)
+    return usable
 
-    for model in sorted(wanted.values(), key=lambda m: m.name):
-        held = by_model.get(model.name, [])
-        profiles = {p.name: p for p in model.profiles}
-        live: list[ReplicaView] = []
-        outdated: list[ReplicaView] = []
-        to_place: list[int | None] = []
-        for replica in held:
-            if replica.state == STOPPING:
-                continue
-            if replica.profile not in profiles or not replica.runs_as(model, profiles[replica.profile]):
-                # Its profile was removed, or the catalog entry was edited (a new
-                # --ctx-size, another version): an engine keeps what it was started
-                # with, so it is replaced, and stopped once its replacement serves.
-                outdated.append(replica)
-                continue
-            live.append(replica)
 
-        # Extras go first where they cost least: not yet placed, then on lost
-        # nodes, then failed, then the newest.
-        def expendable(r: ReplicaView) -> tuple:
-            return (r.node is not None, _reachable(r, rooms), r.state != FAILED, -r.id)
+def _current_and_outdated(model: ModelView, held: list[ReplicaView]) -> tuple[list[ReplicaView], list[ReplicaView]]:
+    """A model's replicas that run what the catalog says, and those that run something older."""
+    profiles = {p.name: p for p in model.profiles}
+    live: list[ReplicaView] = []
+    outdated: list[ReplicaView] = []
+    for replica in held:
+        if replica.state == STOPPING:
+            continue
+        if replica.profile not in profiles or not replica.runs_as(model, profiles[replica.profile]):
+            # Its profile was removed, or the catalog entry was edited (a new
+            # --ctx-size, another version): an engine keeps what it was started
+            # with, so it is replaced, and stopped once its replacement serves.
+            outdated.append(replica)
+            continue
+        live.append(replica)
+    return live, outdated
 
-        live.sort(key=expendable)
-        extra = max(0, len(live) - model.replicas)
-        for replica in live[:extra]:
-            _stop(plan, replica, rooms)
-        live = live[extra:]
 
-        on_node: dict[str, int] = defaultdict(int)
-        per_profile: dict[str, int] = defaultdict(int)
-        for replica in live:
-            if _reachable(replica, rooms):
-                on_node[replica.node] += 1
-                per_profile[replica.profile] += 1
-            else:
-                to_place.append(replica.id)
-        to_place += [None] * (model.replicas - len(live))
+def _trim_extras(plan: Plan, model: ModelView, live: list[ReplicaView], rooms: dict[str, _Room]) -> list[ReplicaView]:
+    """Stop what is over the count; what is left."""
 
-        unplaced = 0
-        for replica_id in to_place:
-            assignment = _place_one(model, replica_id, usable_by_engine, on_node, per_profile)
-            if assignment is None:
-                unplaced += 1
-                plan.unplaced.append(Unplaced(replica_id, model.name, explain(model, rooms.values(), engines_known)))
-                continue
-            room = rooms[assignment.node]
-            room.memory_gb -= assignment.profile.min_memory_gb
-            room.gpus -= assignment.profile.gpus
-            on_node[assignment.node] += 1
-            per_profile[assignment.profile.name] += 1
-            plan.assign.append(assignment)
-        _retire(plan, model, live, outdated, unplaced, rooms, engines_known)
-    return plan
+    # Extras go first where they cost least: not yet placed, then on lost
+    # nodes, then failed, then the newest.
+    def expendable(r: ReplicaView) -> tuple:
+        return (r.node is not None, _reachable(r, rooms), r.state != FAILED, -r.id)
+
+    live = sorted(live, key=expendable)
+    extra = max(0, len(live) - model.replicas)
+    for replica in live[:extra]:
+        _stop(plan, replica, rooms)
+    return live[extra:]
+
+
+def _place_missing(
+    plan: Plan,
+    model: ModelView,
+    live: list[ReplicaView],
+    rooms: dict[str, _Room],
+    usable_by_engine: dict[str, list[_Room]],
+    engines_known: bool,
+) -> int:
+    """Place replicas on lost nodes again, and new ones up to the count; how many fit nowhere."""
+    on_node: dict[str, int] = defaultdict(int)
+    per_profile: dict[str, int] = defaultdict(int)
+    to_place: list[int | None] = []
+    for replica in live:
+        if _reachable(replica, rooms):
+            on_node[replica.node] += 1
+            per_profile[replica.profile] += 1
+        else:
+            to_place.append(replica.id)
+    to_place += [None] * (model.replicas - len(live))
+
+    unplaced = 0
+    for replica_id in to_place:
+        assignment = _place_one(model, replica_id, usable_by_engine, on_node, per_profile)
+        if assignment is None:
+            unplaced += 1
+            plan.unplaced.append(Unplaced(replica_id, model.name, explain(model, rooms.values(), engines_known)))
+            continue
+        room = rooms[assignment.node]
+        room.memory_gb -= assignment.profile.min_memory_gb
+        room.gpus -= assignment.profile.gpus
+        on_node[assignment.node] += 1
+        per_profile[assignment.profile.name] += 1
+        plan.assign.append(assignment)
+    return unplaced
 
 
 def _retire(
@@ -287,9 +325,7 @@ def _place_one(
         best = None
         best_key = None
         for room in usable_by_engine.get(profile.engine, ()):
-            if room.memory_gb < profile.min_memory_gb or room.gpus < profile.gpus:
-                continue
-            if profile.node_selector and not _selects(profile.node_selector, room.node.labels):
+            if short_of(profile, room) is not None:
                 continue
             # Spread first, then weights already on disk, then the most room left.
             key = (on_node.get(room.node.name, 0), model.source not in room.node.holds, -room.memory_gb, room.node.name)
@@ -298,10 +334,6 @@ def _place_one(
         if best is not None:
             return Assignment(replica_id, model.name, profile, best.node.name, model.source)
     return None
-
-
-def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
 
 
 def why_not(profile: ProfileView, room: _Room, engines_known: bool = True) -> str | None:
@@ -313,6 +345,16 @@ def why_not(profile: ProfileView, room: _Room, engines_known: bool = True) -> st
         return "draining"
     if engines_known and profile.engine not in node.engines:
         return f"no {profile.engine}"
+    return short_of(profile, room)
+
+
+def short_of(profile: ProfileView, room: _Room) -> str | None:
+    """The fit test, for a node that is ready and has the engine: labels, memory, GPUs.
+
+    Placement asks it of every candidate and `why_not` says its answer, so the
+    sentence a replica shows is the rule that kept it off the node.
+    """
+    node = room.node
     for key, value in profile.node_selector.items():
         if key not in node.labels:
             return f"no label {key}"

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from contracts import tasks
 
-from .models import Fetch, Node, Replica
+from .models import Fetch, Node, Replica, heard_from_lately
 from .placement import HOLDING_WEIGHTS, ModelView, NodeView, Plan, ProfileView, ReplicaView, place
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,6 @@ def fetched_sources() -> list[tuple[int, str]]:
 
 
 def node_views(nodes: list[Node], replicas: list[Replica], now: datetime) -> list[NodeView]:
-    missed_after = timedelta(seconds=settings.HEARTBEAT_S * settings.HEARTBEATS_MISSED)
     holds: dict[int, set[str]] = {}
     for r in replicas:
         if r.node_id and r.state in HOLDING_WEIGHTS:
@@ -51,7 +50,7 @@ def node_views(nodes: list[Node], replicas: list[Replica], now: datetime) -> lis
     return [
         NodeView(
             name=n.name,
-            ready=n.last_heartbeat is not None and now - n.last_heartbeat <= missed_after,
+            ready=heard_from_lately(n.last_heartbeat, now),
             draining=n.draining,
             engines=frozenset(n.engines or ()),
             memory_gb=n.memory_gb,
@@ -123,6 +122,13 @@ def send_stop(replica_id: int, node_name: str) -> None:
     current_app.send_task(tasks.STOP_REPLICA, args=[replica_id], queue=tasks.node_queue(node_name))
 
 
+def stop(replica: Replica, reason: str = "") -> None:
+    """Mark a replica stopping and tell its node once that is committed; the node's `stopped` deletes it."""
+    replica.enter(Replica.State.STOPPING, reason)
+    replica.save()
+    transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
+
+
 def reconcile(now: datetime | None = None, models: list[ModelView] | None = None) -> Plan | None:
     """One pass; None when another pass holds the lock (it will see the same rows).
 
@@ -151,14 +157,11 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
     replicas = list(Replica.objects.select_related("node"))
     by_id = {r.pk: r for r in replicas}
     plan = place(node_views(nodes, replicas, now), models, replica_views(replicas, node_names))
-    ready_nodes = {v.name for v in node_views(nodes, [], now) if v.ready}
+    ready_nodes = {n.name for n in nodes if heard_from_lately(n.last_heartbeat, now)}
 
     Replica.objects.filter(pk__in=plan.forget).delete()
     for replica_id in plan.stop:
-        replica = by_id[replica_id]
-        replica.enter(Replica.State.STOPPING)
-        replica.save()
-        transaction.on_commit(lambda r=replica_id, n=replica.node.name: send_stop(r, n))
+        stop(by_id[replica_id])
 
     for a in plan.assign:
         replica = by_id[a.replica] if a.replica is not None else Replica(model_name=a.model)

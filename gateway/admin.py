@@ -1,6 +1,8 @@
 from django.contrib import admin, messages
 from django.http import HttpRequest
 
+from common.admin import RecordAdmin
+
 from .keys import give_secret
 from .models import ApiKey, Usage
 
@@ -58,16 +60,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 
 @admin.register(Usage)
-class UsageAdmin(admin.ModelAdmin):
+class UsageAdmin(RecordAdmin):
     list_display = ("day", "key", "model_name", "requests", "prompt_tokens", "completion_tokens", "total_tokens")
     list_filter = ("day", "model_name", "key")
     date_hierarchy = "day"
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
+    # A RecordAdmin: usage is counted by the gateway, and a bill edited by hand is no bill.

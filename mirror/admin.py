@@ -3,6 +3,8 @@ from django.http import HttpRequest, HttpResponseRedirect
 from django.template.defaultfilters import filesizeformat
 from django.urls import path, reverse
 
+from common.admin import RecordAdmin
+
 from . import scan
 from .models import MirrorFile, MirrorVersion
 
@@ -35,7 +37,7 @@ class MirrorFileInline(admin.TabularInline):
 
 
 @admin.register(MirrorVersion)
-class MirrorVersionAdmin(admin.ModelAdmin):
+class MirrorVersionAdmin(RecordAdmin):
     list_display = ["model", "version", "file_count", "total_size", "state", "scanned_at"]
     list_filter = ["model"]
     search_fields = ["model", "version"]
@@ -49,16 +51,8 @@ class MirrorVersionAdmin(admin.ModelAdmin):
     def get_queryset(self, request):
         return super().get_queryset(request).with_totals()
 
-    # The directory is the truth: rows appear and disappear with a scan, never by hand.
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    # Deleting the row would not delete the files, and the next scan would bring it back.
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
+    # A RecordAdmin: the directory is the truth, rows appear and disappear with a scan,
+    # and deleting a row would not delete the files (the next scan would bring it back).
 
     @admin.display(description="files", ordering="file_count")
     def file_count(self, obj) -> int:
@@ -70,11 +64,7 @@ class MirrorVersionAdmin(admin.ModelAdmin):
 
     @admin.display(description="state")
     def state(self, obj) -> str:
-        if not obj.file_count:
-            return MirrorVersion.State.EMPTY
-        if obj.unhashed_count:
-            return f"{MirrorVersion.State.HASHING} ({obj.file_count - obj.unhashed_count} of {obj.file_count} hashed)"
-        return MirrorVersion.State.COMPLETE
+        return obj.state_description
 
     @admin.display(description="address on the byte listener")
     def address(self, obj) -> str:

@@ -45,14 +45,26 @@ class MirrorVersion(models.Model):
 
         return f"{settings.BYTES_URL}{self.model}/{self.version}/"
 
+    def counts(self) -> tuple[int, int]:
+        """(files, files not yet hashed): from `with_totals` when the row came from it, else counted."""
+        if hasattr(self, "file_count"):
+            return self.file_count, self.unhashed_count
+        return self.files.count(), self.files.filter(sha256="").count()
+
     @property
     def state(self) -> str:
-        files = list(self.files.all())
+        files, unhashed = self.counts()
         if not files:
             return self.State.EMPTY
-        if any(not f.sha256 for f in files):
-            return self.State.HASHING
-        return self.State.COMPLETE
+        return self.State.HASHING if unhashed else self.State.COMPLETE
+
+    @property
+    def state_description(self) -> str:
+        """The state as staff read it: how far hashing is, while it is under way."""
+        files, unhashed = self.counts()
+        if self.state == self.State.HASHING:
+            return f"{self.State.HASHING} ({files - unhashed} of {files} hashed)"
+        return self.state
 
 
 class MirrorFile(models.Model):

@@ -1,0 +1,1 @@
+"""What every control-plane app shares, below them all: a few admin pieces. No models."""
