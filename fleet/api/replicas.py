@@ -5,6 +5,7 @@ client: what a client changes is the catalog (scaling, profiles), and placement
 follows.
 """
 
+from django_filters import rest_framework as filters
 from rest_framework import serializers, viewsets
 
 from ..models import Replica
@@ -36,6 +37,16 @@ class ReplicaSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class ReplicaFilter(filters.FilterSet):
+    model = filters.CharFilter(field_name="model_name", help_text="a catalog model name")
+    node = filters.CharFilter(field_name="node__name", help_text="a node's name")
+    state = filters.ChoiceFilter(choices=Replica.State.choices)
+
+    class Meta:
+        model = Replica
+        fields = ["model", "node", "state"]
+
+
 class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
     """Where each model's replicas run, and for those that do not run, why not.
 
@@ -44,14 +55,4 @@ class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
 
     serializer_class = ReplicaSerializer
     queryset = Replica.objects.select_related("node")
-
-    def get_queryset(self):
-        queryset = super().get_queryset()
-        params = self.request.query_params
-        if model := params.get("model"):
-            queryset = queryset.filter(model_name=model)
-        if node := params.get("node"):
-            queryset = queryset.filter(node__name=node)
-        if state := params.get("state"):
-            queryset = queryset.filter(state=state)
-        return queryset
+    filterset_class = ReplicaFilter

@@ -1,5 +1,6 @@
 from django.core.exceptions import ValidationError
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from django_filters import rest_framework as filters
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.response import Response
 
@@ -41,26 +42,19 @@ class ApiKeyViewSet(mixins.CreateModelMixin, mixins.UpdateModelMixin, viewsets.R
             raise serializers.ValidationError(describe_problem(error)) from None
 
 
-@extend_schema(
-    parameters=[
-        OpenApiParameter("key", str, description="a key's name"),
-        OpenApiParameter("model", str, description="a catalog model name"),
-        OpenApiParameter("since", str, description="the first day, YYYY-MM-DD"),
-    ]
-)
+class UsageFilter(filters.FilterSet):
+    key = filters.CharFilter(field_name="key__name", help_text="a key's name")
+    model = filters.CharFilter(field_name="model_name", help_text="a catalog model name")
+    since = filters.DateFilter(field_name="day", lookup_expr="gte", help_text="the first day, YYYY-MM-DD")
+
+    class Meta:
+        model = Usage
+        fields = ["key", "model", "since"]
+
+
 class UsageViewSet(viewsets.ReadOnlyModelViewSet):
     """Requests and tokens per key, model and day, as the engines counted them."""
 
     serializer_class = UsageSerializer
-
-    def get_queryset(self):
-        rows = Usage.objects.select_related("key")
-        params = self.request.query_params
-        if params.get("key"):
-            rows = rows.filter(key__name=params["key"])
-        if params.get("model"):
-            rows = rows.filter(model_name=params["model"])
-        if params.get("since"):
-            day = serializers.DateField().to_internal_value(params["since"])
-            rows = rows.filter(day__gte=day)
-        return rows
+    queryset = Usage.objects.select_related("key")
+    filterset_class = UsageFilter

@@ -12,8 +12,4 @@ class MirrorVersionViewSet(viewsets.ReadOnlyModelViewSet):
     def get_serializer_class(self):
         return MirrorVersionDetailSerializer if self.action == "retrieve" else MirrorVersionSerializer
 
-    def get_queryset(self):
-        queryset = super().get_queryset()
-        if model := self.request.query_params.get("model"):
-            queryset = queryset.filter(model=model)
-        return queryset
+    filterset_fields = ["model"]
