@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import socket
 import stat
-from email.utils import formatdate, parsedate_to_datetime
+from email.utils import formatdate
 
 from django.db import DatabaseError
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+from django.utils.cache import get_conditional_response
 
 from . import disk
 from .scan import known_hashes
@@ -36,6 +37,7 @@ def server_error(request: HttpRequest) -> JsonResponse:
 
 
 def _only_get_and_head(view):
+    # Not Django's require_safe: its 405 has no body, and every refusal here is a JSON sentence.
     def wrapped(request: HttpRequest, *args, **kwargs):
         if request.method not in ("GET", "HEAD"):
             return _error(405, "the byte listener answers GET and HEAD only", Allow="GET, HEAD")
@@ -198,20 +200,6 @@ def _if_range_allows(request: HttpRequest, etag: str, last_modified: str) -> boo
     return value == last_modified
 
 
-def _not_modified(request: HttpRequest, etag: str, mtime: float) -> bool:
-    if_none_match = request.headers.get("If-None-Match")
-    if if_none_match is not None:
-        tags = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
-        return "*" in tags or etag in tags
-    since = request.headers.get("If-Modified-Since")
-    if since:
-        try:
-            return int(mtime) <= parsedate_to_datetime(since).timestamp()
-        except (TypeError, ValueError, IndexError, OverflowError):
-            return False
-    return False
-
-
 @_only_get_and_head
 def file(request: HttpRequest, model: str, version: str, name: str) -> HttpResponse:
     path = disk.resolve(model, version, name)
@@ -231,12 +219,14 @@ def file(request: HttpRequest, model: str, version: str, name: str) -> HttpRespo
     last_modified = formatdate(st.st_mtime, usegmt=True)
     common = {"ETag": etag, "Last-Modified": last_modified, "Accept-Ranges": "bytes"}
 
-    if _not_modified(request, etag, st.st_mtime):
+    # If-None-Match, If-Modified-Since (and If-Match, If-Unmodified-Since) as Django reads them.
+    headers_only = HttpResponse()
+    for k, v in common.items():
+        headers_only[k] = v
+    conditional = get_conditional_response(request, etag=etag, last_modified=int(st.st_mtime), response=headers_only)
+    if conditional is not headers_only:
         fh.close()
-        response = HttpResponse(status=304)
-        for k, v in common.items():
-            response[k] = v
-        return response
+        return conditional
 
     status, start, length = 200, 0, size
     range_header = request.headers.get("Range")

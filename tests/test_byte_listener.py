@@ -90,6 +90,17 @@ def test_if_range_with_a_stale_validator_gets_the_whole_new_file(byte_listener, 
         assert r.content == b"new content, longer than before" * 10
 
 
+def test_a_client_with_the_current_file_is_told_it_has_not_changed(byte_listener, weights):
+    url = byte_listener + "m/v1/model.gguf"
+    head = requests.head(url).headers
+    for validator in ({"If-None-Match": head["ETag"]}, {"If-Modified-Since": head["Last-Modified"]}):
+        r = requests.get(url, headers=validator)
+        assert (r.status_code, r.content, r.headers["ETag"]) == (304, b"", head["ETag"]), validator
+    assert requests.get(url, headers={"If-None-Match": '"other"'}).status_code == 200
+    # A write meant for another version of the file is refused rather than answered with this one.
+    assert requests.get(url, headers={"If-Match": '"other"'}).status_code == 412
+
+
 def test_the_manifest_follows_a_hand_copy_at_once(byte_listener, weights):
     before = requests.get(byte_listener + "m/v1/").json()
     assert [f["name"] for f in before["files"]] == ["b.bin", "model.gguf"]
