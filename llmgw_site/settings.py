@@ -82,7 +82,7 @@ ADMIN_THREADS = env_int("LLMGW_ADMIN_THREADS", 16, minimum=1)
 # --- applications -------------------------------------------------------------
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "llmgw_site.apps.LlmgwAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",

@@ -1,0 +1,28 @@
+"""The admin as llmgw's own: its name in the header, and apps in the order work flows."""
+
+from django.contrib import admin
+
+# Mirror → catalog → fleet → gateway: a version is mirrored, served, placed and asked.
+APP_ORDER = ["mirror", "catalog", "fleet", "gateway", "auth"]
+
+
+class LlmgwAdminSite(admin.AdminSite):
+    site_header = "llmgw"
+    site_title = "llmgw"
+    index_title = "Mirror, catalog, fleet and gateway"
+
+    def get_app_list(self, request, app_label=None):
+        apps = super().get_app_list(request)
+        by_label = {app["app_label"]: app for app in apps}
+        # DRF's tokens are how staff and automation sign in to the API: they sit with
+        # the users they belong to, not in an app of their own called "Auth Token".
+        tokens = by_label.pop("authtoken", None)
+        if tokens is not None and "auth" in by_label:
+            by_label["auth"]["models"] = sorted(by_label["auth"]["models"] + tokens["models"], key=lambda m: m["name"])
+        elif tokens is not None:
+            by_label["authtoken"] = tokens
+        if app_label is not None:
+            # An app's own page: the tokens' page stays reachable by its address.
+            return [by_label[app_label]] if app_label in by_label else super().get_app_list(request, app_label)
+        rank = {label: i for i, label in enumerate(APP_ORDER)}
+        return sorted(by_label.values(), key=lambda app: (rank.get(app["app_label"], len(rank)), app["name"]))
