@@ -1,10 +1,13 @@
 # Two commands on a fresh Debian or Ubuntu machine: `make run` and `make test`.
-# Both create or update the virtual environment at .venv from requirements.txt.
+# Both create or update the virtual environment at .venv from requirements.txt (what one
+# machine runs: requirements/control.txt and requirements/node.txt); `make test` adds
+# requirements/dev.txt, the tests' and linters' own.
 
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.requirements-installed
+DEV    := $(VENV)/.dev-requirements-installed
 ENGINE := $(VENV)/.engine-installed
 
 .PHONY: run test venv engine test-deps lint bench bench-gateway clean
@@ -20,23 +23,29 @@ $(ENGINE): $(STAMP) requirements-engine.txt
 	$(PIP) install -q -r requirements-engine.txt
 	@touch $@
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements/control.txt requirements/node.txt
 	@sh scripts/ensure-python.sh
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
 	@touch $@
 
+$(DEV): $(STAMP) requirements/dev.txt
+	$(PIP) install -q -r requirements/dev.txt
+	@touch $@
+
 run: venv engine
 	$(PY) manage.py up
 
 # Redis, Chromium and the llama.cpp engine, installed if missing; the tests start them.
-test-deps: venv engine
+test-deps: $(DEV) engine
 	@sh scripts/test-deps.sh
 
-lint: venv
+# Style, and the layers (docs/architecture.md): an import the wrong way fails here.
+lint: $(DEV)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 test: test-deps lint
 	$(PY) manage.py check

@@ -3,13 +3,12 @@ run everything on one machine (SQLite and the mirror under var/, a local Redis).
 
 The byte listener runs the same settings with LLMGW_ROLE=bytes, which swaps in
 its own URLconf and drops sessions, auth and the admin: it serves files and
-manifests to nodes and nothing else.
+manifests to nodes and nothing else. A node's agent runs them with LLMGW_ROLE=node
+(manage.py sets it for `agent` and `fetch`): the agent app alone, and no database.
 """
 
 import os
 from pathlib import Path
-
-import dj_database_url
 
 from .env import env_addr, env_bool, env_int, env_path, env_str
 
@@ -116,6 +115,12 @@ MIDDLEWARE = [
 ]
 ROOT_URLCONF = "llmgw_site.urls"
 
+if ROLE == "node":
+    # What a node installs (requirements/node.txt) is all a node loads: no admin, no
+    # API, no control-plane app, so a node needs none of their packages.
+    INSTALLED_APPS = ["agent"]
+    MIDDLEWARE = []
+
 if ROLE == "bytes":
     # Files and manifests only: no sessions, no CSRF, no auth. The byte listener
     # is what every node talks to, so nothing administrative may be reachable there.
@@ -141,13 +146,19 @@ WSGI_APPLICATION = "llmgw_site.wsgi.application"
 
 # --- database -----------------------------------------------------------------
 
-DATABASES = {
-    "default": dj_database_url.parse(
-        env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'llmgw.sqlite3'}"),
-        conn_max_age=60,
-    )
-}
-if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+if ROLE == "node":
+    # A node has no database credentials: what it says goes to the control plane as a task.
+    DATABASES = {}
+else:
+    import dj_database_url
+
+    DATABASES = {
+        "default": dj_database_url.parse(
+            env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'llmgw.sqlite3'}"),
+            conn_max_age=60,
+        )
+    }
+if DATABASES and DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes (web, byte listener, the control worker) share one file:
     # wait for a lock rather than failing with "database is locked".
     DATABASES["default"].setdefault("OPTIONS", {}).update(

@@ -20,4 +20,4 @@ def test_fetches_are_called_fetches_and_tokens_sit_with_users(admin_client):
     assert ">Fetches<" in html and "Fetchs" not in html
     auth = admin_client.get("/admin/auth/").content.decode()
     assert "/admin/authtoken/tokenproxy/" in auth
-    assert "/admin/authtoken/" not in re.findall(r'<caption>.*?</caption>', html, re.S)[-1]
+    assert "/admin/authtoken/" not in re.findall(r"<caption>.*?</caption>", html, re.S)[-1]

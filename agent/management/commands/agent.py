@@ -7,7 +7,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from agent import facts, runtime
-from fleet.models import node_name_problem
+from contracts.names import node_name_problem
 
 
 class Command(BaseCommand):
