@@ -24,6 +24,7 @@ from django.db import close_old_connections
 
 from . import routes
 from .errors import ClientGone, Refusal
+from .intake import check_limits, parse_request, read_body, sentence_of
 from .keys import hash_key
 from .relay import TAIL_BYTES, EventFilter
 from .usage import Recorder, tokens_in
@@ -42,11 +43,6 @@ COOLDOWN_S = 5.0
 # A key the table does not know makes the gateway re-read the table, at most this often.
 KEY_MISS_REFRESH_S = 0.25
 JSON_TYPE = (b"content-type", b"application/json")
-
-
-def sentence_of(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.rstrip(".")
 
 
 class Gateway:
@@ -407,64 +403,3 @@ class Gateway:
 def timing(seconds: float) -> tuple[bytes, bytes]:
     """The Server-Timing header with the time the gateway itself added."""
     return b"server-timing", f"gateway;dur={seconds * 1000:.3f}".encode()
-
-
-async def read_body(receive, limit: int) -> bytes:
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise Refusal(413, f"The request body is larger than the gateway's limit of {limit} bytes.")
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
-def parse_request(body: bytes) -> dict:
-    try:
-        request = json.loads(body)
-    except ValueError as error:
-        raise Refusal(400, f"The request body is not valid JSON: {sentence_of(error)}.") from None
-    if not isinstance(request, dict):
-        raise Refusal(400, "The request body must be a JSON object.")
-    model = request.get("model")
-    if not isinstance(model, str) or not model:
-        raise Refusal(400, 'Say which model to use: the request has no "model".', param="model")
-    if "stream" in request and not isinstance(request["stream"], bool):
-        raise Refusal(400, '"stream" must be true or false.', param="stream")
-    return request
-
-
-def check_limits(path: str, request: dict, route: routes.Route) -> None:
-    """Refuse what the model cannot do, before a replica spends time on it.
-
-    A prompt longer than the context is refused by the engine itself, which is
-    the one that knows its tokenizer; its 400 is passed on as it is.
-    """
-    if path == "/v1/embeddings":
-        return
-    field = "max_completion_tokens" if request.get("max_completion_tokens") is not None else "max_tokens"
-    wanted = request.get(field)
-    if wanted is None:
-        return
-    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
-        raise Refusal(400, f'"{field}" must be a whole number of at least 1.', param=field)
-    if route.max_output and wanted > route.max_output:
-        raise Refusal(
-            400,
-            f"{field} is {wanted}, above the output limit of {route.name}, which is {route.max_output} tokens.",
-            param=field,
-            code="max_tokens_too_large",
-        )
-    if wanted >= route.context_length:
-        raise Refusal(
-            400,
-            f"{field} is {wanted}, which leaves no room for the prompt in the context length of "
-            f"{route.name}, which is {route.context_length} tokens.",
-            param=field,
-            code="context_length_exceeded",
-        )
