@@ -62,9 +62,7 @@ def resolve(*names: str) -> Path | None:
         if name_problem(name) is not None:
             return None
     path = root().joinpath(*names)
-    real_root = _real_root()
-    real = Path(os.path.realpath(path))
-    if real != real_root and real_root not in real.parents:
+    if _servable_depth(path) != len(names):
         return None
     return path
 
@@ -119,12 +117,28 @@ def _is_dir_inside(path: Path) -> bool:
     return st is not None and stat.S_ISDIR(st.st_mode)
 
 
-def _stat_inside(path: Path) -> os.stat_result | None:
-    real_root = _real_root()
+def _servable_depth(path: Path) -> int | None:
+    """How deep under the root `path` really is, counted by plain names; None when it is not.
+
+    A symlink is one name that can point anywhere, so what it resolves to is checked
+    as the mirror would check a name it was given: a link to a hidden file, an
+    unfinished download or anything outside the root serves nothing.
+    """
     real = Path(os.path.realpath(path))
-    if real_root not in real.parents:
+    try:
+        parts = real.relative_to(_real_root()).parts
+    except ValueError:
+        return None
+    if any(name_problem(part) is not None for part in parts):
+        return None
+    return len(parts)
+
+
+def _stat_inside(path: Path) -> os.stat_result | None:
+    """stat() of what `path` is, when that lies at the same depth under the root, by plain names."""
+    if _servable_depth(path) != len(path.relative_to(root()).parts):
         return None
     try:
-        return os.stat(real)
+        return os.stat(path)
     except OSError:
         return None

@@ -186,6 +186,27 @@ def test_a_symlink_out_of_the_root_is_refused(byte_listener, weights, mirror_roo
     assert requests.get(byte_listener + "m/outside/secret.txt").status_code == 404
 
 
+def test_a_symlink_inside_the_mirror_serves_only_what_the_mirror_would_serve(byte_listener, weights, mirror_root):
+    (mirror_root / ".env").write_bytes(b"DJANGO_SECRET_KEY=hidden")
+    (weights / "model.gguf.part").write_bytes(b"half a download")
+    (mirror_root / "m" / "v1" / "nested").mkdir()
+    (mirror_root / "m" / "v1" / "nested" / "deep.bin").write_bytes(b"not a version's file")
+    (weights / "link").symlink_to(mirror_root / ".env")
+    (weights / "part-link").symlink_to(weights / "model.gguf.part")
+    (weights / "deep-link").symlink_to(weights / "nested" / "deep.bin")
+    (weights / "alias.gguf").symlink_to(weights / "model.gguf")
+    (mirror_root / "m" / "hidden-version").symlink_to(mirror_root / "m" / "v1" / "nested")
+    for name in ("link", "part-link", "deep-link"):
+        r = requests.get(byte_listener + "m/v1/" + name)
+        assert r.status_code == 404, name
+        assert b"hidden" not in r.content and b"half" not in r.content and b"not a version" not in r.content
+    names = [f["name"] for f in requests.get(byte_listener + "m/v1/").json()["files"]]
+    # A link to a file the mirror serves anyway is served, like the file.
+    assert sorted(names) == ["alias.gguf", "b.bin", "model.gguf"]
+    assert requests.get(byte_listener + "m/v1/alias.gguf").content == CONTENT
+    assert requests.get(byte_listener + "m/hidden-version/").status_code == 404
+
+
 def test_only_get_and_head_are_answered(byte_listener, weights):
     r = requests.post(byte_listener + "m/v1/model.gguf", data=b"x")
     assert r.status_code == 405
