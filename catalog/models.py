@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxLengthValidator
 from django.db import models
 from django.utils import timezone
 
-from .rules import alias_problem, args_problem, clash, name_problem, scaling_problem, selector_problem, source_problem
+from .rules import (
+    MAX_DESCRIPTION,
+    alias_problem,
+    args_problem,
+    clash,
+    name_problem,
+    scaling_problem,
+    selector_problem,
+    source_problem,
+)
 
 
 class Engine(models.TextChoices):
@@ -16,7 +26,9 @@ class Engine(models.TextChoices):
 
 class Model(models.Model):
     name = models.CharField(max_length=200, unique=True, help_text="What clients ask for in the gateway.")
-    description = models.TextField(blank=True)
+    description = models.TextField(
+        blank=True, max_length=MAX_DESCRIPTION, validators=[MaxLengthValidator(MAX_DESCRIPTION)]
+    )
     aliases = models.JSONField(default=list, blank=True, help_text="Other names clients may use: a list of strings.")
     # A URL ending in "/" names a version of several files; without it, one file.
     source = models.CharField(max_length=1000)

@@ -18,6 +18,13 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
 # An alias may be written the way clients of other servers already ask for the
 # model ("meta-llama/Llama-3.1-8B-Instruct"); a name may not, because it can end
 # up as a directory or a queue name, where a slash means something else.
+# Bounds on what staff and automation may write. The gateway reads every model, alias and
+# argument into memory each time its table changes, so text without a bound is a way to
+# make every request slower (a 20 MB description was read every second).
+MAX_DESCRIPTION = 4000
+MAX_LIST = 100  # aliases, engine arguments, selector labels
+MAX_ITEM = 1000  # one engine argument, one label's key or value
+
 ALIAS_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*(/[A-Za-z0-9][A-Za-z0-9._:@+-]*)*")
 
 
@@ -36,6 +43,8 @@ def name_problem(name: str, what: str = "a model's name") -> str | None:
 def alias_problem(aliases) -> str | None:
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         return "aliases must be a list of names"
+    if len(aliases) > MAX_LIST:
+        return f"a model may have at most {MAX_LIST} aliases"
     for alias in aliases:
         if not alias or len(alias) > 200 or not ALIAS_PATTERN.fullmatch(alias):
             return (
@@ -86,6 +95,10 @@ def source_problem(source: str, byte_base: str | None = None) -> str | None:
 def args_problem(args) -> str | None:
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         return 'engine arguments must be a list of strings, like ["--ctx-size", "8192"]'
+    if len(args) > MAX_LIST:
+        return f"a profile may have at most {MAX_LIST} engine arguments"
+    if any(len(a) > MAX_ITEM for a in args):
+        return f"an engine argument may be at most {MAX_ITEM} characters"
     return None
 
 
@@ -94,6 +107,14 @@ def selector_problem(selector) -> str | None:
         isinstance(k, str) and isinstance(v, str) and k and v for k, v in selector.items()
     ):
         return 'a node selector must be labels written {"key": "value"}'
+    return labels_problem(selector, "a node selector")
+
+
+def labels_problem(labels: dict, what: str = "a node's labels") -> str | None:
+    if len(labels) > MAX_LIST:
+        return f"{what} may have at most {MAX_LIST} labels"
+    if any(len(k) > MAX_ITEM or len(str(v)) > MAX_ITEM for k, v in labels.items()):
+        return f"a label's key and value may be at most {MAX_ITEM} characters each"
     return None
 
 

@@ -3,6 +3,7 @@ from django.contrib import admin, messages
 from django.http import HttpRequest
 from django.template.defaultfilters import filesizeformat
 
+from catalog.rules import labels_problem
 from contracts.names import node_name_problem
 
 from . import enrolment
@@ -24,6 +25,8 @@ class NodeForm(forms.ModelForm):
         labels = self.cleaned_data["labels"]
         if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
             raise forms.ValidationError('labels are written {"key": "value"}, each value text')
+        if problem := labels_problem(labels):
+            raise forms.ValidationError(problem)
         return labels
 
 

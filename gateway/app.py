@@ -159,6 +159,16 @@ class Gateway:
             await self.refuse(send, refusal, started)
         except ClientGone:
             pass
+        except Exception:
+            # A fault of the gateway's own: said in the client's shape, and in the log with its traceback.
+            log.exception("the gateway failed on %s %s", scope.get("method"), scope.get("path"))
+            failure = Refusal(
+                500, "The gateway failed to answer; its log says why.", kind="api_error", code="internal_error"
+            )
+            try:
+                await self.refuse(send, failure, started)
+            except Exception:
+                pass  # the answer had begun: uvicorn ends the connection
 
     async def refuse(self, send, refusal: Refusal, started: float) -> None:
         body = refusal.body()

@@ -36,6 +36,8 @@ def parse_request(body: bytes) -> dict:
         request = json.loads(body)
     except ValueError as error:
         raise Refusal(400, f"The request body is not valid JSON: {sentence_of(error)}.") from None
+    except RecursionError:
+        raise Refusal(400, "The request body is JSON nested too deeply to read.") from None
     if not isinstance(request, dict):
         raise Refusal(400, "The request body must be a JSON object.")
     model = request.get("model")
@@ -43,6 +45,9 @@ def parse_request(body: bytes) -> dict:
         raise Refusal(400, 'Say which model to use: the request has no "model".', param="model")
     if "stream" in request and not isinstance(request["stream"], bool):
         raise Refusal(400, '"stream" must be true or false.', param="stream")
+    options = request.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise Refusal(400, '"stream_options" must be an object, like {"include_usage": true}.', param="stream_options")
     return request
 
 

@@ -3,6 +3,9 @@
 from django.core.exceptions import ValidationError
 from django.db import models
 
+# The gateway holds every key's models in memory: a list without a bound would cost every request.
+MAX_MODELS = 1000
+
 
 class ApiKey(models.Model):
     name = models.CharField(max_length=100, unique=True, help_text="Who or what uses this key.")
@@ -35,6 +38,8 @@ class ApiKey(models.Model):
             raise ValidationError(
                 {"model_names": 'Write the models as a list of names, like ["llama-3"], or [] for all.'}
             )
+        if len(self.model_names) > MAX_MODELS or any(len(m) > 200 for m in self.model_names):
+            raise ValidationError({"model_names": f"A key may name at most {MAX_MODELS} models of 200 characters."})
 
 
 class Usage(models.Model):

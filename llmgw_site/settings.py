@@ -197,9 +197,13 @@ REST_FRAMEWORK = {
     # Closed unless a view says otherwise: staff only.
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "common.api.Pagination",
+    "DEFAULT_PARSER_CLASSES": [
+        "common.api.BoundedJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    "PAGE_SIZE": 100,
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "llmgw API",

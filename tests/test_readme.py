@@ -7,7 +7,9 @@ ROOT = Path(__file__).resolve().parent.parent
 APPS = ["agent", "catalog", "common", "contracts", "fleet", "gateway", "launcher", "llmgw_site", "mirror", "serving"]
 # Set by llmgw for its own processes, never by an operator.
 INTERNAL = {"LLMGW_NODE_NAME", "LLMGW_NODE_LABELS", "LLMGW_TEST_DB"}
-READ = re.compile(r"""(?:env_\w+\(|environ\.get\(|getenv\(|environ\[|[A-Z_]+ = )\s*"((?:LLMGW|DJANGO|REDIS|DATABASE)_?[A-Z_]*)\"""")
+READ = re.compile(
+    r"""(?:env_\w+\(|environ\.get\(|getenv\(|environ\[|[A-Z_]+ = )\s*"((?:LLMGW|DJANGO|REDIS|DATABASE)_?[A-Z_]*)\""""
+)
 
 
 def test_every_setting_the_code_reads_is_in_the_readmes_table():
