@@ -22,6 +22,8 @@ from pathlib import Path
 
 import requests
 
+from contracts.digest import sha256_file
+
 from .progress import Cancelled, Progress, human_bytes
 from .sources import (  # noqa: F401 - the fetch module's contract: fetch_source and the names around it
     TIMEOUT,
@@ -31,7 +33,6 @@ from .sources import (  # noqa: F401 - the fetch module's contract: fetch_source
     describe,
     is_remote,
     is_set,
-    name_problem,
     read_manifest,
     status_error,
 )
@@ -97,14 +98,6 @@ def _write_validator(cache: Path, target: Path, etag: str, last_modified: str, t
 # --- one file -----------------------------------------------------------------------
 
 
-def _sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -150,7 +143,7 @@ def _finish(url: str, part: Path, target: Path, total: int, entry: Entry | None,
         )
     if entry is not None and entry.sha256:
         progress.set_state("verifying")
-        actual = _sha256_of(part)
+        actual = sha256_file(part)
         if actual != entry.sha256:
             part.unlink()
             raise FetchError(
@@ -365,7 +358,7 @@ def _already_there(path: Path, entry: Entry) -> bool:
             return False
     except OSError:
         return False
-    return not entry.sha256 or _sha256_of(path) == entry.sha256
+    return not entry.sha256 or sha256_file(path) == entry.sha256
 
 
 def _fetch_set(source: str, cache: Path, progress: Progress, parallel: int) -> Path:

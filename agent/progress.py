@@ -16,16 +16,24 @@ import time
 
 import redis
 
+# The key format and the readers are the control plane's too; re-exported for the node's own use.
+from contracts.progress import (  # noqa: F401
+    CANCEL_PREFIX,
+    KEEP_S,
+    KEY_PREFIX,
+    SOURCES_KEY,
+    STATES,
+    cancel_key,
+    clear_cancel,
+    percent,
+    progress_key,
+    read,
+    recent_sources,
+    request_cancel,
+)
+
 log = logging.getLogger(__name__)
 
-STATES = ("queued", "fetching", "verifying", "complete", "failed")
-
-KEY_PREFIX = "llmgw:progress:"
-# Every address with progress, newest first: what the fleet page lists.
-SOURCES_KEY = "llmgw:progress-sources"
-CANCEL_PREFIX = "llmgw:fetch-cancel:"
-# Long enough to read what happened overnight, short enough not to pile up.
-KEEP_S = 7 * 24 * 3600
 # A few updates a second: enough for a live bar, few enough that a fast local
 # fetch does not spend its time talking to Redis.
 MIN_INTERVAL_S = 0.25
@@ -165,14 +173,6 @@ class Throttled(Progress):
         raise NotImplementedError
 
 
-def progress_key(source: str) -> str:
-    return KEY_PREFIX + source
-
-
-def cancel_key(node: str, source: str) -> str:
-    return f"{CANCEL_PREFIX}{node}:{source}"
-
-
 class RedisProgress(Throttled):
     """A node's progress on one source, in Redis under the source's address.
 
@@ -216,31 +216,6 @@ class RedisProgress(Throttled):
         self._said_unreachable = False
         if cancelled and snapshot["state"] not in ("complete", "failed"):
             raise Cancelled(f"the fetch of {self.source} onto {self.node} was cancelled by staff")
-
-
-def read(client, source: str) -> dict[str, dict]:
-    """Every node's progress on this source: {node: snapshot}."""
-    raw = client.hgetall(progress_key(source))
-    out = {}
-    for node, value in raw.items():
-        node = node.decode() if isinstance(node, bytes) else node
-        try:
-            out[node] = json.loads(value)
-        except ValueError:
-            continue
-    return dict(sorted(out.items()))
-
-
-def recent_sources(client, limit: int = 200) -> list[str]:
-    return [s.decode() if isinstance(s, bytes) else s for s in client.zrevrange(SOURCES_KEY, 0, limit - 1)]
-
-
-def request_cancel(client, node: str, source: str) -> None:
-    client.set(cancel_key(node, source), "1", ex=KEEP_S)
-
-
-def clear_cancel(client, node: str, source: str) -> None:
-    client.delete(cancel_key(node, source))
 
 
 def redis_client():

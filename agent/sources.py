@@ -17,6 +17,8 @@ from urllib.parse import unquote, urlsplit
 
 import requests
 
+from contracts.names import plain_name_problem
+
 MANIFEST_LIMIT = 1 << 20
 TIMEOUT = (10, 60)  # connect, and between two reads of a body
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -58,32 +60,6 @@ def is_set(source: str) -> bool:
     return is_remote(source) and source.endswith("/")
 
 
-def name_problem(name: str) -> str | None:
-    """Why a name cannot be joined onto a directory of the cache, or None.
-
-    The mirror is a place an operator copies files into by hand, so what it
-    reports is not automatically safe to join onto a path.
-    """
-    if name == "":
-        return "which is empty"
-    if "\x00" in name:
-        return "which holds a NUL byte"
-    if "/" in name or "\\" in name:
-        return "which contains a path separator"
-    if name in (".", ".."):
-        return "which is not a file name"
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return "which contains a control character"
-    if name.startswith("."):
-        # .complete is the marker; a file of that name would mark a set whole.
-        return "which is hidden"
-    if name.endswith(".part"):
-        return "which is the name of an unfinished download"
-    if len(name.encode("utf-8", "surrogateescape")) > 250:
-        return "which is too long for a file name"
-    return None
-
-
 def cache_path(source: str, cache: Path) -> Path:
     """Where a source lives in the cache: <cache>/<host>_<port>/<path...>.
 
@@ -108,9 +84,11 @@ def cache_path(source: str, cache: Path) -> Path:
     if not segments:
         raise FetchError(f"{source} names no file or version, only a host")
     for segment in segments:
-        problem = name_problem(segment)
+        problem = plain_name_problem(segment)
         if problem is not None:
-            raise FetchError(f"{source} has a path part {segment!r}, {problem}; it is refused rather than cached")
+            raise FetchError(
+                f"{source} is refused rather than cached: a part of its path is not a plain name: {problem}"
+            )
     cache = Path(cache)
     target = cache.joinpath(host_dir, *segments)
     real_cache = Path(os.path.realpath(cache))
@@ -161,9 +139,9 @@ def read_manifest(session: requests.Session, source: str) -> list[Entry]:
         name = item["name"]
         # Rejected rather than joined: a name with a separator in it would
         # write outside the directory the mirror said it was in.
-        problem = name_problem(name)
+        problem = plain_name_problem(name)
         if problem is not None:
-            raise FetchError(f"{source}: the mirror offered a file named {name!r}, {problem}; it is refused")
+            raise FetchError(f"{source}: the mirror offered a file named {name!r}, which is refused: {problem}")
         if name in seen:
             raise FetchError(f"{source}: the mirror offered a file named {name!r} twice")
         seen.add(name)

@@ -14,6 +14,8 @@ import time
 
 from celery import current_app, shared_task
 
+from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEAT, node_queue
+
 from . import facts, progress, runtime
 from .fetch import FetchError, fetch_source
 
@@ -36,7 +38,7 @@ def report(source: str, state: str, snapshot: dict, path: str = "", error: str =
         "started": started,
     }
     try:
-        current_app.send_task("agent.fetch_finished", args=[runtime.token(), payload], queue="control")
+        current_app.send_task(FETCH_FINISHED, args=[runtime.token(), payload], queue=CONTROL_QUEUE)
     except Exception:
         # The fetch itself is done or failed either way; the progress key in Redis still says which.
         log.exception("could not report the fetch of %s to the control plane", source)
@@ -45,7 +47,7 @@ def report(source: str, state: str, snapshot: dict, path: str = "", error: str =
 # Late acknowledgement with reject-on-worker-lost: a worker killed mid-download
 # leaves the task to run again, and because a fetch is safe to run twice the
 # rerun finds the parts on disk and resumes them.
-@shared_task(name="agent.fetch", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@shared_task(name=FETCH, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def fetch(self, source: str) -> None:
     node = runtime.node_name()
     client = progress.redis_client()
@@ -73,7 +75,7 @@ def fetch(self, source: str) -> None:
             except progress.Cancelled:
                 pass
             log.warning("fetch of %s failed, trying again in %.0f s: %s", source, countdown, sentence)
-            raise self.retry(countdown=countdown, queue=runtime.node_queue(node)) from None
+            raise self.retry(countdown=countdown, queue=node_queue(node)) from None
         log.warning("fetch of %s failed: %s", source, sentence)
         report(source, "failed", live.snapshot(), error=sentence, started=started)
         return
@@ -99,9 +101,9 @@ def send_heartbeat(static: dict | None = None) -> None:
     labels = json.loads(os.environ.get("LLMGW_NODE_LABELS", "{}") or "{}")
     payload = facts.collect(runtime.node_name(), labels, runtime.cache_dir(), static)
     current_app.send_task(
-        "fleet.heartbeat",
+        HEARTBEAT,
         args=[runtime.token(), payload],
-        queue="control",
+        queue=CONTROL_QUEUE,
         # A broker that is away is tried again at the next beat, not retried here:
         # the worker's event loop runs this and must not stall on it.
         retry=True,
