@@ -469,3 +469,19 @@ def test_an_engine_that_hangs_is_killed_and_started_again(tmp_path, vllm_stand_i
     assert not engines.group_alive(hung_pid)
     step_until(sup, lambda: reports.states().count("ready") == 2, 30, "a new engine to answer")
     assert engine_state.read_state(cache)["replicas"]["1"]["pid"] != hung_pid
+
+
+def test_agent_stop_engines_stops_what_this_hosts_agent_started_without_a_token_or_a_broker(tmp_path, engine_cleanup):
+    """What `make run` calls at its end: engines outlive the agent, but not the whole llmgw on one machine."""
+    cache = tmp_path / "cache"
+    engine = engines.spawn([sys.executable, "-c", "import time; time.sleep(300)"], cache / "engine.log")
+    engine_state.want(cache, 3, "vllm", "http://mirror/m/v1/", tmp_path, [])
+    with engine_state.locked_state(cache) as state:
+        state["replicas"]["3"].update(pid=engine.pid, pid_started=engines.start_time(engine.pid))
+    env = process_env(REDIS_URL="redis://127.0.0.1:9/0")
+    env.pop("LLMGW_NODE_TOKEN", None)
+    argv = [sys.executable, "manage.py", "agent", "--node", "gpu-1", "--cache", str(cache), "--stop-engines"]
+    done = subprocess.run(argv, env=env, cwd=BASE_DIR, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"Stopping the engine of replica 3 (pid {engine.pid}).\n"
+    assert engine.wait(timeout=15) == -signal.SIGTERM
