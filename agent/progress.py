@@ -15,6 +15,7 @@ import threading
 import time
 
 import redis
+from tqdm import tqdm
 
 # The key format and the readers are the control plane's too; re-exported for the node's own use.
 from contracts.progress import (  # noqa: F401
@@ -233,31 +234,45 @@ def human_bytes(n: float) -> str:
 
 
 class TerminalProgress(Throttled):
-    """A one-line bar on a terminal, for `manage.py fetch`."""
+    """A progress bar on a terminal (tqdm), for `manage.py fetch`."""
 
     def __init__(self, source: str, stream=None) -> None:
         self.source = source
         self.stream = stream or sys.stderr
+        self._bar: tqdm | None = None
+        self._said_waiting = False
         super().__init__()
 
     def waiting(self) -> None:
-        if not getattr(self, "_said_waiting", False):
+        if not self._said_waiting:
             self._said_waiting = True
             self.stream.write(f"waiting for another fetch of {self.source} on this host to finish\n")
             self.stream.flush()
 
     def send(self, s: dict) -> None:
-        total = s["bytes_total"] or 0
-        if s["state"] == "failed" and not total:
-            return  # failed before there was anything to show; the command prints the sentence
-        fraction = min(1.0, s["bytes_done"] / total) if total else 0.0
-        width = 30
-        bar = "#" * int(fraction * width) + "-" * (width - int(fraction * width))
-        line = (
-            f"\r[{bar}] {fraction * 100:5.1f}% {human_bytes(s['bytes_done'])} of {human_bytes(total)}"
-            f"  files {s['files_done']}/{s['files_total']}  {human_bytes(s['rate'])}/s  {s['state']}"
-        )
-        self.stream.write(line.ljust(100))
+        if self._bar is None:
+            if s["state"] == "failed" and not s["bytes_total"]:
+                return  # failed before there was anything to show; the command prints the sentence
+            # Throttled already paces the updates: tqdm draws each one it is given. Resumed bytes
+            # are where the bar starts, not part of its rate.
+            self._bar = tqdm(
+                total=s["bytes_total"] or None,
+                initial=s["bytes_done"],
+                file=self.stream,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                mininterval=0,
+                miniters=0,
+            )
+        bar = self._bar
+        bar.total = s["bytes_total"] or None
+        bar.set_postfix_str(f"files {s['files_done']}/{s['files_total']} {s['state']}", refresh=False)
+        if s["bytes_done"] >= bar.n:
+            bar.update(s["bytes_done"] - bar.n)
+        else:
+            bar.n = s["bytes_done"]  # a part thrown away: the bar goes back
+            bar.refresh()
         if s["state"] in ("complete", "failed"):
-            self.stream.write("\n")
-        self.stream.flush()
+            bar.close()
+            self._bar = None
