@@ -19,7 +19,7 @@ from contracts.tasks import START_REPLICA, STOP_REPLICA
 
 from . import engine_state, engines, progress, runtime, supervisor
 from .fetch import FetchError, fetch_source
-from .tasks import report as report_fetch
+from .tasks import report_fetch
 
 log = logging.getLogger(__name__)
 

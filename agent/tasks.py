@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import time
 
-from celery import current_app, shared_task
+from celery import Task, current_app, shared_task
 
 from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEAT, node_queue
 
@@ -21,10 +20,10 @@ from .fetch import FetchError, fetch_source
 
 log = logging.getLogger(__name__)
 
-RETRIES = 5
 
-
-def report(source: str, state: str, snapshot: dict, path: str = "", error: str = "", started: float = 0.0) -> None:
+def report_fetch(
+    source: str, state: str, snapshot: dict, path: str = "", error: str = "", started: float = 0.0
+) -> None:
     """Tell the control plane how a fetch ended. Sent, never waited on: the node has no database."""
     payload = {
         "node": runtime.node_name(),
@@ -44,10 +43,32 @@ def report(source: str, state: str, snapshot: dict, path: str = "", error: str =
         log.exception("could not report the fetch of %s to the control plane", source)
 
 
+class OnThisNode(Task):
+    """A task of this node's own queue, retried there: no route by its name may send it elsewhere."""
+
+    def retry(self, *args, **options):
+        options.setdefault("queue", node_queue(runtime.node_name()))
+        return super().retry(*args, **options)
+
+
 # Late acknowledgement with reject-on-worker-lost: a worker killed mid-download
 # leaves the task to run again, and because a fetch is safe to run twice the
 # rerun finds the parts on disk and resumes them.
-@shared_task(name=FETCH, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@shared_task(
+    name=FETCH,
+    base=OnThisNode,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    # Only a transient FetchError with tries left leaves the task (see below). Backoff
+    # with jitter, so a mirror that restarts is not met by every node at once.
+    autoretry_for=(FetchError,),
+    max_retries=5,
+    retry_backoff=5,
+    retry_backoff_max=300,
+    retry_jitter=True,
+)
 def fetch(self, source: str) -> None:
     node = runtime.node_name()
     client = progress.redis_client()
@@ -55,7 +76,7 @@ def fetch(self, source: str) -> None:
     if client.exists(progress.cancel_key(node, source)):
         # Cleared, so the flag cannot stop a later fetch of the same source (a replica's).
         progress.clear_cancel(client, node, source)
-        report(source, "cancelled", {}, error="cancelled by staff before it started", started=started)
+        report_fetch(source, "cancelled", {}, error="cancelled by staff before it started", started=started)
         return
     live = progress.RedisProgress(client, source, node)
     try:
@@ -64,22 +85,27 @@ def fetch(self, source: str) -> None:
         sentence = str(error)
         if client.exists(progress.cancel_key(node, source)):
             progress.clear_cancel(client, node, source)
-            report(source, "cancelled", live.snapshot(), error=sentence, started=started)
+            report_fetch(source, "cancelled", live.snapshot(), error=sentence, started=started)
             return
-        if error.transient and self.request.retries < RETRIES:
-            # Backoff with jitter, so a mirror that restarts is not met by every node at once.
-            countdown = min(300, 5 * 2**self.request.retries) + random.uniform(0, 5)
+        if error.transient and self.request.retries < self.max_retries:
             # Not "failed" to whoever watches: it is waiting to try again, and says why.
             try:
                 live.set_state("queued")
             except progress.Cancelled:
                 pass
-            log.warning("fetch of %s failed, trying again in %.0f s: %s", source, countdown, sentence)
-            raise self.retry(countdown=countdown, queue=node_queue(node)) from None
+            attempt = self.request.retries + 1
+            log.warning(
+                "fetch of %s failed, trying again in a while (attempt %d of %d): %s",
+                source,
+                attempt,
+                self.max_retries + 1,
+                sentence,
+            )
+            raise
         log.warning("fetch of %s failed: %s", source, sentence)
-        report(source, "failed", live.snapshot(), error=sentence, started=started)
+        report_fetch(source, "failed", live.snapshot(), error=sentence, started=started)
         return
-    report(source, "complete", live.snapshot(), path=str(path), started=started)
+    report_fetch(source, "complete", live.snapshot(), path=str(path), started=started)
 
 
 @shared_task(name="agent.fetch_finished", ignore_result=True)
