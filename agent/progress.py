@@ -112,6 +112,15 @@ class Progress:
             self.state, self.error = "failed", sentence
         self._publish(force=True)
 
+    def already_complete(self, *, bytes_total: int, files_total: int) -> None:
+        """Nothing was left to fetch.
+
+        Reported with its real totals: a second fetch of a finished set must not
+        publish zeros over the numbers of the one that did the work.
+        """
+        self.begin(bytes_total=bytes_total, files_total=files_total, bytes_done=bytes_total, files_done=files_total)
+        self.complete()
+
     def complete(self) -> None:
         with self._lock:
             self.state, self.current_file = "complete", ""
