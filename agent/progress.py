@@ -17,16 +17,15 @@ import time
 import redis
 from tqdm import tqdm
 
-# The key format and the readers are the control plane's too; re-exported for the node's own use.
+# clear_cancel, read, recent_sources and request_cancel only for the control plane's readers
+# (agent/views.py, agent/admin.py, agent/api/, agent/models.py, gateway/routes.py and their
+# tests), until they import them from contracts.progress.
 from contracts.progress import (  # noqa: F401
-    CANCEL_PREFIX,
     KEEP_S,
-    KEY_PREFIX,
     SOURCES_KEY,
     STATES,
     cancel_key,
     clear_cancel,
-    percent,
     progress_key,
     read,
     recent_sources,

@@ -13,6 +13,7 @@ import time
 
 from celery import Task, current_app, shared_task
 
+from contracts.progress import cancel_key, clear_cancel
 from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEAT, node_queue
 
 from . import facts, progress, runtime
@@ -73,9 +74,9 @@ def fetch(self, source: str) -> None:
     node = runtime.node_name()
     client = progress.redis_client()
     started = time.time()
-    if client.exists(progress.cancel_key(node, source)):
+    if client.exists(cancel_key(node, source)):
         # Cleared, so the flag cannot stop a later fetch of the same source (a replica's).
-        progress.clear_cancel(client, node, source)
+        clear_cancel(client, node, source)
         report_fetch(source, "cancelled", {}, error="cancelled by staff before it started", started=started)
         return
     live = progress.RedisProgress(client, source, node)
@@ -83,8 +84,8 @@ def fetch(self, source: str) -> None:
         path = fetch_source(source, runtime.cache_dir(), live)
     except FetchError as error:
         sentence = str(error)
-        if client.exists(progress.cancel_key(node, source)):
-            progress.clear_cancel(client, node, source)
+        if client.exists(cancel_key(node, source)):
+            clear_cancel(client, node, source)
             report_fetch(source, "cancelled", live.snapshot(), error=sentence, started=started)
             return
         if error.transient and self.request.retries < self.max_retries:
