@@ -15,6 +15,7 @@ import threading
 import time
 
 import redis
+from django.conf import settings
 from tqdm import tqdm
 
 # clear_cancel, read, recent_sources and request_cancel only for the control plane's readers
@@ -228,8 +229,6 @@ class RedisProgress(Throttled):
 
 
 def redis_client():
-    from django.conf import settings
-
     return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
 
 

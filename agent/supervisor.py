@@ -26,9 +26,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import django
+from celery import current_app
+from django.conf import settings
+
 from contracts.tasks import CONTROL_QUEUE, REPLICA_REPORT
 
-from . import engine_state, engines
+from . import engine_state, engines, runtime
 from .engine_state import read_state  # noqa: F401 - launcher/up.py's stop_engines, until it runs `agent --stop-engines`
 
 log = logging.getLogger(__name__)
@@ -268,8 +272,6 @@ class Supervisor:
 
 
 def celery_report(token: str) -> Report:
-    from celery import current_app
-
     def report(replica_id: int, state: str, endpoint: str, reason: str) -> None:
         current_app.send_task(REPLICA_REPORT, args=[token, replica_id, state, endpoint, reason], queue=CONTROL_QUEUE)
 
@@ -282,8 +284,6 @@ def start() -> subprocess.Popen:
     A process rather than a thread in the worker: Celery forks its pool, and a
     thread holding a lock at that moment would leave the children stuck on it.
     """
-    from agent import runtime
-
     env = dict(os.environ, LLMGW_NODE_TOKEN=runtime.token())
     argv = [sys.executable, "-m", "agent.supervisor", "--cache", str(runtime.cache_dir()), "--parent", str(os.getpid())]
     return subprocess.Popen(argv, env=env)
@@ -296,12 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
-    import django
-
     django.setup()
-    from django.conf import settings
-
-    import llmgw_site.celery  # noqa: F401  (the app reports are sent with)
+    import llmgw_site.celery  # noqa: F401  (the app reports are sent with, configured from the settings)
 
     token = os.environ.get("LLMGW_NODE_TOKEN", "")
     engine_state.state_dir(options.cache).mkdir(parents=True, exist_ok=True)

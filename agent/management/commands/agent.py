@@ -2,6 +2,7 @@ import json
 import os
 from pathlib import Path
 
+import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
@@ -97,8 +98,6 @@ class Command(BaseCommand):
             engines.stop_group(pid, grace=10)
 
     def check_broker(self) -> None:
-        import redis
-
         try:
             redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=3).ping()
         except (redis.RedisError, OSError, ValueError) as error:
