@@ -1,8 +1,8 @@
 """The node's engine supervisor: keeps wanted engines running, outliving any one task.
 
 A Celery task lasts as long as a fetch; an engine has to run for weeks. So the
-task only records what it wants in a state file under the agent's cache, and
-this supervisor — one process per node, started beside the agent's worker —
+task only records what it wants in a state file under the agent's cache
+(`agent.engine_state`), and this supervisor — one process per node, started beside the agent's worker —
 starts engines, health-checks them, restarts them after a crash with backoff,
 stops them on request, and reports each change to the control plane.
 
