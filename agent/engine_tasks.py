@@ -8,13 +8,18 @@ whole and the replica is recorded as wanted.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from celery import shared_task
 from django.conf import settings
 
-from . import engines, supervisor
+from contracts.tasks import START_REPLICA, STOP_REPLICA
+
+from . import engine_state, engines, progress, runtime, supervisor
+from .fetch import FetchError, fetch_source
+from .tasks import report_fetch
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +48,7 @@ def start_on_node(
     except engines.EngineError as e:
         report(replica_id, "failed", "", str(e))
         return False
-    if supervisor.wanted_as(cache, replica_id, engine, source, list(args), model):
+    if engine_state.wanted_as(cache, replica_id, engine, source, list(args), model):
         return True
     report(replica_id, "fetching", "", "")
     try:
@@ -52,17 +57,14 @@ def start_on_node(
         # The fetch module's errors are sentences; anything else is said as it is.
         report(replica_id, "failed", "", str(e) or e.__class__.__name__)
         return False
-    supervisor.want(cache, replica_id, engine, source, weights, list(args), model)
+    engine_state.want(cache, replica_id, engine, source, weights, list(args), model)
     return True
 
 
-@shared_task(name="agent.start_replica", ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+@shared_task(name=START_REPLICA, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
 def start_replica(replica_id: int, source: str, engine: str, args: list[str], model: str = "") -> None:
     # `model` has a default: a start queued before the control plane sent it still
     # runs, and the engine serves under its own default name.
-    # The agent issue's modules: what this node is, and how it fetches.
-    from agent import runtime
-
     start_on_node(
         replica_id,
         source,
@@ -80,27 +82,19 @@ def fetch_reported(source: str, cache: Path) -> Path:
     """A replica's fetch, seen like any other: live progress under the source's
     address, and a record on the control plane of how it ended, which placement
     also reads to prefer a node that already holds the weights."""
-    import time
-
-    from agent import progress, runtime
-    from agent.fetch import FetchError, fetch_source
-    from agent.tasks import report
-
     live = progress.RedisProgress(progress.redis_client(), source, runtime.node_name())
     started = time.time()
     try:
         path = fetch_source(source, cache, live)
     except FetchError as error:
-        report(source, "failed", live.snapshot(), error=str(error), started=started)
+        report_fetch(source, "failed", live.snapshot(), error=str(error), started=started)
         raise
-    report(source, "complete", live.snapshot(), path=str(path), started=started)
+    report_fetch(source, "complete", live.snapshot(), path=str(path), started=started)
     return path
 
 
-@shared_task(name="agent.stop_replica", ignore_result=True)
+@shared_task(name=STOP_REPLICA, ignore_result=True)
 def stop_replica(replica_id: int) -> None:
-    from agent import runtime
-
-    if not supervisor.unwant(runtime.cache_dir(), replica_id):
+    if not engine_state.unwant(runtime.cache_dir(), replica_id):
         # Nothing of that id runs here: say so, and the control plane lets the row go.
         supervisor.celery_report(runtime.token())(replica_id, "stopped", "", "")

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+import psutil
 import requests
 
 ENGINES = ("llamacpp", "vllm")
@@ -220,35 +221,29 @@ def stop_group(pid: int, grace: float = 10.0) -> None:
         pass
 
 
-def group_alive(pid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
-        os.killpg(pid, 0)
+        os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    # A zombie still answers signal 0; it is dead for our purposes.
-    return process_state(pid) not in ("Z", None) or _others_in_group(pid)
+    # A zombie still answers signal 0; it is dead for our purposes, and so is a group of them.
+    return _running(pgid) or any(_running(p.pid) for p in psutil.process_iter() if _group_of(p.pid) == pgid)
 
 
-def process_state(pid: int) -> str | None:
+def _running(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
-def _others_in_group(pgid: int) -> bool:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != pgid:
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
 
 
 def start_time(pid: int) -> int | None:
@@ -256,7 +251,8 @@ def start_time(pid: int) -> int | None:
 
     A pid alone may have been reused since it was recorded; the pair cannot be.
     The command line is no help either: an interpreter's script shows up under
-    the interpreter's name.
+    the interpreter's name. Read from /proc rather than psutil's create_time(),
+    which follows the wall clock: an NTP step would make a running engine a stranger.
     """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

@@ -15,17 +15,13 @@ import threading
 import time
 
 import redis
+from django.conf import settings
+from tqdm import tqdm
+
+from contracts.progress import KEEP_S, SOURCES_KEY, STATES, cancel_key, progress_key
 
 log = logging.getLogger(__name__)
 
-STATES = ("queued", "fetching", "verifying", "complete", "failed")
-
-KEY_PREFIX = "llmgw:progress:"
-# Every address with progress, newest first: what the fleet page lists.
-SOURCES_KEY = "llmgw:progress-sources"
-CANCEL_PREFIX = "llmgw:fetch-cancel:"
-# Long enough to read what happened overnight, short enough not to pile up.
-KEEP_S = 7 * 24 * 3600
 # A few updates a second: enough for a live bar, few enough that a fast local
 # fetch does not spend its time talking to Redis.
 MIN_INTERVAL_S = 0.25
@@ -103,6 +99,15 @@ class Progress:
             self.state, self.error = "failed", sentence
         self._publish(force=True)
 
+    def already_complete(self, *, bytes_total: int, files_total: int) -> None:
+        """Nothing was left to fetch.
+
+        Reported with its real totals: a second fetch of a finished set must not
+        publish zeros over the numbers of the one that did the work.
+        """
+        self.begin(bytes_total=bytes_total, files_total=files_total, bytes_done=bytes_total, files_done=files_total)
+        self.complete()
+
     def complete(self) -> None:
         with self._lock:
             self.state, self.current_file = "complete", ""
@@ -165,14 +170,6 @@ class Throttled(Progress):
         raise NotImplementedError
 
 
-def progress_key(source: str) -> str:
-    return KEY_PREFIX + source
-
-
-def cancel_key(node: str, source: str) -> str:
-    return f"{CANCEL_PREFIX}{node}:{source}"
-
-
 class RedisProgress(Throttled):
     """A node's progress on one source, in Redis under the source's address.
 
@@ -218,34 +215,7 @@ class RedisProgress(Throttled):
             raise Cancelled(f"the fetch of {self.source} onto {self.node} was cancelled by staff")
 
 
-def read(client, source: str) -> dict[str, dict]:
-    """Every node's progress on this source: {node: snapshot}."""
-    raw = client.hgetall(progress_key(source))
-    out = {}
-    for node, value in raw.items():
-        node = node.decode() if isinstance(node, bytes) else node
-        try:
-            out[node] = json.loads(value)
-        except ValueError:
-            continue
-    return dict(sorted(out.items()))
-
-
-def recent_sources(client, limit: int = 200) -> list[str]:
-    return [s.decode() if isinstance(s, bytes) else s for s in client.zrevrange(SOURCES_KEY, 0, limit - 1)]
-
-
-def request_cancel(client, node: str, source: str) -> None:
-    client.set(cancel_key(node, source), "1", ex=KEEP_S)
-
-
-def clear_cancel(client, node: str, source: str) -> None:
-    client.delete(cancel_key(node, source))
-
-
 def redis_client():
-    from django.conf import settings
-
     return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
 
 
@@ -258,31 +228,45 @@ def human_bytes(n: float) -> str:
 
 
 class TerminalProgress(Throttled):
-    """A one-line bar on a terminal, for `manage.py fetch`."""
+    """A progress bar on a terminal (tqdm), for `manage.py fetch`."""
 
     def __init__(self, source: str, stream=None) -> None:
         self.source = source
         self.stream = stream or sys.stderr
+        self._bar: tqdm | None = None
+        self._said_waiting = False
         super().__init__()
 
     def waiting(self) -> None:
-        if not getattr(self, "_said_waiting", False):
+        if not self._said_waiting:
             self._said_waiting = True
             self.stream.write(f"waiting for another fetch of {self.source} on this host to finish\n")
             self.stream.flush()
 
     def send(self, s: dict) -> None:
-        total = s["bytes_total"] or 0
-        if s["state"] == "failed" and not total:
-            return  # failed before there was anything to show; the command prints the sentence
-        fraction = min(1.0, s["bytes_done"] / total) if total else 0.0
-        width = 30
-        bar = "#" * int(fraction * width) + "-" * (width - int(fraction * width))
-        line = (
-            f"\r[{bar}] {fraction * 100:5.1f}% {human_bytes(s['bytes_done'])} of {human_bytes(total)}"
-            f"  files {s['files_done']}/{s['files_total']}  {human_bytes(s['rate'])}/s  {s['state']}"
-        )
-        self.stream.write(line.ljust(100))
+        if self._bar is None:
+            if s["state"] == "failed" and not s["bytes_total"]:
+                return  # failed before there was anything to show; the command prints the sentence
+            # Throttled already paces the updates: tqdm draws each one it is given. Resumed bytes
+            # are where the bar starts, not part of its rate.
+            self._bar = tqdm(
+                total=s["bytes_total"] or None,
+                initial=s["bytes_done"],
+                file=self.stream,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                mininterval=0,
+                miniters=0,
+            )
+        bar = self._bar
+        bar.total = s["bytes_total"] or None
+        bar.set_postfix_str(f"files {s['files_done']}/{s['files_total']} {s['state']}", refresh=False)
+        if s["bytes_done"] >= bar.n:
+            bar.update(s["bytes_done"] - bar.n)
+        else:
+            bar.n = s["bytes_done"]  # a part thrown away: the bar goes back
+            bar.refresh()
         if s["state"] in ("complete", "failed"):
-            self.stream.write("\n")
-        self.stream.flush()
+            bar.close()
+            self._bar = None

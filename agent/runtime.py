@@ -12,6 +12,8 @@ from pathlib import Path
 
 from django.conf import settings
 
+# Only for agent/models.py, until the Fetch record moves to the control plane and imports it from contracts.
+
 NODE_NAME = "LLMGW_NODE_NAME"
 AGENT_CACHE = "LLMGW_AGENT_CACHE"
 NODE_TOKEN = "LLMGW_NODE_TOKEN"
@@ -31,7 +33,3 @@ def cache_dir() -> Path:
 
 def token() -> str:
     return os.environ.get(NODE_TOKEN, "").strip()
-
-
-def node_queue(name: str) -> str:
-    return f"node.{name}"

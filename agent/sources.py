@@ -13,9 +13,11 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import requests
+
+from contracts.names import plain_name_problem
+from contracts.sources import SourceError, cache_parts
 
 MANIFEST_LIMIT = 1 << 20
 TIMEOUT = (10, 60)  # connect, and between two reads of a body
@@ -48,69 +50,16 @@ class Entry:
     sha256: str = ""
 
 
-def is_remote(source: str) -> bool:
-    parts = urlsplit(source)
-    return parts.scheme in ("http", "https") and bool(parts.netloc)
-
-
-def is_set(source: str) -> bool:
-    """Whether a source names a set of files (a mirror version) rather than one file."""
-    return is_remote(source) and source.endswith("/")
-
-
-def name_problem(name: str) -> str | None:
-    """Why a name cannot be joined onto a directory of the cache, or None.
-
-    The mirror is a place an operator copies files into by hand, so what it
-    reports is not automatically safe to join onto a path.
-    """
-    if name == "":
-        return "which is empty"
-    if "\x00" in name:
-        return "which holds a NUL byte"
-    if "/" in name or "\\" in name:
-        return "which contains a path separator"
-    if name in (".", ".."):
-        return "which is not a file name"
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return "which contains a control character"
-    if name.startswith("."):
-        # .complete is the marker; a file of that name would mark a set whole.
-        return "which is hidden"
-    if name.endswith(".part"):
-        return "which is the name of an unfinished download"
-    if len(name.encode("utf-8", "surrogateescape")) > 250:
-        return "which is too long for a file name"
-    return None
-
-
 def cache_path(source: str, cache: Path) -> Path:
     """Where a source lives in the cache: <cache>/<host>_<port>/<path...>.
 
     Every path segment is decoded and checked on its own, and the result must
     lie under the cache: no address, however encoded, writes anywhere else.
     """
-    if not is_remote(source):
-        raise FetchError(f"{source!r} is not an http:// or https:// address")
-    parts = urlsplit(source)
-    if parts.query or parts.fragment:
-        raise FetchError(f"{source} carries a query or fragment; a mirror address is a plain path")
-    host = (parts.hostname or "").lower()
-    if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]*|\[?[0-9a-f:.]+\]?", host):
-        raise FetchError(f"{source} names a host that cannot be a directory of the cache")
     try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        raise FetchError(f"{source} names a port that is not a number") from None
-    host_dir = f"{host.strip('[]').replace(':', '-')}_{port}"
-    path = parts.path.rstrip("/") if source.endswith("/") else parts.path
-    segments = [unquote(s) for s in path.split("/")[1:]]
-    if not segments:
-        raise FetchError(f"{source} names no file or version, only a host")
-    for segment in segments:
-        problem = name_problem(segment)
-        if problem is not None:
-            raise FetchError(f"{source} has a path part {segment!r}, {problem}; it is refused rather than cached")
+        host_dir, segments = cache_parts(source)
+    except SourceError as error:
+        raise FetchError(str(error)) from None
     cache = Path(cache)
     target = cache.joinpath(host_dir, *segments)
     real_cache = Path(os.path.realpath(cache))
@@ -161,9 +110,9 @@ def read_manifest(session: requests.Session, source: str) -> list[Entry]:
         name = item["name"]
         # Rejected rather than joined: a name with a separator in it would
         # write outside the directory the mirror said it was in.
-        problem = name_problem(name)
+        problem = plain_name_problem(name)
         if problem is not None:
-            raise FetchError(f"{source}: the mirror offered a file named {name!r}, {problem}; it is refused")
+            raise FetchError(f"{source}: the mirror offered a file named {name!r}, which is refused: {problem}")
         if name in seen:
             raise FetchError(f"{source}: the mirror offered a file named {name!r} twice")
         seen.add(name)

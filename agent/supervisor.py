@@ -1,8 +1,8 @@
 """The node's engine supervisor: keeps wanted engines running, outliving any one task.
 
 A Celery task lasts as long as a fetch; an engine has to run for weeks. So the
-task only records what it wants in a state file under the agent's cache, and
-this supervisor — one process per node, started beside the agent's worker —
+task only records what it wants in a state file under the agent's cache
+(`agent.engine_state`), and this supervisor — one process per node, started beside the agent's worker —
 starts engines, health-checks them, restarts them after a crash with backoff,
 stops them on request, and reports each change to the control plane.
 
@@ -14,9 +14,7 @@ started, adopts what is still running and wanted, and stops what is not.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
-import json
 import logging
 import os
 import signal
@@ -25,10 +23,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-from . import engines
+import django
+from celery import current_app
+from django.conf import settings
+
+from contracts.tasks import CONTROL_QUEUE, REPLICA_REPORT
+
+from . import engine_state, engines, runtime
 
 log = logging.getLogger(__name__)
 
@@ -48,95 +52,6 @@ REREPORT_S = 60.0
 LIVENESS_INTERVAL_S = 10.0
 LIVENESS_TIMEOUT_S = 5.0
 LIVENESS_FAILURES = 3
-
-
-def state_dir(cache: Path) -> Path:
-    return Path(cache) / "engines"
-
-
-@contextlib.contextmanager
-def _locked_state(cache: Path) -> Iterator[dict]:
-    """The state file, read and written under a lock: tasks and the supervisor both edit it."""
-    directory = state_dir(cache)
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "state.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        path = directory / "state.json"
-        try:
-            state = json.loads(path.read_text())
-        except (OSError, ValueError):
-            state = {}
-        state.setdefault("replicas", {})
-        yield state
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, path)
-
-
-def read_state(cache: Path) -> dict:
-    with _locked_state(cache) as state:
-        return json.loads(json.dumps(state))
-
-
-def _spec_of(entry: dict, keys) -> dict:
-    # An entry written before the model name was recorded has none: it was started without one.
-    return {k: entry.get(k, "" if k == "model" else None) for k in keys}
-
-
-def want(
-    cache: Path, replica_id: int, engine: str, source: str, weights: Path, args: list[str], model: str = ""
-) -> bool:
-    """Ask for this replica to run; False when it is already wanted exactly so."""
-    spec = {"engine": engine, "source": source, "weights": str(weights), "args": list(args), "model": model}
-    with _locked_state(cache) as state:
-        entry = state["replicas"].get(str(replica_id))
-        if entry and entry.get("wanted") and _spec_of(entry, spec) == spec:
-            return False
-        if entry and entry.get("pid"):
-            # Wanted differently: the running engine is stopped first and started anew.
-            entry.update(wanted=False, replace=spec)
-            return True
-        state["replicas"][str(replica_id)] = {
-            "replica": replica_id,
-            **spec,
-            "wanted": True,
-            "pid": None,
-            "port": None,
-            "argv": None,
-            "ready": False,
-            "restarts": 0,
-            "next_start": 0.0,
-        }
-        return True
-
-
-def wanted_as(cache: Path, replica_id: int, engine: str, source: str, args: list[str], model: str = "") -> bool:
-    """Whether this replica is already wanted exactly so; a waiting restart is brought forward.
-
-    The control plane sends a start again when a replica has stayed failed; here
-    that means "try now", not "fetch and start a second one".
-    """
-    with _locked_state(cache) as state:
-        entry = state["replicas"].get(str(replica_id))
-        if not entry or not entry.get("wanted") or "replace" in entry:
-            return False
-        spec = {"engine": engine, "source": source, "args": list(args), "model": model}
-        if _spec_of(entry, spec) != spec:
-            return False
-        if entry.get("pid") is None:
-            entry["next_start"] = 0.0
-        return True
-
-
-def unwant(cache: Path, replica_id: int) -> bool:
-    """Ask for this replica to stop; False when this node does not know it."""
-    with _locked_state(cache) as state:
-        entry = state["replicas"].get(str(replica_id))
-        if entry is None:
-            return False
-        entry["wanted"] = False
-        entry.pop("replace", None)
-        return True
 
 
 class Supervisor:
@@ -173,26 +88,23 @@ class Supervisor:
         self.last_report: dict[int, float] = {}
 
     def log_path(self, replica_id: int) -> Path:
-        return state_dir(self.cache) / f"replica-{replica_id}.log"
+        return engine_state.state_dir(self.cache) / f"replica-{replica_id}.log"
 
     def endpoint(self, port: int) -> str:
         return f"http://{self.advertise}:{port}/v1"
 
     def adopt(self) -> None:
         """On start: keep what a previous supervisor left running, if it is still ours."""
-        with _locked_state(self.cache) as state:
+        with engine_state.locked_state(self.cache) as state:
             for entry in state["replicas"].values():
                 pid = entry.get("pid")
-                if pid and not self._is_ours(entry):
+                if pid and not engine_state.is_ours(entry):
                     log.info("replica %s: its engine (pid %s) is gone", entry["replica"], pid)
                     entry.update(pid=None, ready=False)
                 elif pid:
                     log.info("replica %s: adopting the engine still running as pid %s", entry["replica"], pid)
                     # Checked again before it is called ready: it may have hung meanwhile.
                     entry.update(ready=False, started=time.time())
-
-    def _is_ours(self, entry: dict) -> bool:
-        return engines.group_alive(entry["pid"]) and engines.start_time(entry["pid"]) == entry.get("pid_started")
 
     def _alive(self, entry: dict) -> tuple[bool, int | None]:
         """Whether the engine runs, and its exit code when we saw it end."""
@@ -212,7 +124,7 @@ class Supervisor:
         reports: list[tuple[int, str, str, str]] = []
         to_stop: list[dict] = []
         to_check: list[tuple[int, int, int]] = []
-        with _locked_state(self.cache) as state:
+        with engine_state.locked_state(self.cache) as state:
             for entry in list(state["replicas"].values()):
                 replica_id = entry["replica"]
                 if not entry["wanted"]:
@@ -263,7 +175,7 @@ class Supervisor:
             for replica_id, _, port in to_check
         }
         reports = []
-        with _locked_state(self.cache) as state:
+        with engine_state.locked_state(self.cache) as state:
             for replica_id, pid, port in to_check:
                 entry = state["replicas"].get(str(replica_id))
                 if entry is None or not entry.get("ready") or entry.get("pid") != pid or entry.get("port") != port:
@@ -333,7 +245,7 @@ class Supervisor:
             child = self.children.pop(entry["pid"], None)
             if child is not None:
                 child.wait(timeout=5)
-        with _locked_state(self.cache) as state:
+        with engine_state.locked_state(self.cache) as state:
             current = state["replicas"].get(str(replica_id))
             if current and current.get("wanted"):
                 # Wanted again while it was being stopped: the next step starts it.
@@ -359,12 +271,8 @@ class Supervisor:
 
 
 def celery_report(token: str) -> Report:
-    from celery import current_app
-
     def report(replica_id: int, state: str, endpoint: str, reason: str) -> None:
-        current_app.send_task(
-            "fleet.replica_report", args=[token, replica_id, state, endpoint, reason], queue="control"
-        )
+        current_app.send_task(REPLICA_REPORT, args=[token, replica_id, state, endpoint, reason], queue=CONTROL_QUEUE)
 
     return report
 
@@ -375,8 +283,6 @@ def start() -> subprocess.Popen:
     A process rather than a thread in the worker: Celery forks its pool, and a
     thread holding a lock at that moment would leave the children stuck on it.
     """
-    from agent import runtime
-
     env = dict(os.environ, LLMGW_NODE_TOKEN=runtime.token())
     argv = [sys.executable, "-m", "agent.supervisor", "--cache", str(runtime.cache_dir()), "--parent", str(os.getpid())]
     return subprocess.Popen(argv, env=env)
@@ -389,17 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
-    import django
-
     django.setup()
-    from django.conf import settings
-
-    import llmgw_site.celery  # noqa: F401  (the app reports are sent with)
+    import llmgw_site.celery  # noqa: F401  (the app reports are sent with, configured from the settings)
 
     token = os.environ.get("LLMGW_NODE_TOKEN", "")
-    state_dir(options.cache).mkdir(parents=True, exist_ok=True)
+    engine_state.state_dir(options.cache).mkdir(parents=True, exist_ok=True)
     # One supervisor per cache: a restarted agent's new one waits for the old one to notice and go.
-    single = open(state_dir(options.cache) / "supervisor.lock", "a")
+    single = open(engine_state.state_dir(options.cache) / "supervisor.lock", "a")
     deadline = time.monotonic() + 30
     while True:
         try:

@@ -9,20 +9,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import time
 
-from celery import current_app, shared_task
+from celery import Task, current_app, shared_task
+
+from contracts.progress import cancel_key, clear_cancel
+from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEAT, node_queue
 
 from . import facts, progress, runtime
 from .fetch import FetchError, fetch_source
 
 log = logging.getLogger(__name__)
 
-RETRIES = 5
 
-
-def report(source: str, state: str, snapshot: dict, path: str = "", error: str = "", started: float = 0.0) -> None:
+def report_fetch(
+    source: str, state: str, snapshot: dict, path: str = "", error: str = "", started: float = 0.0
+) -> None:
     """Tell the control plane how a fetch ended. Sent, never waited on: the node has no database."""
     payload = {
         "node": runtime.node_name(),
@@ -36,48 +38,75 @@ def report(source: str, state: str, snapshot: dict, path: str = "", error: str =
         "started": started,
     }
     try:
-        current_app.send_task("agent.fetch_finished", args=[runtime.token(), payload], queue="control")
+        current_app.send_task(FETCH_FINISHED, args=[runtime.token(), payload], queue=CONTROL_QUEUE)
     except Exception:
         # The fetch itself is done or failed either way; the progress key in Redis still says which.
         log.exception("could not report the fetch of %s to the control plane", source)
 
 
+class OnThisNode(Task):
+    """A task of this node's own queue, retried there: no route by its name may send it elsewhere."""
+
+    def retry(self, *args, **options):
+        options.setdefault("queue", node_queue(runtime.node_name()))
+        return super().retry(*args, **options)
+
+
 # Late acknowledgement with reject-on-worker-lost: a worker killed mid-download
 # leaves the task to run again, and because a fetch is safe to run twice the
 # rerun finds the parts on disk and resumes them.
-@shared_task(name="agent.fetch", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@shared_task(
+    name=FETCH,
+    base=OnThisNode,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    # Only a transient FetchError with tries left leaves the task (see below). Backoff
+    # with jitter, so a mirror that restarts is not met by every node at once.
+    autoretry_for=(FetchError,),
+    max_retries=5,
+    retry_backoff=5,
+    retry_backoff_max=300,
+    retry_jitter=True,
+)
 def fetch(self, source: str) -> None:
     node = runtime.node_name()
     client = progress.redis_client()
     started = time.time()
-    if client.exists(progress.cancel_key(node, source)):
+    if client.exists(cancel_key(node, source)):
         # Cleared, so the flag cannot stop a later fetch of the same source (a replica's).
-        progress.clear_cancel(client, node, source)
-        report(source, "cancelled", {}, error="cancelled by staff before it started", started=started)
+        clear_cancel(client, node, source)
+        report_fetch(source, "cancelled", {}, error="cancelled by staff before it started", started=started)
         return
     live = progress.RedisProgress(client, source, node)
     try:
         path = fetch_source(source, runtime.cache_dir(), live)
     except FetchError as error:
         sentence = str(error)
-        if client.exists(progress.cancel_key(node, source)):
-            progress.clear_cancel(client, node, source)
-            report(source, "cancelled", live.snapshot(), error=sentence, started=started)
+        if client.exists(cancel_key(node, source)):
+            clear_cancel(client, node, source)
+            report_fetch(source, "cancelled", live.snapshot(), error=sentence, started=started)
             return
-        if error.transient and self.request.retries < RETRIES:
-            # Backoff with jitter, so a mirror that restarts is not met by every node at once.
-            countdown = min(300, 5 * 2**self.request.retries) + random.uniform(0, 5)
+        if error.transient and self.request.retries < self.max_retries:
             # Not "failed" to whoever watches: it is waiting to try again, and says why.
             try:
                 live.set_state("queued")
             except progress.Cancelled:
                 pass
-            log.warning("fetch of %s failed, trying again in %.0f s: %s", source, countdown, sentence)
-            raise self.retry(countdown=countdown, queue=runtime.node_queue(node)) from None
+            attempt = self.request.retries + 1
+            log.warning(
+                "fetch of %s failed, trying again in a while (attempt %d of %d): %s",
+                source,
+                attempt,
+                self.max_retries + 1,
+                sentence,
+            )
+            raise
         log.warning("fetch of %s failed: %s", source, sentence)
-        report(source, "failed", live.snapshot(), error=sentence, started=started)
+        report_fetch(source, "failed", live.snapshot(), error=sentence, started=started)
         return
-    report(source, "complete", live.snapshot(), path=str(path), started=started)
+    report_fetch(source, "complete", live.snapshot(), path=str(path), started=started)
 
 
 def send_heartbeat(static: dict | None = None) -> None:
@@ -85,9 +114,9 @@ def send_heartbeat(static: dict | None = None) -> None:
     labels = json.loads(os.environ.get("LLMGW_NODE_LABELS", "{}") or "{}")
     payload = facts.collect(runtime.node_name(), labels, runtime.cache_dir(), static)
     current_app.send_task(
-        "fleet.heartbeat",
+        HEARTBEAT,
         args=[runtime.token(), payload],
-        queue="control",
+        queue=CONTROL_QUEUE,
         # A broker that is away is tried again at the next beat, not retried here:
         # the worker's event loop runs this and must not stall on it.
         retry=True,

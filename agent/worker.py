@@ -13,6 +13,10 @@ import time
 
 from celery import bootsteps
 from django.conf import settings
+from kombu.utils.json import loads
+
+from . import facts
+from .tasks import send_heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +31,6 @@ class Heartbeat(bootsteps.StartStopStep):
         self.probed_at = 0.0
 
     def start(self, worker):
-        from . import facts
-
         # Engines and GPUs change when somebody installs something: probed at
         # start and every few minutes after, not on every beat, so a slow
         # nvidia-smi never stalls the worker's loop each time.
@@ -38,9 +40,6 @@ class Heartbeat(bootsteps.StartStopStep):
         self.tref = worker.timer.call_repeatedly(float(settings.HEARTBEAT_S), self.beat, priority=10)
 
     def beat(self):
-        from . import facts
-        from .tasks import send_heartbeat
-
         if time.monotonic() - self.probed_at >= settings.AGENT_REPROBE_S:
             # An engine installed since the last probe is a new module on disk.
             importlib.invalidate_caches()
@@ -72,8 +71,6 @@ def take_back_unacknowledged(app, queue: str) -> int:
     (every node task is). Done before the worker consumes, so nothing running
     now is touched. Returns how many tasks were put back.
     """
-    from kombu.utils.json import loads
-
     restored = 0
     with app.connection_for_write() as connection:
         channel = connection.default_channel

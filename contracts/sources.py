@@ -53,5 +53,7 @@ def cache_parts(source: str) -> tuple[str, list[str]]:
     for segment in segments:
         problem = plain_name_problem(segment)
         if problem is not None:
-            raise SourceError(f"{source} has a path part that is refused rather than cached: {problem}")
+            raise SourceError(
+                f"{source} is refused rather than cached: a part of its path is not a plain name: {problem}"
+            )
     return host_dir, segments

@@ -13,35 +13,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-
-def name_problem(name: str) -> str | None:
-    """Why this is not a plain name for a model, version or file, or None.
-
-    A name is joined onto a path under the mirror root, and the mirror is a place
-    files are copied into by hand: anything that could climb out, hide, or mean
-    a half-written download is refused rather than trusted.
-    """
-    if not name:
-        return "the name is empty"
-    if name in {".", ".."}:
-        return f"{name!r} is not a name"
-    if "/" in name or "\\" in name:
-        return f"{name!r} contains a path separator"
-    if "\x00" in name:
-        return f"{name!r} contains a NUL byte"
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return f"{name!r} contains a control character"
-    if name.startswith("."):
-        return f"{name!r} is hidden"
-    if name.endswith(".part"):
-        return f"{name!r} is an unfinished download"
-    if len(name.encode("utf-8", "surrogateescape")) > 255:
-        return f"{name[:40]!r}... is longer than 255 bytes"
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return f"{name!r} is not valid UTF-8"
-    return None
+from contracts.names import plain_name_problem
 
 
 def root() -> Path:
@@ -59,7 +31,7 @@ def resolve(*names: str) -> Path | None:
     name that can point anywhere.
     """
     for name in names:
-        if name_problem(name) is not None:
+        if plain_name_problem(name) is not None:
             return None
     path = root().joinpath(*names)
     if _servable_depth(path) != len(names):
@@ -86,14 +58,14 @@ def model_names() -> list[str]:
     base = resolve()
     if base is None:
         return []
-    return [e.name for e in _entries(base) if name_problem(e.name) is None and _is_dir_inside(base / e.name)]
+    return [e.name for e in _entries(base) if plain_name_problem(e.name) is None and _is_dir_inside(base / e.name)]
 
 
 def version_names(model: str) -> list[str]:
     base = resolve(model)
     if base is None:
         return []
-    return [e.name for e in _entries(base) if name_problem(e.name) is None and _is_dir_inside(base / e.name)]
+    return [e.name for e in _entries(base) if plain_name_problem(e.name) is None and _is_dir_inside(base / e.name)]
 
 
 def version_files(model: str, version: str) -> list[DiskFile] | None:
@@ -103,7 +75,7 @@ def version_files(model: str, version: str) -> list[DiskFile] | None:
         return None
     files = []
     for entry in _entries(base):
-        if name_problem(entry.name) is not None:
+        if plain_name_problem(entry.name) is not None:
             continue
         st = _stat_inside(base / entry.name)
         if st is None or not stat.S_ISREG(st.st_mode):
@@ -129,7 +101,7 @@ def _servable_depth(path: Path) -> int | None:
         parts = real.relative_to(_real_root()).parts
     except ValueError:
         return None
-    if any(name_problem(part) is not None for part in parts):
+    if any(plain_name_problem(part) is not None for part in parts):
         return None
     return len(parts)
 

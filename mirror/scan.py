@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -11,6 +10,9 @@ from datetime import timedelta
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
+
+from contracts.digest import sha256_file
+from contracts.names import plain_name_problem
 
 from . import disk
 from .models import MirrorFile, MirrorVersion
@@ -44,7 +46,7 @@ def _skipped_names(directory, where: str) -> list[str]:
     except OSError:
         return sentences
     for name in entries:
-        problem = disk.name_problem(name)
+        problem = plain_name_problem(name)
         if problem is None:
             continue
         # Hidden files and unfinished downloads are expected in a mirror; they
@@ -114,14 +116,6 @@ def _reconcile_version(model, version, files, now, report: ScanReport) -> None:
             report.to_hash.append(existing.pk)
 
 
-def sha256_of(path, chunk: int = 4 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def hash_file(file_id: int) -> str | None:
     """Compute and store one file's sha256, if it is still the content the index describes.
 
@@ -162,7 +156,7 @@ def _hash_claimed(row: MirrorFile) -> str | None:
         before = os.stat(path)
         if before.st_size != row.bytes or before.st_mtime_ns != row.mtime_ns:
             return None
-        digest = sha256_of(path)
+        digest = sha256_file(path)
         after = os.stat(path)
     except OSError:
         return None

@@ -10,6 +10,7 @@ from celery import current_app
 
 from agent import progress
 from agent.fetch import cache_path
+from contracts import progress as contracts_progress
 from fleet.models import Fetch, Node
 
 from .conftest import put
@@ -49,7 +50,7 @@ def send_fetch(node: str, source: str) -> None:
 
 
 def live(redis_client, source: str, node: str) -> dict:
-    return progress.read(redis_client, source).get(node, {})
+    return contracts_progress.read(redis_client, source).get(node, {})
 
 
 def test_the_agent_heartbeats_with_no_database_reachable(enrolled_node, control_worker, agent_cache, tmp_path):

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from agent import progress
+from contracts import progress as contracts_progress
 from fleet.models import Fetch, Node
 from mirror.models import MirrorVersion
 
@@ -60,7 +61,7 @@ def test_progress_is_published_a_few_times_a_second_at_most(redis_client):
     for _ in range(20_000):
         live.advanced(1)
     assert len(published) <= 5  # 20,000 updates in well under a second
-    assert progress.read(redis_client, SOURCE)["n1"]["bytes_done"] <= 20_000
+    assert contracts_progress.read(redis_client, SOURCE)["n1"]["bytes_done"] <= 20_000
 
 
 def test_the_fleet_page_shows_each_nodes_fetches_and_its_fragment_refreshes(admin_client, redis_client, node):
@@ -129,7 +130,7 @@ def test_staff_cancel_a_fetch_and_the_node_finds_the_flag(admin_client, redis_cl
     assert "Cancelled 1 fetch(es)." in response.content.decode()
     fetch.refresh_from_db()
     assert fetch.state == "cancelled"
-    assert redis_client.exists(progress.cancel_key("n1", SOURCE))
+    assert redis_client.exists(contracts_progress.cancel_key("n1", SOURCE))
     live = progress.RedisProgress(redis_client, SOURCE, "n1")
     with pytest.raises(progress.Cancelled):
         live.begin(bytes_total=10, files_total=1)

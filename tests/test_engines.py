@@ -22,7 +22,7 @@ import redis
 import requests
 from django.conf import settings
 
-from agent import engines, supervisor
+from agent import engine_state, engines, supervisor
 from agent.engine_tasks import start_on_node
 from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 
@@ -57,7 +57,7 @@ def engine_cleanup(tmp_path):
     """Whatever engines a test leaves in its cache are stopped by their recorded pid."""
     yield
     for cache in tmp_path.glob("cache*"):
-        for entry in supervisor.read_state(cache)["replicas"].values():
+        for entry in engine_state.read_state(cache)["replicas"].values():
             if entry.get("pid"):
                 engines.stop_group(entry["pid"], grace=3)
 
@@ -184,7 +184,7 @@ def test_a_failed_fetch_is_reported_with_its_sentence_and_nothing_is_started(tmp
         (1, "fetching", "", ""),
         (1, "failed", "", "http://mirror/m/v1/ did not answer with a manifest"),
     ]
-    assert supervisor.read_state(tmp_path)["replicas"] == {}
+    assert engine_state.read_state(tmp_path)["replicas"] == {}
 
 
 def test_the_same_start_delivered_twice_fetches_once_and_brings_a_waiting_restart_forward(tmp_path):
@@ -196,13 +196,13 @@ def test_the_same_start_delivered_twice_fetches_once_and_brings_a_waiting_restar
 
     args = dict(cache=tmp_path, fetch=fetch, report=reports)
     assert start_on_node(1, "http://mirror/m/v1/", "llamacpp", [], **args)
-    with supervisor._locked_state(tmp_path) as state:
+    with engine_state.locked_state(tmp_path) as state:
         state["replicas"]["1"]["next_start"] = time.time() + 3600
     assert start_on_node(1, "http://mirror/m/v1/", "llamacpp", [], **args)
     assert fetched == ["http://mirror/m/v1/"]
     assert reports.states() == ["fetching"]
-    assert supervisor.read_state(tmp_path)["replicas"]["1"]["next_start"] == 0.0
-    assert list(supervisor.read_state(tmp_path)["replicas"]) == ["1"]
+    assert engine_state.read_state(tmp_path)["replicas"]["1"]["next_start"] == 0.0
+    assert list(engine_state.read_state(tmp_path)["replicas"]) == ["1"]
 
 
 def test_the_model_name_reaches_the_state_and_a_start_without_one_still_runs(tmp_path):
@@ -215,23 +215,23 @@ def test_the_model_name_reaches_the_state_and_a_start_without_one_still_runs(tmp
     args = dict(cache=tmp_path, fetch=fetch, report=reports)
     assert start_on_node(1, "http://mirror/m/v1/", "vllm", [], model="llama-3", **args)
     assert start_on_node(1, "http://mirror/m/v1/", "vllm", [], model="llama-3", **args)
-    assert supervisor.read_state(tmp_path)["replicas"]["1"]["model"] == "llama-3"
+    assert engine_state.read_state(tmp_path)["replicas"]["1"]["model"] == "llama-3"
     # A start queued by a control plane that sent no name: wanted as before, under vLLM's default name.
     assert start_on_node(2, "http://mirror/m/v1/", "vllm", [], **args)
-    assert supervisor.read_state(tmp_path)["replicas"]["2"]["model"] == ""
+    assert engine_state.read_state(tmp_path)["replicas"]["2"]["model"] == ""
     assert fetched == ["http://mirror/m/v1/"] * 2
 
 
 def test_an_engine_recorded_before_names_were_kept_is_not_restarted_by_a_start_without_one(tmp_path):
-    supervisor.want(tmp_path, 1, "vllm", "http://mirror/m/v1/", tmp_path / "w", [])
-    with supervisor._locked_state(tmp_path) as state:
+    engine_state.want(tmp_path, 1, "vllm", "http://mirror/m/v1/", tmp_path / "w", [])
+    with engine_state.locked_state(tmp_path) as state:
         del state["replicas"]["1"]["model"]
         state["replicas"]["1"]["pid"] = 12345
-    assert supervisor.wanted_as(tmp_path, 1, "vllm", "http://mirror/m/v1/", [])
-    assert not supervisor.want(tmp_path, 1, "vllm", "http://mirror/m/v1/", tmp_path / "w", [])
+    assert engine_state.wanted_as(tmp_path, 1, "vllm", "http://mirror/m/v1/", [])
+    assert not engine_state.want(tmp_path, 1, "vllm", "http://mirror/m/v1/", tmp_path / "w", [])
     # Given a name, it is started again under it.
-    assert supervisor.want(tmp_path, 1, "vllm", "http://mirror/m/v1/", tmp_path / "w", [], "llama-3")
-    assert supervisor.read_state(tmp_path)["replicas"]["1"]["replace"]["model"] == "llama-3"
+    assert engine_state.want(tmp_path, 1, "vllm", "http://mirror/m/v1/", tmp_path / "w", [], "llama-3")
+    assert engine_state.read_state(tmp_path)["replicas"]["1"]["replace"]["model"] == "llama-3"
 
 
 # --- a real llama.cpp ------------------------------------------------------------
@@ -264,12 +264,12 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     cache = tmp_path / "cache"
     reports = Reports()
     sup = supervisor.Supervisor(cache, reports)
-    assert supervisor.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--n_ctx", "256"], "tiny")
+    assert engine_state.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--n_ctx", "256"], "tiny")
 
     step_until(sup, lambda: "ready" in reports.states(), 120, "llama.cpp to answer on /v1/models")
     _, _, endpoint, _ = reports.last()
     assert reports.states() == ["starting", "ready"]
-    first = supervisor.read_state(cache)["replicas"]["1"]
+    first = engine_state.read_state(cache)["replicas"]["1"]
     assert first["argv"][1:4] == ["-m", "agent.llamacpp_server", "--model"]
     assert first["argv"][4] == str(tiny_gguf / "tiny-00001-of-00003.gguf")
     assert endpoint == f"http://127.0.0.1:{first['port']}/v1"
@@ -290,7 +290,7 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     assert reason.startswith("the engine exited with code -9; starting it again in 1 s. Its last lines:")
     assert "agent.llamacpp_server" in reason or "Uvicorn" in reason or "INFO" in reason
     step_until(sup, lambda: reports.states()[-1] == "ready", 120, "llama.cpp to come back")
-    second = supervisor.read_state(cache)["replicas"]["1"]
+    second = engine_state.read_state(cache)["replicas"]["1"]
     assert second["pid"] != first["pid"]
     assert chat(reports.last()[2])["choices"][0]["finish_reason"] == "length"
 
@@ -300,14 +300,14 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     adopter.adopt()
     step_until(adopter, lambda: "ready" in reports.states(), 20, "the adopted engine to be found ready")
     assert reports.states() == ["ready"]
-    assert supervisor.read_state(cache)["replicas"]["1"]["pid"] == second["pid"]
+    assert engine_state.read_state(cache)["replicas"]["1"]["pid"] == second["pid"]
 
     # Stopped on request: the process group is gone and the replica is reported stopped.
-    assert supervisor.unwant(cache, 1)
+    assert engine_state.unwant(cache, 1)
     adopter.step()
     assert reports.states()[-1] == "stopped"
     assert not engines.group_alive(second["pid"])
-    assert supervisor.read_state(cache)["replicas"] == {}
+    assert engine_state.read_state(cache)["replicas"] == {}
 
 
 # --- vLLM, by a stand-in ---------------------------------------------------------
@@ -364,9 +364,9 @@ def test_vllm_stand_in_is_handed_the_directory_and_the_profile_args(tmp_path, vl
     cache = tmp_path / "cache"
     reports = Reports()
     sup = supervisor.Supervisor(cache, reports)
-    supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "2048"], "m")
+    engine_state.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "2048"], "m")
     step_until(sup, lambda: "ready" in reports.states(), 30, "the vLLM stand-in to answer")
-    port = supervisor.read_state(cache)["replicas"]["1"]["port"]
+    port = engine_state.read_state(cache)["replicas"]["1"]["port"]
     assert calls_of(vllm_stand_in) == [
         ["serve", str(weights), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m"]
         + ["--max-model-len", "2048"]
@@ -382,7 +382,7 @@ def test_engines_outlive_a_killed_supervisor_process_which_a_new_one_adopts(tmp_
     cache = tmp_path / "cache"
     broker = redis.Redis.from_url(settings.REDIS_URL)
     broker.delete("control")
-    supervisor.want(cache, 5, "vllm", "http://mirror/m/v1/", weights, [])
+    engine_state.want(cache, 5, "vllm", "http://mirror/m/v1/", weights, [])
     env = process_env(LLMGW_NODE_TOKEN="llmgw-node-test")
 
     def start_supervisor() -> subprocess.Popen:
@@ -402,16 +402,16 @@ def test_engines_outlive_a_killed_supervisor_process_which_a_new_one_adopts(tmp_
         first.kill()
         first.wait(timeout=10)
     assert reported()[0][:3] == ["llmgw-node-test", 5, "starting"]
-    pid = supervisor.read_state(cache)["replicas"]["5"]["pid"]
+    pid = engine_state.read_state(cache)["replicas"]["5"]["pid"]
     assert engines.group_alive(pid), "the engine died with its supervisor"
 
     broker.delete("control")
     second = start_supervisor()
     try:
         wait_until(lambda: any(r[2] == "ready" for r in reported()), timeout=60, what="the adopted engine's report")
-        assert supervisor.read_state(cache)["replicas"]["5"]["pid"] == pid
+        assert engine_state.read_state(cache)["replicas"]["5"]["pid"] == pid
         assert len(calls_of(vllm_stand_in)) == 1, "the engine was started a second time instead of adopted"
-        supervisor.unwant(cache, 5)
+        engine_state.unwant(cache, 5)
         wait_until(lambda: any(r[2] == "stopped" for r in reported()), timeout=30, what="the stop to be reported")
         assert not engines.group_alive(pid)
     finally:
@@ -426,11 +426,11 @@ def test_a_replica_wanted_with_other_args_is_stopped_and_started_with_them(tmp_p
     cache = tmp_path / "cache"
     reports = Reports()
     sup = supervisor.Supervisor(cache, reports)
-    supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "2048"])
+    engine_state.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "2048"])
     step_until(sup, lambda: "ready" in reports.states(), 30, "the vLLM stand-in to answer")
-    old_pid = supervisor.read_state(cache)["replicas"]["1"]["pid"]
+    old_pid = engine_state.read_state(cache)["replicas"]["1"]["pid"]
 
-    assert supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "4096"])
+    assert engine_state.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, ["--max-model-len", "4096"])
     step_until(sup, lambda: reports.states().count("ready") == 2, 30, "the engine to be started with the new args")
     assert [call[-1] for call in calls_of(vllm_stand_in)] == ["2048", "4096"]
     assert not engines.group_alive(old_pid)
@@ -459,13 +459,29 @@ def test_an_engine_that_hangs_is_killed_and_started_again(tmp_path, vllm_stand_i
     sup = supervisor.Supervisor(
         cache, reports, liveness_interval=0.5, liveness_timeout=0.5, liveness_failures=2, backoff_max=1
     )
-    supervisor.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, [])
+    engine_state.want(cache, 1, "vllm", "http://mirror/m/v1/", weights, [])
     step_until(sup, lambda: "ready" in reports.states(), 30, "the vLLM stand-in to answer")
-    hung_pid = supervisor.read_state(cache)["replicas"]["1"]["pid"]
+    hung_pid = engine_state.read_state(cache)["replicas"]["1"]["pid"]
     os.killpg(hung_pid, signal.SIGSTOP)
 
     step_until(sup, lambda: "failed" in reports.states(), 30, "the hung engine to be noticed")
     assert "stopped answering" in reports.last()[3]
     assert not engines.group_alive(hung_pid)
     step_until(sup, lambda: reports.states().count("ready") == 2, 30, "a new engine to answer")
-    assert supervisor.read_state(cache)["replicas"]["1"]["pid"] != hung_pid
+    assert engine_state.read_state(cache)["replicas"]["1"]["pid"] != hung_pid
+
+
+def test_agent_stop_engines_stops_what_this_hosts_agent_started_without_a_token_or_a_broker(tmp_path, engine_cleanup):
+    """What `make run` calls at its end: engines outlive the agent, but not the whole llmgw on one machine."""
+    cache = tmp_path / "cache"
+    engine = engines.spawn([sys.executable, "-c", "import time; time.sleep(300)"], cache / "engine.log")
+    engine_state.want(cache, 3, "vllm", "http://mirror/m/v1/", tmp_path, [])
+    with engine_state.locked_state(cache) as state:
+        state["replicas"]["3"].update(pid=engine.pid, pid_started=engines.start_time(engine.pid))
+    env = process_env(REDIS_URL="redis://127.0.0.1:9/0")
+    env.pop("LLMGW_NODE_TOKEN", None)
+    argv = [sys.executable, "manage.py", "agent", "--node", "gpu-1", "--cache", str(cache), "--stop-engines"]
+    done = subprocess.run(argv, env=env, cwd=BASE_DIR, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"Stopping the engine of replica 3 (pid {engine.pid}).\n"
+    assert engine.wait(timeout=15) == -signal.SIGTERM

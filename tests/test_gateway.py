@@ -251,14 +251,14 @@ def test_when_no_replica_can_be_reached_the_client_is_told_which_and_why(gateway
 
 
 def test_no_ready_replica_is_a_503_that_says_why(gateway, redis_client):
-    from agent import progress
+    from contracts import progress as contracts_progress
 
     add_model("chat")
     add_model("placing")
     source = "http://127.0.0.1:1/chat/v1/"
     replica = add_replica("chat", "", state="fetching", source=source)
     progress_snapshot = {"state": "fetching", "bytes_done": 43, "bytes_total": 100, "node": "n1", "source": source}
-    redis_client.hset(progress.progress_key(source), "n1", json.dumps(progress_snapshot))
+    redis_client.hset(contracts_progress.progress_key(source), "n1", json.dumps(progress_snapshot))
     add_replica("placing", "", state="pending", reason="no node has 64 GB of memory free")
     _, secret = create_key("k")
     session = client(secret)

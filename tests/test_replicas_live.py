@@ -18,7 +18,7 @@ import sys
 import pytest
 import requests
 
-from agent import engines, supervisor
+from agent import engine_state, engines
 from agent.fetch import cache_path
 from catalog.models import Model
 from fleet.enrolment import issue_token
@@ -46,7 +46,7 @@ def agent_n1(tmp_path, mirror_root, byte_listener):
     )
     yield agent, cache
     agent.stop()
-    for entry in supervisor.read_state(cache)["replicas"].values():
+    for entry in engine_state.read_state(cache)["replicas"].values():
         if entry.get("pid") and engines.group_alive(entry["pid"]):
             engines.stop_group(entry["pid"], grace=3)
 
@@ -181,7 +181,7 @@ def test_a_served_gguf_is_fetched_started_answers_and_comes_back_after_its_engin
     # The replica that answered last loses its engine; the other takes over at once.
     served_by = int(streamed.headers["x-llmgw-replica"])
     replica, other = (replica, other) if replica.pk == served_by else (other, replica)
-    pid = supervisor.read_state(cache)["replicas"][str(replica.pk)]["pid"]
+    pid = engine_state.read_state(cache)["replicas"][str(replica.pk)]["pid"]
     os.killpg(pid, signal.SIGKILL)
     for _ in range(4):
         answer = client.post(gateway.url + "/v1/chat/completions", json=ask, timeout=60)

@@ -1,13 +1,15 @@
-import importlib.util
 import json
 import os
 from pathlib import Path
 
+import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from agent import facts, runtime
+from agent import engine_state, engines, facts, runtime, supervisor, worker
 from contracts.names import node_name_problem
+from contracts.tasks import node_queue
+from llmgw_site.celery import app
 
 
 class Command(BaseCommand):
@@ -24,10 +26,18 @@ class Command(BaseCommand):
         parser.add_argument("--cache", type=Path, help="where fetched weights are kept; default LLMGW_AGENT_CACHE")
         parser.add_argument("--concurrency", type=int, default=2, help="tasks at once (fetches, engine tasks)")
         parser.add_argument("--loglevel", default="INFO")
+        parser.add_argument(
+            "--stop-engines",
+            action="store_true",
+            help="stop every engine this host's agent started, and exit; needs neither the token nor Redis",
+        )
 
-    def handle(self, *args, node, labels, cache=None, concurrency=2, loglevel="INFO", **options):
+    def handle(self, *args, node, labels, cache=None, concurrency=2, loglevel="INFO", stop_engines=False, **options):
         if problem := node_name_problem(node):
             raise CommandError(problem)
+        if stop_engines:
+            self.stop_engines((cache or runtime.cache_dir()).resolve())
+            return
         try:
             parsed_labels = facts.parse_labels(labels)
         except ValueError as error:
@@ -53,24 +63,15 @@ class Command(BaseCommand):
         os.environ[runtime.NODE_TOKEN] = token
         os.environ["LLMGW_NODE_LABELS"] = json.dumps(parsed_labels)
 
-        try:
-            from agent import supervisor
-        except ImportError:
-            supervisor = None
-        if supervisor is not None:
-            supervisor.start()
-
-        from agent import worker
-        from llmgw_site.celery import app
-
+        supervisor.start()
         worker.install(app)
-        restored = worker.take_back_unacknowledged(app, runtime.node_queue(node))
+        restored = worker.take_back_unacknowledged(app, node_queue(node))
         if restored:
             self.stdout.write(f"Took back {restored} task(s) an earlier run of this agent did not finish.")
         argv = [
             "worker",
             "--queues",
-            runtime.node_queue(node),
+            node_queue(node),
             "--hostname",
             f"agent@{node}",
             "--concurrency",
@@ -82,18 +83,21 @@ class Command(BaseCommand):
             "--without-gossip",
             "--without-mingle",
         ]
-        if importlib.util.find_spec("agent.engine_tasks") is not None:
-            argv += ["--include", "agent.engine_tasks"]
         self.stdout.write(
-            f"Agent for node {node}: queue {runtime.node_queue(node)}, cache {cache}, "
+            f"Agent for node {node}: queue {node_queue(node)}, cache {cache}, "
             f"heartbeat every {settings.HEARTBEAT_S} s, broker {settings.REDIS_URL}"
         )
         self.stdout.flush()
         app.worker_main(argv)
 
-    def check_broker(self) -> None:
-        import redis
+    def stop_engines(self, cache: Path) -> None:
+        """Engines outlive the agent by design; this is for whoever wants them gone too (`make run`'s end)."""
+        for replica_id, pid in engine_state.running_engines(cache):
+            self.stdout.write(f"Stopping the engine of replica {replica_id} (pid {pid}).")
+            self.stdout.flush()
+            engines.stop_group(pid, grace=10)
 
+    def check_broker(self) -> None:
         try:
             redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=3).ping()
         except (redis.RedisError, OSError, ValueError) as error:

@@ -1,0 +1,121 @@
+"""What this node's engines are meant to be doing: the state file under the agent's cache.
+
+A Celery task lasts as long as a fetch, an engine for weeks. So a task only writes
+here what it wants (`want`, `unwant`), and the supervisor (`agent.supervisor`)
+reads it, makes it so, and writes back what runs (pid, port, readiness). The file
+also outlives the agent: engines run in their own sessions, and the next
+supervisor finds in it what its predecessor started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from . import engines
+
+
+def state_dir(cache: Path) -> Path:
+    return Path(cache) / "engines"
+
+
+@contextlib.contextmanager
+def locked_state(cache: Path) -> Iterator[dict]:
+    """The state file, read and written under a lock: tasks and the supervisor both edit it."""
+    directory = state_dir(cache)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "state.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = directory / "state.json"
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            state = {}
+        state.setdefault("replicas", {})
+        yield state
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, path)
+
+
+def read_state(cache: Path) -> dict:
+    with locked_state(cache) as state:
+        return json.loads(json.dumps(state))
+
+
+def _spec_of(entry: dict, keys) -> dict:
+    # An entry written before the model name was recorded has none: it was started without one.
+    return {k: entry.get(k, "" if k == "model" else None) for k in keys}
+
+
+def want(
+    cache: Path, replica_id: int, engine: str, source: str, weights: Path, args: list[str], model: str = ""
+) -> bool:
+    """Ask for this replica to run; False when it is already wanted exactly so."""
+    spec = {"engine": engine, "source": source, "weights": str(weights), "args": list(args), "model": model}
+    with locked_state(cache) as state:
+        entry = state["replicas"].get(str(replica_id))
+        if entry and entry.get("wanted") and _spec_of(entry, spec) == spec:
+            return False
+        if entry and entry.get("pid"):
+            # Wanted differently: the running engine is stopped first and started anew.
+            entry.update(wanted=False, replace=spec)
+            return True
+        state["replicas"][str(replica_id)] = {
+            "replica": replica_id,
+            **spec,
+            "wanted": True,
+            "pid": None,
+            "port": None,
+            "argv": None,
+            "ready": False,
+            "restarts": 0,
+            "next_start": 0.0,
+        }
+        return True
+
+
+def wanted_as(cache: Path, replica_id: int, engine: str, source: str, args: list[str], model: str = "") -> bool:
+    """Whether this replica is already wanted exactly so; a waiting restart is brought forward.
+
+    The control plane sends a start again when a replica has stayed failed; here
+    that means "try now", not "fetch and start a second one".
+    """
+    with locked_state(cache) as state:
+        entry = state["replicas"].get(str(replica_id))
+        if not entry or not entry.get("wanted") or "replace" in entry:
+            return False
+        spec = {"engine": engine, "source": source, "args": list(args), "model": model}
+        if _spec_of(entry, spec) != spec:
+            return False
+        if entry.get("pid") is None:
+            entry["next_start"] = 0.0
+        return True
+
+
+def unwant(cache: Path, replica_id: int) -> bool:
+    """Ask for this replica to stop; False when this node does not know it."""
+    with locked_state(cache) as state:
+        entry = state["replicas"].get(str(replica_id))
+        if entry is None:
+            return False
+        entry["wanted"] = False
+        entry.pop("replace", None)
+        return True
+
+
+def is_ours(entry: dict) -> bool:
+    """Whether the engine an entry records is still running, and is the process it started as (not a reused pid)."""
+    pid = entry.get("pid")
+    return bool(pid) and engines.group_alive(pid) and engines.start_time(pid) == entry.get("pid_started")
+
+
+def running_engines(cache: Path) -> list[tuple[int, int]]:
+    """(replica id, pid) of every engine this host's agent started that still runs."""
+    return [
+        (int(replica_id), entry["pid"]) for replica_id, entry in read_state(cache)["replicas"].items() if is_ours(entry)
+    ]
