@@ -325,7 +325,7 @@ def _place_one(
         best = None
         best_key = None
         for room in usable_by_engine.get(profile.engine, ()):
-            if short_of(profile, room) is not None:
+            if not fits(profile, room):
                 continue
             # Spread first, then weights already on disk, then the most room left.
             key = (on_node.get(room.node.name, 0), model.source not in room.node.holds, -room.memory_gb, room.node.name)
@@ -348,23 +348,34 @@ def why_not(profile: ProfileView, room: _Room, engines_known: bool = True) -> st
     return short_of(profile, room)
 
 
-def short_of(profile: ProfileView, room: _Room) -> str | None:
+def fits(profile: ProfileView, room: _Room) -> bool:
     """The fit test, for a node that is ready and has the engine: labels, memory, GPUs.
 
-    Placement asks it of every candidate and `why_not` says its answer, so the
-    sentence a replica shows is the rule that kept it off the node.
+    Placement asks it of every candidate, and `short_of` says why it said no, so the
+    sentence a replica shows is the rule that kept it off the node. A bool first:
+    placement asks it a million times on a large fleet and wants no sentences.
     """
-    node = room.node
+    if room.memory_gb < profile.min_memory_gb or room.gpus < profile.gpus:
+        return False
+    if not profile.node_selector:
+        return True
+    labels = room.node.labels
+    return all(labels.get(key) == value for key, value in profile.node_selector.items())
+
+
+def short_of(profile: ProfileView, room: _Room) -> str | None:
+    """Why `fits` says no, in the words a replica shows; None when it fits."""
+    if fits(profile, room):
+        return None
+    labels = room.node.labels
     for key, value in profile.node_selector.items():
-        if key not in node.labels:
+        if key not in labels:
             return f"no label {key}"
-        if node.labels[key] != value:
-            return f"{key} is {node.labels[key]}, needs {value}"
+        if labels[key] != value:
+            return f"{key} is {labels[key]}, needs {value}"
     if room.memory_gb < profile.min_memory_gb:
         return f"{max(room.memory_gb, 0)} GB free, needs {profile.min_memory_gb}"
-    if room.gpus < profile.gpus:
-        return f"{max(room.gpus, 0)} GPU{'s' if room.gpus != 1 else ''} free, needs {profile.gpus}"
-    return None
+    return f"{max(room.gpus, 0)} GPU{'s' if room.gpus != 1 else ''} free, needs {profile.gpus}"
 
 
 def explain(model: ModelView, rooms: Iterable[_Room], engines_known: bool = True) -> str:
