@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('mirror', '0001_initial'),
+        ("mirror", "0001_initial"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='mirrorversion',
-            name='scanned_at',
-            field=models.DateTimeField(help_text='When a scan last found it new or changed on disk.'),
+            model_name="mirrorversion",
+            name="scanned_at",
+            field=models.DateTimeField(help_text="When a scan last found it new or changed on disk."),
         ),
     ]
