@@ -120,7 +120,7 @@ class TableReader:
     # --- what changed ----------------------------------------------------------------
 
     def _read_changes(self, now) -> None:
-        marks = list(TableChange.objects.filter(at__gte=self.since).values_list("pk", "table", "row_id"))
+        marks = marks_since(self.since)
         self.since = now - OVERLAP
         fresh = [(table, row_id) for pk, table, row_id in marks if pk not in self.applied]
         self.applied = {pk for pk, _, _ in marks}
@@ -216,6 +216,20 @@ def _profile_rows(queryset) -> list[tuple]:
 def _replica_rows(queryset) -> list[tuple]:
     ready = queryset.filter(state=Replica.State.READY).exclude(endpoint="")
     return list(ready.order_by().values_list("pk", "model_name", "profile_name", "endpoint"))
+
+
+def marks_since(since: datetime) -> list[tuple[int, str, int]]:
+    """(id, table, row id) of the marks written since then.
+
+    Plain SQL: this and database_now are all a refresh with nothing changed does,
+    every second, and through the ORM building each query costs ten times running it.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f'SELECT id, "table", row_id FROM {TableChange._meta.db_table} WHERE at >= %s',
+            [connection.ops.adapt_datetimefield_value(since)],
+        )
+        return cursor.fetchall()
 
 
 def database_now() -> datetime:
