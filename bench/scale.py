@@ -2,6 +2,7 @@
 """The control plane's periodic jobs at fleet size: CPU per pass, old code beside new, in one run.
 
     .venv/bin/python bench/scale.py [--jobs mirror,gateway,heartbeats] [--sizes 1x,10x,100x] [--runs 3]
+    .venv/bin/python bench/scale.py --jobs gateway-load [--load-keys 100,100000] [-- --quick]
 
 Builds the sizes of issue 17 in a temporary directory (files empty, rows in bulk)
 and runs each periodic job with nothing changing and with 1% changing between
@@ -17,6 +18,9 @@ counted too):
 (old_scan_mirror, old_load_table, old_heartbeat, old_replica_report), run
 against the same database and files in the same run. Old passes at the largest
 mirror size take about half a minute each, so they run once there.
+
+--jobs gateway-load runs bench/gateway.py (llmgw alone, no LiteLLM) once with each
+number of API keys in the database, to show a request costs the same with 100,000.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -434,13 +439,65 @@ def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
     )
 
 
+# --- the gateway under load, with few keys and with many ------------------------------------
+
+SEED_KEYS = """
+from gateway.keys import hash_key
+from gateway.models import ApiKey, TableChange
+ApiKey.objects.bulk_create(
+    (ApiKey(name=f"many-{i:06}", prefix="llmgw-many", key_hash=hash_key(f"many-{i}")) for i in range({n})),
+    batch_size=2000,
+)
+TableChange.objects.all().delete()
+"""
+
+
+def gateway_load_child(keys: int, gateway_args: list[str]) -> None:
+    """bench/gateway.py as it is, with `keys` more API keys written before llmgw's server starts."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_gateway", ROOT / "bench" / "gateway.py")
+    bench_gateway = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gateway)
+    popen = bench_gateway.quiet_popen
+
+    def quiet_popen(argv, env, log, cwd=ROOT):
+        if "admin_server" in argv and keys:
+            seed = SEED_KEYS.replace("{n}", str(keys))
+            subprocess.run(
+                [sys.executable, str(ROOT / "manage.py"), "shell", "-c", seed], env=env, cwd=ROOT, check=True
+            )
+        return popen(argv, env, log, cwd)
+
+    bench_gateway.quiet_popen = quiet_popen
+    sys.argv = ["gateway.py", "--no-litellm", *gateway_args]
+    bench_gateway.main()
+
+
+def bench_gateway_load(key_counts: list[int], gateway_args: list[str]) -> None:
+    for keys in key_counts:
+        print(f"\nbench/gateway.py, llmgw alone, with {keys:,} API keys in the database", flush=True)
+        argv = [sys.executable, __file__, "--gateway-load-child", str(keys - 1), "--", *gateway_args]
+        subprocess.run(argv, check=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    parser.add_argument("--jobs", default="mirror,gateway,heartbeats")
+    parser.add_argument("--jobs", default="mirror,gateway,heartbeats", help="also: gateway-load (bench/gateway.py)")
     parser.add_argument("--sizes", default="1x,10x,100x")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--load-keys", default="100,100000", help="API keys for each gateway-load run")
+    parser.add_argument("--gateway-load-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("gateway_args", nargs="*", help="after --: passed to bench/gateway.py")
     options = parser.parse_args()
     jobs, sizes = options.jobs.split(","), options.sizes.split(",")
+    if options.gateway_load_child is not None:
+        gateway_load_child(options.gateway_load_child, options.gateway_args)
+        return 0
+    if jobs == ["gateway-load"]:
+        bench_gateway_load([int(n) for n in options.load_keys.split(",")], options.gateway_args)
+        return 0
 
     var = Path(tempfile.mkdtemp(prefix="llmgw-bench-scale-"))
     mirror_root = var / "mirror"
