@@ -12,7 +12,9 @@ counted too):
   mirror scan    every 20 s   1x: 1,000 versions / 3,000 files; 10x: 10,000 / 30,000; all hashed
   gateway table  every 1 s    1x: 1,000 keys / 100 models; 10x: 10,000 / 1,000; 100x: 100,000 / 1,000;
                               one ready replica a model
-  heartbeats     every 15 s   1,000 nodes, each a heartbeat and 3 replica reports (the tasks' bodies)
+  heartbeats     every 15 s   1,000 nodes, each a heartbeat, and 3 replica reports every 60 s (the
+                              tasks' bodies, in this process)
+  worker         every 15 s   the same through Redis to a real control worker: its CPU, Celery's included
 
 "old" is the algorithm as it was before issue 17, kept below in this file
 (old_scan_mirror, old_load_table, old_heartbeat, old_replica_report), run
@@ -40,6 +42,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MIRROR_SIZES = {"1x": (1_000, 3), "10x": (10_000, 3)}  # versions, files each
 GATEWAY_SIZES = {"1x": (1_000, 100), "10x": (10_000, 1_000), "100x": (100_000, 1_000)}  # keys, models
 SCAN_EVERY_S, REFRESH_EVERY_S, HEARTBEAT_EVERY_S = 20, 1, 15
+# An agent reports each replica on every change and again every 60 s (agent/supervisor.py REREPORT_S),
+# so a 15 s cycle of a steady fleet holds a heartbeat from every node and a quarter of the reports.
+REPORT_EVERY_S = 60
+REPORTS_SPREAD = REPORT_EVERY_S // HEARTBEAT_EVERY_S  # a node in this many reports in a given cycle
 
 
 def cpu(fn) -> float:
@@ -359,10 +365,10 @@ def bench_gateway_size(size: str, runs: int) -> None:
 # --- heartbeats and reports ---------------------------------------------------------------------
 
 
-def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
+def build_fleet(n_nodes: int = 1000, per_node: int = 3):
+    """n_nodes enrolled nodes (token-i), each running per_node ready replicas; what each one's agent reports."""
     from django.utils import timezone
 
-    from fleet import tasks
     from fleet.enrolment import hash_token
     from fleet.models import Node, Replica
 
@@ -410,6 +416,13 @@ def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
         }
         for node in nodes
     }
+    return nodes, replicas, endpoints, facts
+
+
+def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
+    from fleet import tasks
+
+    nodes, replicas, endpoints, facts = build_fleet(n_nodes, per_node)
     print(f"heartbeats: {n_nodes:,} nodes, {per_node} replicas each, every {HEARTBEAT_EVERY_S} s", flush=True)
     rng = random.Random(17)
 
@@ -423,8 +436,9 @@ def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
                     if i % 100 == 0:
                         beat["labels"] = dict(beat["labels"], rack=str(rng.randrange(10)))
                 heartbeat(f"token-{i}", beat)
-                for replica_id in replicas[node.pk]:
-                    report(f"token-{i}", replica_id, "ready", endpoints[replica_id], "")
+                if i % REPORTS_SPREAD == 0:
+                    for replica_id in replicas[node.pk]:
+                        report(f"token-{i}", replica_id, "ready", endpoints[replica_id], "")
 
         return run
 
@@ -434,9 +448,92 @@ def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
         new = median_cpu(cycle(new_beat, new_report, changing), runs)
         line("heartbeats", "1000", case, old, new, HEARTBEAT_EVERY_S)
     print(
-        f"  (a cycle is {n_nodes:,} heartbeats and {n_nodes * per_node:,} reports; "
-        f"10% of a core is {HEARTBEAT_EVERY_S * 100:.0f} ms of CPU per {HEARTBEAT_EVERY_S} s cycle)"
+        f"  (a {HEARTBEAT_EVERY_S} s cycle is {n_nodes:,} heartbeats and {n_nodes * per_node // REPORTS_SPREAD:,} "
+        f"reports; 10% of a core is {HEARTBEAT_EVERY_S * 100:.0f} ms of CPU a cycle)"
     )
+
+
+def old_tree(ref: str, var: Path) -> Path:
+    """The code at `ref`, unpacked with git archive (nothing of the repository changes)."""
+    where = var / f"old-{ref.replace('/', '_').replace('~', '_')}"
+    where.mkdir()
+    archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
+def bench_worker(var: Path, old_ref: str | None, n_nodes: int = 1000, per_node: int = 3) -> None:
+    """A real control worker (Celery, prefork, 2 processes, INFO logs, as `manage.py up` runs it) taking
+    15 s cycles of heartbeats and reports from the broker: its CPU, Celery's own work included."""
+    nodes, replicas, endpoints, facts = build_fleet(n_nodes, per_node)
+    reports = n_nodes * per_node // REPORTS_SPREAD
+    print(f"control worker: {n_nodes:,} heartbeats and {reports:,} reports a cycle, through Redis", flush=True)
+    trees = [("new", ROOT)] + ([(f"old ({old_ref})", old_tree(old_ref, var))] if old_ref else [])
+    for label, tree in trees:
+        run_worker_cycles(var, label, tree, nodes, replicas, endpoints, facts)
+
+
+def run_worker_cycles(var: Path, label: str, tree: Path, nodes, replicas, endpoints, facts) -> None:
+    import psutil
+    from celery import current_app
+    from django.utils import timezone
+
+    from contracts import tasks
+    from fleet.models import Node
+
+    argv = [sys.executable, "-m", "celery", "-A", "llmgw_site", "worker", "-Q", "control", "-n", "bench@%h"]
+    if profile := os.environ.get("BENCH_WORKER_PROFILE"):  # a file for cProfile's figures (use --pool solo)
+        argv[1:1] = ["-m", "cProfile", "-o", profile]
+    argv += ["--concurrency", "2", "--loglevel", "INFO", "--without-gossip", "--without-mingle"]
+    argv += os.environ.get("BENCH_WORKER_ARGS", "").split()  # later options win: to see what costs what
+    log_path = var / "worker.log"
+    log = open(log_path, "wb")
+    worker = subprocess.Popen(argv, cwd=tree, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while b"[queues]" not in log_path.read_bytes():  # the banner, at any log level
+            if time.monotonic() > deadline or worker.poll() is not None:
+                raise SystemExit(f"the control worker did not start:\n{log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+        time.sleep(5)  # the pool's processes up, the consumer connected
+
+        def worker_cpu() -> float:
+            parent = psutil.Process(worker.pid)
+            total = 0.0
+            for p in [parent, *parent.children(recursive=True)]:
+                t = p.cpu_times()
+                total += t.user + t.system
+            return total
+
+        with current_app.connection_for_read() as connection:
+            broker = connection.default_channel.client
+            for case in ("facts the same", "disk free moves"):
+                started = timezone.now()
+                before = worker_cpu()
+                for i, node in enumerate(nodes):
+                    beat = facts[node.pk]
+                    if case == "disk free moves":
+                        beat = dict(beat, disk_free_bytes=beat["disk_free_bytes"] - i - 1)
+                    current_app.send_task(tasks.HEARTBEAT, args=[f"token-{i}", beat], queue=tasks.CONTROL_QUEUE)
+                    for replica_id in replicas[node.pk] if i % REPORTS_SPREAD == 0 else ():
+                        report = [f"token-{i}", replica_id, "ready", endpoints[replica_id], ""]
+                        current_app.send_task(tasks.REPLICA_REPORT, args=report, queue=tasks.CONTROL_QUEUE)
+                deadline = time.monotonic() + 300
+                while broker.llen(tasks.CONTROL_QUEUE) or Node.objects.filter(last_heartbeat__lt=started).exists():
+                    if time.monotonic() > deadline:
+                        raise SystemExit("the control worker did not take the cycle within 5 minutes")
+                    time.sleep(0.5)
+                time.sleep(2)  # the last reports, after the last heartbeat
+                used = worker_cpu() - before
+                print(
+                    f"  control worker {label:<14} {case:<16} {used * 1000:8.0f} ms CPU a {HEARTBEAT_EVERY_S} s "
+                    f"cycle: {used / HEARTBEAT_EVERY_S * 100:5.1f}% of a core",
+                    flush=True,
+                )
+    finally:
+        os.killpg(worker.pid, 15)
+        worker.wait(timeout=30)
+        log.close()
 
 
 # --- the gateway under load, with few keys and with many ------------------------------------
@@ -484,9 +581,13 @@ def bench_gateway_load(key_counts: list[int], gateway_args: list[str]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    parser.add_argument("--jobs", default="mirror,gateway,heartbeats", help="also: gateway-load (bench/gateway.py)")
+    parser.add_argument(
+        "--jobs", default="mirror,gateway,heartbeats,worker", help="also: gateway-load (bench/gateway.py), alone"
+    )
     parser.add_argument("--sizes", default="1x,10x,100x")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--worker-old-ref", help="also run the control worker from this commit (git archive)")
+    parser.add_argument("--database-url", help="an empty database to use instead of SQLite in the work directory")
     parser.add_argument("--load-keys", default="100,100000", help="API keys for each gateway-load run")
     parser.add_argument("--gateway-load-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("gateway_args", nargs="*", help="after --: passed to bench/gateway.py")
@@ -502,10 +603,22 @@ def main() -> int:
     var = Path(tempfile.mkdtemp(prefix="llmgw-bench-scale-"))
     mirror_root = var / "mirror"
     mirror_root.mkdir()
+    redis_server = None
+    if "worker" in jobs:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from benchlib import free_port
+
+        redis_port = free_port()
+        redis_server = subprocess.Popen(
+            ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(var)],
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     os.environ.update(
         LLMGW_VAR=str(var),
         LLMGW_MIRROR_ROOT=str(mirror_root),
-        DATABASE_URL=f"sqlite:///{var / 'bench.sqlite3'}",
+        DATABASE_URL=options.database_url or f"sqlite:///{var / 'bench.sqlite3'}",
         DJANGO_SETTINGS_MODULE="llmgw_site.settings",
     )
     os.environ.pop("DJANGO_DEBUG", None)
@@ -527,6 +640,12 @@ def main() -> int:
         bench_gateway(sizes, options.runs)
     if "heartbeats" in jobs:
         bench_heartbeats(options.runs)
+    try:
+        if "worker" in jobs:
+            bench_worker(var, options.worker_old_ref)
+    finally:
+        if redis_server is not None:
+            redis_server.terminate()
     return 0
 
 
