@@ -469,7 +469,9 @@ def bench_worker(var: Path, old_ref: str | None, rounds: int, n_nodes: int = 100
     reports = n_nodes * per_node // REPORTS_SPREAD
     print(f"control worker: {n_nodes:,} heartbeats and {reports:,} reports a cycle, through Redis", flush=True)
     # BENCH_WORKER_TREE: run "new" from another copy of the code, e.g. with a setting changed, to see what it does.
-    trees = [("new", Path(os.environ.get("BENCH_WORKER_TREE", ROOT)))] + ([(f"old ({old_ref})", old_tree(old_ref, var))] if old_ref else [])
+    trees = [("new", Path(os.environ.get("BENCH_WORKER_TREE", ROOT)))] + (
+        [(f"old ({old_ref})", old_tree(old_ref, var))] if old_ref else []
+    )
     for label, tree in trees:
         run_worker_cycles(var, label, tree, nodes, replicas, endpoints, facts, rounds)
 
