@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 
+from django.db import connection
 from django.utils import timezone
 
 from .models import Node
@@ -45,18 +47,42 @@ def node_for_token(token: str, claimed_name: str | None = None) -> Node | None:
 FACT_FIELDS = {"engines", "gpus", "memory_gb", "disk_free_bytes", "agent_version", "labels"}
 
 
-def record_heartbeat(token: str, facts: dict) -> Node | None:
-    """Upsert a node from its agent's facts; None when the token does not enrol it."""
-    node = node_for_token(token, claimed_name=facts.get("node"))
-    if node is None:
+def record_heartbeat(token: str, facts: dict) -> str | None:
+    """Update a node from its agent's facts: the node's name, or None when the token does not enrol it.
+
+    A thousand nodes beat every 15 s. The node is read with plain SQL (through the
+    ORM, building the query costs ten times what the database does), and only the
+    facts that differ are written, with the time of the beat, in one UPDATE.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT id, name, engines, gpus, memory_gb, disk_free_bytes, agent_version, labels "
+            f"FROM {Node._meta.db_table} WHERE token_hash = %s",
+            [hash_token(token)],
+        )
+        row = cursor.fetchone()
+    claimed = facts.get("node")
+    if row is None or (claimed is not None and claimed != row[1]):
         return None
-    node.engines = [str(e) for e in facts.get("engines") or []]
-    node.gpus = list(facts.get("gpus") or [])
-    node.memory_gb = max(0, int(facts.get("memory_gb") or 0))
-    node.disk_free_bytes = max(0, int(facts.get("disk_free_bytes") or 0))
-    node.agent_version = str(facts.get("agent_version") or "")[:50]
+    node_id, name, engines, gpus, memory_gb, disk_free_bytes, agent_version, labels = row
+    # JSON columns come back as text on both SQLite and PostgreSQL: Django decodes them itself.
+    known = {
+        "engines": json.loads(engines),
+        "gpus": json.loads(gpus),
+        "memory_gb": memory_gb,
+        "disk_free_bytes": disk_free_bytes,
+        "agent_version": agent_version,
+        "labels": json.loads(labels),
+    }
+    reported = {
+        "engines": [str(e) for e in facts.get("engines") or []],
+        "gpus": list(facts.get("gpus") or []),
+        "memory_gb": max(0, int(facts.get("memory_gb") or 0)),
+        "disk_free_bytes": max(0, int(facts.get("disk_free_bytes") or 0)),
+        "agent_version": str(facts.get("agent_version") or "")[:50],
+    }
     if isinstance(facts.get("labels"), dict):
-        node.labels = {str(k): str(v) for k, v in facts["labels"].items()}
-    node.last_heartbeat = timezone.now()
-    node.save()
-    return node
+        reported["labels"] = {str(k): str(v) for k, v in facts["labels"].items()}
+    changed = {field: value for field, value in reported.items() if known[field] != value}
+    Node.objects.filter(pk=node_id).update(last_heartbeat=timezone.now(), **changed)
+    return name

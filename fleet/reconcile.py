@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 import redis
 from celery import current_app
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from contracts import tasks
@@ -202,12 +202,54 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
 
 
 REPORTED_STATES = set(tasks.REPLICA_STATES)
+# States whose report, said again, changes nothing: every failure counts, and stopped ends a replica.
+SAME_AGAIN_STATES = REPORTED_STATES - {"failed", "stopped"}
+
+
+def said_before(row: tuple | None, state: str, endpoint: str, reason: str) -> str | None:
+    """What to log when a replica, as (state, endpoint, reason, attempts), is already as reported; None when
+    the report must be applied.
+
+    Three reports a node every few seconds, nearly all repeating the last: one read
+    tells, without a lock or a write. A failure always counts, and stopped ends a
+    replica, so those two are never "as before".
+    """
+    if row is None or state not in SAME_AGAIN_STATES:
+        return None
+    if row[0] == Replica.State.STOPPING:
+        return "ignored: the replica is stopping"
+    same = tuple(row[:3]) == (state, endpoint if state == "ready" else "", reason[:4000])
+    return f"{state}, as before" if same and (state != "ready" or row[3] == 0) else None
+
+
+def repeated_report(token_hash: str, replica_id: int, state: str, endpoint: str, reason: str) -> str | None:
+    """said_before for a report as it arrives: the token and the replica checked in one query.
+
+    Plain SQL: at a thousand nodes this runs 200 times a second, and building the
+    query through the ORM costs ten times what the database does.
+    """
+    if state not in SAME_AGAIN_STATES:
+        return None
+    replica, node = Replica._meta.db_table, Node._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT r.state, r.endpoint, r.reason, r.attempts FROM {replica} r JOIN {node} n ON n.id = r.node_id "
+            "WHERE r.id = %s AND n.token_hash = %s",
+            [replica_id, token_hash],
+        )
+        return said_before(cursor.fetchone(), state, endpoint, reason)
 
 
 def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason: str) -> str:
     """Apply what a node's agent says about a replica; returns what was done, for the log."""
     if state not in REPORTED_STATES:
         return f"ignored: {state!r} is not a state an agent reports"
+    if state in SAME_AGAIN_STATES:
+        row = Replica.objects.filter(pk=replica_id, node_id=node.pk).values_list(
+            "state", "endpoint", "reason", "attempts"
+        )
+        if said := said_before(row.first(), state, endpoint, reason):
+            return said
     with transaction.atomic():
         replica = Replica.objects.select_for_update().filter(pk=replica_id).first()
         if replica is None or replica.node_id != node.pk:

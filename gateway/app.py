@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import connection
 
 from . import routes
 from .errors import ClientGone, Refusal
@@ -51,6 +51,7 @@ class Gateway:
         self.in_flight: dict[int, int] = {}
         self.cooling: dict[int, float] = {}
         self.usage = Recorder()
+        self._reader = routes.TableReader()
         self.refresh_s = settings.GATEWAY_REFRESH_MS / 1000
         self._db = ThreadPoolExecutor(1, thread_name_prefix="gateway-db")
         self._session: aiohttp.ClientSession | None = None
@@ -134,9 +135,15 @@ class Gateway:
             await self.refresh()
 
     def _read_table(self) -> routes.Table:
-        close_old_connections()
-        self._flush_usage()
-        return routes.load()
+        # The thread keeps its connection between reads: a read with nothing changed is
+        # two small queries, and connecting again each second would cost more than both.
+        # A connection that failed is closed, so the next read connects anew.
+        try:
+            self._flush_usage()
+            return self._reader.read()
+        except Exception:
+            connection.close()
+            raise
 
     def _flush_usage(self) -> None:
         try:

@@ -63,3 +63,23 @@ class Usage(models.Model):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+class TableChange(models.Model):
+    """A row the gateway routes by was added, changed or deleted.
+
+    Written by database triggers (migration 0002), not by Django: every way a
+    row can change, a queryset's update() and a raw statement included, leaves
+    a mark, and a gateway re-reads only the rows marked since its last look.
+    Rows older than a few minutes are deleted by the gateways themselves.
+    """
+
+    table = models.CharField(max_length=10)  # "key", "model", "profile" or "replica"
+    row_id = models.BigIntegerField()
+    at = models.DateTimeField(db_index=True, help_text="The database's clock when the row changed.")
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"{self.table} {self.row_id} at {self.at}"

@@ -8,15 +8,17 @@ in whole, so a request sees one consistent table and pays nothing for it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
 import redis
+from django.db import connection
 
 from catalog.models import Model, Profile
 from contracts import progress
 from fleet.live import redis_client
 from fleet.models import Replica
 
-from .models import ApiKey
+from .models import ApiKey, TableChange
 
 
 @dataclass(frozen=True)
@@ -54,34 +56,190 @@ class Table:
 
 
 def load() -> Table:
-    """The current table. Runs in a thread: it reads the database."""
-    weights = {(p.model_id, p.name): max(p.weight, 0) for p in Profile.objects.all()}
-    ready: dict[str, list[Replica]] = {}
-    for replica in Replica.objects.filter(state=Replica.State.READY).exclude(endpoint=""):
-        ready.setdefault(replica.model_name, []).append(replica)
-    table = Table()
-    for model in Model.objects.all():
-        upstreams = tuple(
-            Upstream(r.pk, r.endpoint.rstrip("/"), weights.get((model.pk, r.profile_name), 1))
-            for r in ready.get(model.name, [])
+    """The whole table, read at once. Runs in a thread: it reads the database."""
+    return TableReader().read()
+
+
+# How far back each look at the change log reaches before the previous look: a
+# change written by a transaction that commits later than this after writing is
+# missed. Changes seen twice are applied once.
+OVERLAP = timedelta(seconds=5)
+# Marks older than this are deleted; a reader that has not looked for half as
+# long reads the whole table again rather than trust a log with holes in it.
+KEEP_CHANGES = timedelta(minutes=10)
+PRUNE_EVERY = timedelta(minutes=1)
+IN_BATCH = 500
+
+
+class TableReader:
+    """Keeps the rows a gateway routes by, and reads again only those the change log marks.
+
+    The first read is whole; after it, a read with nothing changed is one indexed
+    query on `gateway_tablechange`, however many keys and models there are.
+    Used from the gateway's one database thread, never from two at once.
+    """
+
+    def __init__(self) -> None:
+        self.table: Table | None = None
+        self.since = None  # the database's clock, minus OVERLAP, at the last look
+        self.applied: set[int] = set()  # change ids within the window already applied
+        self.pruned_at = None
+        self.keys: dict[int, tuple[str, Key]] = {}  # id -> (hash, key), active keys only
+        self.models: dict[int, tuple] = {}  # id -> (name, aliases, context_length, max_output, added_at)
+        self.profiles: dict[int, tuple[int, str, int]] = {}  # id -> (model id, name, weight)
+        self.replicas: dict[int, tuple[str, str, str]] = {}  # id -> (model name, profile, endpoint), ready ones
+        self.full_reads = 0
+        self.rows_read = 0
+
+    def read(self) -> Table:
+        """The current table: the same object as last time when nothing changed."""
+        now = database_now()
+        if self.table is None or self.since is None or now - self.since > KEEP_CHANGES / 2:
+            self._read_everything(now)
+        else:
+            self._read_changes(now)
+        if self.pruned_at is None or now - self.pruned_at > PRUNE_EVERY:
+            TableChange.objects.filter(at__lt=now - KEEP_CHANGES).delete()
+            self.pruned_at = now
+        return self.table
+
+    # --- whole ---------------------------------------------------------------------
+
+    def _read_everything(self, now) -> None:
+        self.full_reads += 1
+        self.applied = set(TableChange.objects.filter(at__gte=now - OVERLAP).values_list("pk", flat=True))
+        self.since = now - OVERLAP
+        self.keys = {row[0]: key_of(row) for row in _key_rows(ApiKey.objects.filter(active=True))}
+        self.models = {row[0]: row[1:] for row in _model_rows(Model.objects.all())}
+        self.profiles = {row[0]: row[1:] for row in _profile_rows(Profile.objects.all())}
+        self.replicas = {row[0]: row[1:] for row in _replica_rows(Replica.objects.all())}
+        self.rows_read += len(self.keys) + len(self.models) + len(self.profiles) + len(self.replicas)
+        keys = {digest: key for digest, key in self.keys.values()}
+        self.table = Table(keys=keys, **self._routes())
+
+    # --- what changed ----------------------------------------------------------------
+
+    def _read_changes(self, now) -> None:
+        marks = marks_since(self.since)
+        self.since = now - OVERLAP
+        fresh = [(table, row_id) for pk, table, row_id in marks if pk not in self.applied]
+        self.applied = {pk for pk, _, _ in marks}
+        if not fresh:
+            return
+        changed: dict[str, set[int]] = {}
+        for table, row_id in fresh:
+            changed.setdefault(table, set()).add(row_id)
+        keys = self.table.keys
+        if ids := changed.get("key"):
+            keys = dict(keys)  # a new dict: requests keep the one they started with
+            for row_id in ids:
+                old = self.keys.pop(row_id, None)
+                if old is not None and keys.get(old[0]) is old[1]:
+                    del keys[old[0]]
+            for row in self._reread(ApiKey.objects.filter(active=True), ids, _key_rows):
+                digest, key = self.keys[row[0]] = key_of(row)
+                keys[digest] = key
+        routing = False
+        for name, rows, store, queryset in (
+            ("model", _model_rows, self.models, Model.objects.all()),
+            ("profile", _profile_rows, self.profiles, Profile.objects.all()),
+            ("replica", _replica_rows, self.replicas, Replica.objects.all()),
+        ):
+            if ids := changed.get(name):
+                routing = True
+                for row_id in ids:
+                    store.pop(row_id, None)
+                for row in self._reread(queryset, ids, rows):
+                    store[row[0]] = row[1:]
+        if routing:
+            self.table = Table(keys=keys, **self._routes())
+        elif keys is not self.table.keys:
+            self.table = Table(routes=self.table.routes, models=self.table.models, keys=keys)
+
+    def _reread(self, queryset, ids: set[int], rows) -> list[tuple]:
+        ordered = sorted(ids)
+        found = []
+        for start in range(0, len(ordered), IN_BATCH):
+            found += rows(queryset.filter(pk__in=ordered[start : start + IN_BATCH]))
+        self.rows_read += len(found)
+        return found
+
+    # --- the routes, from the rows held ---------------------------------------------
+
+    def _routes(self) -> dict:
+        weights = {(model_id, name): max(weight, 0) for model_id, name, weight in self.profiles.values()}
+        ready: dict[str, list[tuple[int, str, str]]] = {}
+        for replica_id, (model_name, profile_name, endpoint) in sorted(self.replicas.items()):
+            ready.setdefault(model_name, []).append((replica_id, profile_name, endpoint))
+        routes: dict[str, Route] = {}
+        models: list[Route] = []
+        for model_id, (name, aliases, context_length, max_output, added_at) in sorted(
+            self.models.items(), key=lambda item: item[1][0]
+        ):
+            upstreams = tuple(
+                Upstream(replica_id, endpoint.rstrip("/"), weights.get((model_id, profile_name), 1))
+                for replica_id, profile_name, endpoint in ready.get(name, [])
+            )
+            aliases = tuple(a for a in (aliases or []) if isinstance(a, str))
+            route = Route(
+                name=name,
+                aliases=aliases,
+                context_length=context_length,
+                max_output=max_output,
+                created=int(added_at.timestamp()),
+                upstreams=upstreams,
+            )
+            models.append(route)
+            for alias in aliases:
+                routes.setdefault(alias, route)
+            routes[name] = route
+        return {"routes": routes, "models": models}
+
+
+def key_of(row: tuple) -> tuple[str, Key]:
+    pk, name, key_hash, model_names = row
+    return key_hash, Key(pk, name, frozenset(model_names) if model_names else None)
+
+
+def _key_rows(queryset) -> list[tuple]:
+    return list(queryset.order_by().values_list("pk", "name", "key_hash", "model_names"))
+
+
+def _model_rows(queryset) -> list[tuple]:
+    return list(queryset.order_by().values_list("pk", "name", "aliases", "context_length", "max_output", "added_at"))
+
+
+def _profile_rows(queryset) -> list[tuple]:
+    return list(queryset.order_by().values_list("pk", "model_id", "name", "weight"))
+
+
+def _replica_rows(queryset) -> list[tuple]:
+    ready = queryset.filter(state=Replica.State.READY).exclude(endpoint="")
+    return list(ready.order_by().values_list("pk", "model_name", "profile_name", "endpoint"))
+
+
+def marks_since(since: datetime) -> list[tuple[int, str, int]]:
+    """(id, table, row id) of the marks written since then.
+
+    Plain SQL: this and database_now are all a refresh with nothing changed does,
+    every second, and through the ORM building each query costs ten times running it.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f'SELECT id, "table", row_id FROM {TableChange._meta.db_table} WHERE at >= %s',
+            [connection.ops.adapt_datetimefield_value(since)],
         )
-        aliases = tuple(a for a in (model.aliases or []) if isinstance(a, str))
-        route = Route(
-            name=model.name,
-            aliases=aliases,
-            context_length=model.context_length,
-            max_output=model.max_output,
-            created=int(model.added_at.timestamp()),
-            upstreams=upstreams,
-        )
-        table.models.append(route)
-        for alias in aliases:
-            table.routes.setdefault(alias, route)
-        table.routes[model.name] = route
-    for key in ApiKey.objects.filter(active=True):
-        allowed = frozenset(key.model_names) if key.model_names else None
-        table.keys[key.key_hash] = Key(key.pk, key.name, allowed)
-    return table
+        return cursor.fetchall()
+
+
+def database_now() -> datetime:
+    """The database's clock: the triggers mark changes with it, so the reader looks back by it too."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
+            return datetime.fromisoformat(cursor.fetchone()[0]).replace(tzinfo=UTC)
+        cursor.execute("SELECT clock_timestamp()")
+        return cursor.fetchone()[0]
 
 
 def why_not_ready(model_name: str) -> str:

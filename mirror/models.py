@@ -27,7 +27,9 @@ class MirrorVersion(models.Model):
     model = models.CharField(max_length=255)
     version = models.CharField(max_length=255)
     first_seen = models.DateTimeField(auto_now_add=True)
-    scanned_at = models.DateTimeField(help_text="When a scan last found it on disk.")
+    # Written only when a scan finds the version new or changed: a scan of an
+    # unchanged mirror writes nothing, however many versions it holds.
+    scanned_at = models.DateTimeField(help_text="When a scan last found it new or changed on disk.")
 
     objects = MirrorVersionQuerySet.as_manager()
 

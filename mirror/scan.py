@@ -1,4 +1,11 @@
-"""Reconcile the index with the directory, and hash what needs hashing."""
+"""Reconcile the index with the directory, and hash what needs hashing.
+
+A scan runs every few seconds over a mirror of tens of thousands of files, so
+it costs what changed, not what exists: one walk of the tree with scandir and
+stat, the whole index read in one query, compared in memory, and only the
+differences written, in bulk. A version whose files are as the index has them
+costs no write at all.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -18,6 +25,9 @@ from . import disk
 from .models import MirrorFile, MirrorVersion
 
 log = logging.getLogger(__name__)
+
+# Rows per statement for bulk writes and `pk IN (...)`: well under SQLite's variable limit.
+BATCH = 500
 
 
 @dataclass
@@ -38,82 +48,196 @@ class ScanReport:
         return ", ".join(parts)
 
 
-def _skipped_names(directory, where: str) -> list[str]:
-    """Sentences for each entry of a directory that is not indexed because of its name."""
-    sentences = []
+# --- the disk: one walk -----------------------------------------------------------
+
+# name -> (bytes, mtime_ns), for the files of one version as they are on disk now.
+Listing = dict[str, tuple[int, int]]
+
+
+def _plain_entries(directory, where: str, report: ScanReport) -> list[os.DirEntry]:
+    """A directory's entries with plain names, by name; each other name said in `report.skipped`."""
     try:
-        entries = sorted(os.listdir(directory))
+        with os.scandir(directory) as it:
+            entries = sorted(it, key=lambda e: e.name)
     except OSError:
-        return sentences
-    for name in entries:
-        problem = plain_name_problem(name)
+        return []
+    plain = []
+    for entry in entries:
+        problem = plain_name_problem(entry.name)
         if problem is None:
-            continue
+            plain.append(entry)
         # Hidden files and unfinished downloads are expected in a mirror; they
         # are not a mistake to report, just not part of any version.
-        if name.startswith(".") or name.endswith(".part"):
+        elif not (entry.name.startswith(".") or entry.name.endswith(".part")):
+            report.skipped.append(f"{where}{entry.name!r} is not indexed: {problem}")
+    return plain
+
+
+def _is_plain_dir(entry: os.DirEntry) -> bool:
+    """A real directory, reached without a symlink: inside the root by construction."""
+    return not entry.is_symlink() and entry.is_dir(follow_symlinks=False)
+
+
+def _slow_listing(model: str, version: str) -> Listing | None:
+    """A version reached through a symlink: disk.py decides what it really is and whether it may be served."""
+    files = disk.version_files(model, version)
+    return None if files is None else {f.name: (f.bytes, f.mtime_ns) for f in files}
+
+
+def _version_listing(entry: os.DirEntry, model: str, report: ScanReport) -> Listing | None:
+    listing: Listing = {}
+    for f in _plain_entries(entry.path, f"{model}/{entry.name}/", report):
+        if f.is_symlink():
+            # A link may point anywhere; the rare version holding one is read the careful way.
+            return _slow_listing(model, entry.name)
+        if not f.is_file(follow_symlinks=False):
             continue
-        sentences.append(f"{where}{name!r} is not indexed: {problem}")
-    return sentences
+        try:
+            st = f.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        listing[f.name] = (st.st_size, st.st_mtime_ns)
+    return listing
+
+
+def walk(report: ScanReport) -> dict[tuple[str, str], Listing]:
+    """(model, version) -> its files, for every version on disk now; names not indexed go to the report."""
+    root = disk.root()
+    root.mkdir(parents=True, exist_ok=True)
+    found: dict[tuple[str, str], Listing] = {}
+    for model_entry in _plain_entries(root, "", report):
+        model = model_entry.name
+        if _is_plain_dir(model_entry):
+            for version_entry in _plain_entries(model_entry.path, f"{model}/", report):
+                version = version_entry.name
+                if _is_plain_dir(version_entry):
+                    listing = _version_listing(version_entry, model, report)
+                elif version_entry.is_symlink() and version in disk.version_names(model):
+                    _plain_entries(version_entry.path, f"{model}/{version}/", report)
+                    listing = _slow_listing(model, version)
+                else:
+                    continue
+                if listing is not None:
+                    found[(model, version)] = listing
+        elif model_entry.is_symlink() and model in disk.model_names():
+            _plain_entries(model_entry.path, f"{model}/", report)
+            for version in disk.version_names(model):
+                _plain_entries(os.path.join(model_entry.path, version), f"{model}/{version}/", report)
+                listing = _slow_listing(model, version)
+                if listing is not None:
+                    found[(model, version)] = listing
+    return found
+
+
+# --- the index: one read, then only the differences written -------------------------
+
+# name -> (file id, bytes, mtime_ns, hashed)
+IndexedFiles = dict[str, tuple[int, int, int, bool]]
+
+
+def read_index() -> dict[tuple[str, str], tuple[int, IndexedFiles]]:
+    """(model, version) -> (version id, its files), in one query."""
+    index: dict[tuple[str, str], tuple[int, IndexedFiles]] = {}
+    rows = MirrorVersion.objects.order_by().values_list(
+        "pk", "model", "version", "files__pk", "files__name", "files__bytes", "files__mtime_ns", "files__sha256"
+    )
+    for version_id, model, version, file_id, name, size, mtime_ns, sha256 in rows.iterator(chunk_size=2000):
+        entry = index.get((model, version))
+        if entry is None:
+            entry = index[(model, version)] = (version_id, {})
+        if file_id is not None:
+            entry[1][name] = (file_id, size, mtime_ns, bool(sha256))
+    return index
 
 
 def scan_mirror() -> ScanReport:
     """Make MirrorVersion and MirrorFile match what is on disk now."""
-    report = ScanReport()
-    now = timezone.now()
-    root = disk.root()
-    root.mkdir(parents=True, exist_ok=True)
-    report.skipped += _skipped_names(root, "")
-
-    seen_versions: set[tuple[str, str]] = set()
-    for model in disk.model_names():
-        report.skipped += _skipped_names(root / model, f"{model}/")
-        for version in disk.version_names(model):
-            report.skipped += _skipped_names(root / model / version, f"{model}/{version}/")
-            files = disk.version_files(model, version)
-            if files is None:
-                continue
-            seen_versions.add((model, version))
-            _reconcile_version(model, version, files, now, report)
-
-    for row in MirrorVersion.objects.all():
-        if (row.model, row.version) not in seen_versions:
-            report.removed.append(str(row))
-            row.delete()
+    try:
+        report = _scan()
+    except IntegrityError:
+        # Another scan (the beat and the admin's button) added the same version a
+        # moment earlier; a second look finds it in the index.
+        report = _scan()
     for sentence in report.skipped:
         log.warning("mirror scan: %s", sentence)
     return report
 
 
-@transaction.atomic
-def _reconcile_version(model, version, files, now, report: ScanReport) -> None:
-    row, created = MirrorVersion.objects.get_or_create(model=model, version=version, defaults={"scanned_at": now})
-    if created:
-        report.added.append(str(row))
-    else:
-        row.scanned_at = now
-        row.save(update_fields=["scanned_at"])
+def _scan() -> ScanReport:
+    report = ScanReport()
+    now = timezone.now()
+    on_disk = walk(report)
+    index = read_index()
 
-    indexed = {f.name: f for f in row.files.all()}
-    on_disk = {f.name for f in files}
-    for gone in set(indexed) - on_disk:
-        indexed[gone].delete()
-        report.changed.append(f"{row}/{gone} removed")
-    for f in files:
-        existing = indexed.get(f.name)
-        if existing is None:
-            new = MirrorFile.objects.create(version=row, name=f.name, bytes=f.bytes, mtime_ns=f.mtime_ns)
-            report.to_hash.append(new.pk)
-            if not created:
-                report.changed.append(f"{row}/{f.name} added")
-        elif existing.bytes != f.bytes or existing.mtime_ns != f.mtime_ns:
-            existing.bytes, existing.mtime_ns = f.bytes, f.mtime_ns
-            existing.sha256, existing.hashed_at = "", None
-            existing.save()
-            report.to_hash.append(existing.pk)
-            report.changed.append(f"{row}/{f.name} changed")
-        elif not existing.sha256:
-            report.to_hash.append(existing.pk)
+    new_versions: list[MirrorVersion] = []
+    new_files: list[MirrorFile] = []
+    changed_files: list[MirrorFile] = []
+    gone_files: list[int] = []
+    touched_versions: list[int] = []
+    # Ids to hash, in the order of the walk; a new file's id is known once it is written.
+    to_hash: list[int | MirrorFile] = []
+
+    for (model, version), listing in on_disk.items():
+        indexed = index.get((model, version))
+        if indexed is None:
+            row = MirrorVersion(model=model, version=version, scanned_at=now)
+            new_versions.append(row)
+            report.added.append(str(row))
+            for name, (size, mtime_ns) in listing.items():
+                new = MirrorFile(version=row, name=name, bytes=size, mtime_ns=mtime_ns)
+                new_files.append(new)
+                to_hash.append(new)
+            continue
+        version_id, files = indexed
+        where = f"{model}/{version}"
+        touched = False
+        for gone in sorted(set(files) - set(listing)):
+            gone_files.append(files[gone][0])
+            report.changed.append(f"{where}/{gone} removed")
+            touched = True
+        for name, (size, mtime_ns) in listing.items():
+            existing = files.get(name)
+            if existing is None:
+                new = MirrorFile(version_id=version_id, name=name, bytes=size, mtime_ns=mtime_ns)
+                new_files.append(new)
+                to_hash.append(new)
+                report.changed.append(f"{where}/{name} added")
+                touched = True
+            elif existing[1] != size or existing[2] != mtime_ns:
+                changed_files.append(
+                    MirrorFile(pk=existing[0], bytes=size, mtime_ns=mtime_ns, sha256="", hashed_at=None)
+                )
+                to_hash.append(existing[0])
+                report.changed.append(f"{where}/{name} changed")
+                touched = True
+            elif not existing[3]:
+                to_hash.append(existing[0])
+        if touched:
+            touched_versions.append(version_id)
+
+    gone_versions = sorted((key, indexed[0]) for key, indexed in index.items() if key not in on_disk)
+    report.removed = [f"{model}/{version}" for (model, version), _ in gone_versions]
+
+    if new_versions or new_files or changed_files or gone_files or touched_versions or gone_versions:
+        with transaction.atomic():
+            MirrorVersion.objects.bulk_create(new_versions, batch_size=BATCH)
+            MirrorFile.objects.bulk_create(new_files, batch_size=BATCH)
+            MirrorFile.objects.bulk_update(
+                changed_files, ["bytes", "mtime_ns", "sha256", "hashed_at"], batch_size=BATCH
+            )
+            for ids in _batches(gone_files):
+                MirrorFile.objects.filter(pk__in=ids).delete()
+            for ids in _batches(touched_versions):
+                MirrorVersion.objects.filter(pk__in=ids).update(scanned_at=now)
+            for ids in _batches([version_id for _, version_id in gone_versions]):
+                MirrorVersion.objects.filter(pk__in=ids).delete()
+    report.to_hash = [item if isinstance(item, int) else item.pk for item in to_hash]
+    return report
+
+
+def _batches(ids: list[int]):
+    for start in range(0, len(ids), BATCH):
+        yield ids[start : start + BATCH]
 
 
 def hash_file(file_id: int) -> str | None:

@@ -306,7 +306,7 @@ def test_a_malformed_request_is_a_400_with_a_sentence(gateway, body, says):
     add_model()
     _, secret = create_key("k")
     answer = client(secret).post(gateway.url + "/v1/chat/completions", data=body)
-    assert answer.status_code == 400
+    assert answer.status_code == 400, answer.text
     assert says in error_of(answer)["message"]
 
 

@@ -2,9 +2,13 @@
 
 import hashlib
 import os
+from datetime import timedelta
 
 import pytest
 from django.core.management import call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from mirror import scan
 from mirror.models import MirrorFile, MirrorVersion
@@ -114,3 +118,71 @@ def test_a_celery_worker_scans_and_hashes_in_the_background(mirror_root, control
     version = MirrorVersion.objects.get()
     assert version.state == MirrorVersion.State.COMPLETE
     assert MirrorFile.objects.get(name="a.gguf").sha256 == hashlib.sha256(b"x" * 4096).hexdigest()
+
+
+# --- a scan costs what changed, not what exists ------------------------------------
+
+
+def writes(queries) -> list[str]:
+    return [q["sql"] for q in queries if q["sql"].split(None, 1)[0].upper() in {"INSERT", "UPDATE", "DELETE"}]
+
+
+def test_a_scan_of_an_unchanged_mirror_reads_the_index_once_and_writes_nothing(mirror_root):
+    for n in range(20):
+        put(mirror_root, f"m{n % 4}", f"v{n}", {"a.gguf": b"1", "b.gguf": b"22"})
+    for file_id in scan.scan_mirror().to_hash:
+        scan.hash_file(file_id)
+    scanned_at = dict(MirrorVersion.objects.values_list("pk", "scanned_at"))
+
+    with CaptureQueriesContext(connection) as queries:
+        report = scan.scan_mirror()
+    assert report.summary() == "0 added, 0 removed, 0 changed, 0 skipped"
+    assert report.to_hash == []
+    assert len(queries) == 1, [q["sql"] for q in queries]
+    assert writes(queries) == []
+    assert dict(MirrorVersion.objects.values_list("pk", "scanned_at")) == scanned_at
+
+
+def test_changes_across_many_versions_are_written_in_a_few_statements_not_one_per_file(mirror_root):
+    directories = [put(mirror_root, "m", f"v{n}", {"a.gguf": b"1", "b.gguf": b"2"}) for n in range(30)]
+    scan.scan_mirror()
+    later = MirrorFile.objects.first().mtime_ns + 10**9
+    for directory in directories[:10]:
+        (directory / "a.gguf").write_bytes(b"changed")
+        os.utime(directory / "a.gguf", ns=(later, later))
+        (directory / "b.gguf").unlink()
+        (directory / "c.gguf").write_bytes(b"new")
+
+    with CaptureQueriesContext(connection) as queries:
+        report = scan.scan_mirror()
+    assert len(report.changed) == 30
+    # 10 changed and 10 new, and the two unhashed files of each of the 20 untouched versions
+    assert len(report.to_hash) == 10 + 10 + 40
+    # One bulk insert, one bulk update, one delete, one update of the versions' scanned_at.
+    assert len(writes(queries)) <= 5, writes(queries)
+    assert MirrorFile.objects.filter(name="a.gguf", bytes=7).count() == 10
+    assert not MirrorFile.objects.filter(name="b.gguf", version__version__in=[f"v{n}" for n in range(10)]).exists()
+    assert MirrorFile.objects.filter(name="c.gguf").count() == 10
+
+
+def test_a_version_is_marked_scanned_when_a_scan_finds_it_changed(mirror_root):
+    directory = put(mirror_root, "llama", "q4", {"a.gguf": b"1"})
+    put(mirror_root, "llama", "q8", {"a.gguf": b"1"})
+    scan.scan_mirror()
+    MirrorVersion.objects.update(scanned_at=timezone.now() - timedelta(days=1))
+    (directory / "b.gguf").write_bytes(b"2")
+    report = scan.scan_mirror()
+    assert report.changed == ["llama/q4/b.gguf added"]
+    fresh = MirrorVersion.objects.filter(scanned_at__gt=timezone.now() - timedelta(minutes=1))
+    assert list(fresh.values_list("version", flat=True)) == ["q4"]
+
+
+def test_a_symlink_to_a_file_inside_the_root_is_indexed_and_one_outside_is_not(mirror_root, tmp_path):
+    put(mirror_root, "m", "v1", {"w.gguf": b"12345"})
+    outside = tmp_path / "secret.gguf"
+    outside.write_bytes(b"secret")
+    directory = put(mirror_root, "m", "v2", {})
+    (directory / "w.gguf").symlink_to(mirror_root / "m" / "v1" / "w.gguf")
+    (directory / "s.gguf").symlink_to(outside)
+    scan.scan_mirror()
+    assert list(MirrorFile.objects.filter(version__version="v2").values_list("name", "bytes")) == [("w.gguf", 5)]

@@ -1,0 +1,661 @@
+#!/usr/bin/env python
+"""The control plane's periodic jobs at fleet size: CPU per pass, old code beside new, in one run.
+
+    .venv/bin/python bench/scale.py [--jobs mirror,gateway,heartbeats] [--sizes 1x,10x,100x] [--runs 3]
+    .venv/bin/python bench/scale.py --jobs gateway-load [--load-keys 100,100000] [-- --quick]
+
+Builds the sizes of issue 17 in a temporary directory (files empty, rows in bulk)
+and runs each periodic job with nothing changing and with 1% changing between
+passes, timing the process's CPU (SQLite runs in the process, so its work is
+counted too):
+
+  mirror scan    every 20 s   1x: 1,000 versions / 3,000 files; 10x: 10,000 / 30,000; all hashed
+  gateway table  every 1 s    1x: 1,000 keys / 100 models; 10x: 10,000 / 1,000; 100x: 100,000 / 1,000;
+                              one ready replica a model
+  heartbeats     every 15 s   1,000 nodes, each a heartbeat, and 3 replica reports every 60 s (the
+                              tasks' bodies, in this process)
+  worker         every 15 s   the same through Redis to a real control worker: its CPU, Celery's included
+
+"old" is the algorithm as it was before issue 17, kept below in this file
+(old_scan_mirror, old_load_table, old_heartbeat, old_replica_report), run
+against the same database and files in the same run. Old passes at the largest
+mirror size take about half a minute each, so they run once there.
+
+--jobs gateway-load runs bench/gateway.py (llmgw alone, no LiteLLM) once with each
+number of API keys in the database, to show a request costs the same with 100,000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MIRROR_SIZES = {"1x": (1_000, 3), "10x": (10_000, 3)}  # versions, files each
+GATEWAY_SIZES = {"1x": (1_000, 100), "10x": (10_000, 1_000), "100x": (100_000, 1_000)}  # keys, models
+SCAN_EVERY_S, REFRESH_EVERY_S, HEARTBEAT_EVERY_S = 20, 1, 15
+# An agent reports each replica on every change and again every 60 s (agent/supervisor.py REREPORT_S),
+# so a 15 s cycle of a steady fleet holds a heartbeat from every node and a quarter of the reports.
+REPORT_EVERY_S = 60
+REPORTS_SPREAD = REPORT_EVERY_S // HEARTBEAT_EVERY_S  # a node in this many reports in a given cycle
+
+
+def cpu(fn) -> float:
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def median_cpu(fn, runs: int, before=None) -> float:
+    times = []
+    for _ in range(runs):
+        if before is not None:
+            before()
+        times.append(cpu(fn))
+    return statistics.median(times)
+
+
+def line(job: str, size: str, case: str, old: float, new: float, every_s: float) -> None:
+    print(
+        f"  {job:<14} {size:<5} {case:<16} old {old * 1000:10.1f} ms  new {new * 1000:8.2f} ms   "
+        f"per second of schedule: old {old / every_s * 1000:8.2f} ms  new {new / every_s * 1000:7.3f} ms   "
+        f"({old / new if new else float('inf'):,.0f}x)",
+        flush=True,
+    )
+
+
+# --- the old code, as it was before issue 17 ------------------------------------------------
+
+
+def old_scan_mirror():
+    """mirror.scan.scan_mirror before issue 17: a query or more per version, a write per version."""
+    from django.db import transaction
+    from django.utils import timezone
+
+    from mirror import disk
+    from mirror.models import MirrorFile, MirrorVersion
+    from mirror.scan import ScanReport
+
+    def skipped_names(directory, where):
+        sentences = []
+        try:
+            entries = sorted(os.listdir(directory))
+        except OSError:
+            return sentences
+        for name in entries:
+            problem = disk.name_problem(name)
+            if problem is None or name.startswith(".") or name.endswith(".part"):
+                continue
+            sentences.append(f"{where}{name!r} is not indexed: {problem}")
+        return sentences
+
+    @transaction.atomic
+    def reconcile_version(model, version, files, now, report):
+        row, created = MirrorVersion.objects.get_or_create(model=model, version=version, defaults={"scanned_at": now})
+        if created:
+            report.added.append(str(row))
+        else:
+            row.scanned_at = now
+            row.save(update_fields=["scanned_at"])
+        indexed = {f.name: f for f in row.files.all()}
+        on_disk = {f.name for f in files}
+        for gone in set(indexed) - on_disk:
+            indexed[gone].delete()
+            report.changed.append(f"{row}/{gone} removed")
+        for f in files:
+            existing = indexed.get(f.name)
+            if existing is None:
+                new = MirrorFile.objects.create(version=row, name=f.name, bytes=f.bytes, mtime_ns=f.mtime_ns)
+                report.to_hash.append(new.pk)
+                if not created:
+                    report.changed.append(f"{row}/{f.name} added")
+            elif existing.bytes != f.bytes or existing.mtime_ns != f.mtime_ns:
+                existing.bytes, existing.mtime_ns = f.bytes, f.mtime_ns
+                existing.sha256, existing.hashed_at = "", None
+                existing.save()
+                report.to_hash.append(existing.pk)
+                report.changed.append(f"{row}/{f.name} changed")
+            elif not existing.sha256:
+                report.to_hash.append(existing.pk)
+
+    report = ScanReport()
+    now = timezone.now()
+    root = disk.root()
+    report.skipped += skipped_names(root, "")
+    seen = set()
+    for model in disk.model_names():
+        report.skipped += skipped_names(root / model, f"{model}/")
+        for version in disk.version_names(model):
+            report.skipped += skipped_names(root / model / version, f"{model}/{version}/")
+            files = disk.version_files(model, version)
+            if files is None:
+                continue
+            seen.add((model, version))
+            reconcile_version(model, version, files, now, report)
+    for row in MirrorVersion.objects.all():
+        if (row.model, row.version) not in seen:
+            report.removed.append(str(row))
+            row.delete()
+    return report
+
+
+def old_load_table():
+    """gateway.routes.load before issue 17: every model, profile, ready replica and key, every second."""
+    from catalog.models import Model, Profile
+    from fleet.models import Replica
+    from gateway.models import ApiKey
+    from gateway.routes import Key, Route, Table, Upstream
+
+    weights = {(p.model_id, p.name): max(p.weight, 0) for p in Profile.objects.all()}
+    ready = {}
+    for replica in Replica.objects.filter(state=Replica.State.READY).exclude(endpoint=""):
+        ready.setdefault(replica.model_name, []).append(replica)
+    table = Table()
+    for model in Model.objects.all():
+        upstreams = tuple(
+            Upstream(r.pk, r.endpoint.rstrip("/"), weights.get((model.pk, r.profile_name), 1))
+            for r in ready.get(model.name, [])
+        )
+        aliases = tuple(a for a in (model.aliases or []) if isinstance(a, str))
+        route = Route(
+            model.name, aliases, model.context_length, model.max_output, int(model.added_at.timestamp()), upstreams
+        )
+        table.models.append(route)
+        for alias in aliases:
+            table.routes.setdefault(alias, route)
+        table.routes[model.name] = route
+    for key in ApiKey.objects.filter(active=True):
+        allowed = frozenset(key.model_names) if key.model_names else None
+        table.keys[key.key_hash] = Key(key.pk, key.name, allowed)
+    return table
+
+
+def old_heartbeat(token: str, facts: dict) -> None:
+    """fleet.tasks.heartbeat's body before issue 17: every field saved on every beat."""
+    from django.utils import timezone
+
+    from fleet.enrolment import node_for_token
+
+    node = node_for_token(token, claimed_name=facts.get("node"))
+    if node is None:
+        return
+    node.engines = [str(e) for e in facts.get("engines") or []]
+    node.gpus = list(facts.get("gpus") or [])
+    node.memory_gb = max(0, int(facts.get("memory_gb") or 0))
+    node.disk_free_bytes = max(0, int(facts.get("disk_free_bytes") or 0))
+    node.agent_version = str(facts.get("agent_version") or "")[:50]
+    if isinstance(facts.get("labels"), dict):
+        node.labels = {str(k): str(v) for k, v in facts["labels"].items()}
+    node.last_heartbeat = timezone.now()
+    node.save()
+
+
+def old_replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "") -> None:
+    """fleet.tasks.replica_report's body before issue 17: a locked read and a full save on every report."""
+    from django.db import transaction
+
+    from fleet.enrolment import node_for_token
+    from fleet.models import Replica
+
+    node = node_for_token(token)
+    if node is None:
+        return
+    with transaction.atomic():
+        replica = Replica.objects.select_for_update().filter(pk=replica_id).first()
+        if replica is None or replica.node_id != node.pk or replica.state == Replica.State.STOPPING:
+            return
+        if state == "ready":
+            replica.attempts = 0
+        replica.enter(state, reason[:4000], endpoint if state == "ready" else "")
+        replica.save()
+
+
+# --- the mirror scan --------------------------------------------------------------------------
+
+
+def bench_mirror(sizes: list[str], runs: int, mirror_root: Path) -> None:
+    for size in sizes:
+        if size in MIRROR_SIZES:
+            bench_mirror_size(size, runs, mirror_root)
+
+
+def bench_mirror_size(size: str, runs: int, mirror_root: Path) -> None:
+    from mirror import scan
+    from mirror.models import MirrorFile, MirrorVersion
+
+    rng = random.Random(17)
+    versions, per_version = MIRROR_SIZES[size]
+    MirrorVersion.objects.all().delete()
+    for child in mirror_root.iterdir():
+        for version in child.iterdir():
+            for f in version.iterdir():
+                f.unlink()
+            version.rmdir()
+        child.rmdir()
+    files = []
+    for v in range(versions):
+        directory = mirror_root / f"model-{v // 10:04}" / f"v{v % 10}"
+        directory.mkdir(parents=True)
+        for n in range(per_version):
+            path = directory / f"part-{n}-of-{per_version}.gguf"
+            with open(path, "wb") as fh:
+                fh.truncate(rng.randrange(1, 1 << 30))  # sparse: a size, no blocks
+            files.append(path)
+    scan.scan_mirror()
+
+    def all_hashed():
+        MirrorFile.objects.update(sha256="0" * 64)
+
+    def change_one_percent():
+        all_hashed()
+        for path in rng.sample(files, len(files) // 100):
+            st = path.stat()
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+    print(f"mirror: {versions:,} versions, {len(files):,} files", flush=True)
+    old_runs = 1 if versions >= 10_000 else runs
+    old = median_cpu(old_scan_mirror, old_runs, all_hashed)
+    new = median_cpu(scan.scan_mirror, runs, all_hashed)
+    line("mirror scan", size, "nothing changed", old, new, SCAN_EVERY_S)
+    old = median_cpu(old_scan_mirror, old_runs, change_one_percent)
+    new = median_cpu(scan.scan_mirror, runs, change_one_percent)
+    line("mirror scan", size, "1% changed", old, new, SCAN_EVERY_S)
+
+
+# --- the gateway's table ------------------------------------------------------------------------
+
+
+def bench_gateway(sizes: list[str], runs: int) -> None:
+    for size in sizes:
+        if size in GATEWAY_SIZES:
+            bench_gateway_size(size, runs)
+
+
+def bench_gateway_size(size: str, runs: int) -> None:
+    from django.utils import timezone
+
+    from catalog.models import Model, Profile
+    from fleet.models import Node, Replica
+    from gateway import routes
+    from gateway.keys import hash_key
+    from gateway.models import ApiKey, TableChange
+
+    rng = random.Random(17)
+    n_keys, n_models = GATEWAY_SIZES[size]
+    ApiKey.objects.all().delete()
+    Replica.objects.all().delete()
+    Model.objects.all().delete()
+    ApiKey.objects.bulk_create(
+        (
+            ApiKey(name=f"key-{i:06}", prefix="llmgw-bench", key_hash=hash_key(f"bench-{i}"), model_names=[])
+            for i in range(n_keys)
+        ),
+        batch_size=2000,
+    )
+    models = Model.objects.bulk_create(
+        Model(name=f"model-{i:04}", source=f"http://mirror:8001/model-{i:04}/v1/", context_length=4096)
+        for i in range(n_models)
+    )
+    Profile.objects.bulk_create(Profile(model=m, name="cpu", engine="llamacpp") for m in models)
+    node, _ = Node.objects.get_or_create(name="bench-node")
+    Replica.objects.bulk_create(
+        Replica(
+            model_name=m.name,
+            profile_name="cpu",
+            node=node,
+            state="ready",
+            endpoint=f"http://10.0.{i // 250}.{i % 250}:8080/v1",
+            since=timezone.now(),
+        )
+        for i, m in enumerate(models)
+    )
+    TableChange.objects.all().delete()  # the building's marks, long past
+    key_ids = list(ApiKey.objects.values_list("pk", flat=True))
+    replica_ids = list(Replica.objects.values_list("pk", flat=True))
+    print(f"gateway: {n_keys:,} keys, {n_models:,} models, {len(replica_ids):,} ready replicas", flush=True)
+
+    reader = routes.TableReader()
+    reader.read()
+    old = median_cpu(old_load_table, runs)
+    # Nothing changed: many refreshes, since one takes well under a millisecond.
+    refreshes = 200
+
+    def refresh_many():
+        for _ in range(refreshes):
+            reader.read()
+
+    new = cpu(refresh_many) / refreshes
+    assert reader.full_reads == 1
+    line("gateway table", size, "nothing changed", old, new, REFRESH_EVERY_S)
+
+    changes = iter(range(1, 1_000_000))
+
+    def change_one_percent():
+        # 1% of the keys get new model lists, 1% of the replicas a new endpoint.
+        n = next(changes)
+        ApiKey.objects.filter(pk__in=rng.sample(key_ids, max(1, len(key_ids) // 100))).update(
+            model_names=[f"model-{n}"]
+        )
+        Replica.objects.filter(pk__in=rng.sample(replica_ids, max(1, len(replica_ids) // 100))).update(
+            endpoint=f"http://10.1.0.{n % 250}:8080/v1"
+        )
+
+    old = median_cpu(old_load_table, runs, change_one_percent)
+    # On the gateway's schedule, a second apart: each look reaches back OVERLAP, so the
+    # marks of the last few seconds are fetched again (and skipped) on every refresh.
+    times = []
+    for _ in range(max(runs, 3) + 5):
+        change_one_percent()
+        time.sleep(REFRESH_EVERY_S)
+        times.append(cpu(reader.read))
+    new = statistics.median(times[5:])
+    line("gateway table", size, "1% changed", old, new, REFRESH_EVERY_S)
+    whole = routes.load()
+    assert reader.table.keys == whole.keys and reader.table.routes == whole.routes, "the reader fell behind"
+
+
+# --- heartbeats and reports ---------------------------------------------------------------------
+
+
+def build_fleet(n_nodes: int = 1000, per_node: int = 3):
+    """n_nodes enrolled nodes (token-i), each running per_node ready replicas; what each one's agent reports."""
+    from django.utils import timezone
+
+    from fleet.enrolment import hash_token
+    from fleet.models import Node, Replica
+
+    Replica.objects.all().delete()
+    Node.objects.all().delete()
+    now = timezone.now()
+    nodes = Node.objects.bulk_create(
+        Node(
+            name=f"node-{i:04}",
+            token_hash=hash_token(f"token-{i}"),
+            engines=["llamacpp"],
+            memory_gb=64,
+            labels={"zone": "eu" if i % 2 else "us"},
+            last_heartbeat=now,
+        )
+        for i in range(n_nodes)
+    )
+    Replica.objects.bulk_create(
+        Replica(
+            model_name=f"model-{(i * per_node + r) % 1000:04}",
+            profile_name="cpu",
+            node=node,
+            state="ready",
+            endpoint=f"http://{node.name}:{8080 + r}/v1",
+            source="http://mirror:8001/m/v1/",
+            engine="llamacpp",
+            since=now,
+        )
+        for i, node in enumerate(nodes)
+        for r in range(per_node)
+    )
+    replicas = {}
+    for pk, node_id in Replica.objects.values_list("pk", "node_id"):
+        replicas.setdefault(node_id, []).append(pk)
+    endpoints = dict(Replica.objects.values_list("pk", "endpoint"))
+    facts = {
+        node.pk: {
+            "node": node.name,
+            "engines": ["llamacpp"],
+            "gpus": [],
+            "memory_gb": 64,
+            "disk_free_bytes": 500 << 30,
+            "labels": node.labels,
+            "agent_version": "0.1.0",
+        }
+        for node in nodes
+    }
+    return nodes, replicas, endpoints, facts
+
+
+def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
+    from fleet import tasks
+
+    nodes, replicas, endpoints, facts = build_fleet(n_nodes, per_node)
+    print(f"heartbeats: {n_nodes:,} nodes, {per_node} replicas each, every {HEARTBEAT_EVERY_S} s", flush=True)
+    rng = random.Random(17)
+
+    def cycle(heartbeat, report, changing: bool):
+        def run():
+            for i, node in enumerate(nodes):
+                beat = facts[node.pk]
+                if changing:
+                    # Free disk moves with every download and log line: it differs on most beats.
+                    beat = dict(beat, disk_free_bytes=beat["disk_free_bytes"] - rng.randrange(1 << 20))
+                    if i % 100 == 0:
+                        beat["labels"] = dict(beat["labels"], rack=str(rng.randrange(10)))
+                heartbeat(f"token-{i}", beat)
+                if i % REPORTS_SPREAD == 0:
+                    for replica_id in replicas[node.pk]:
+                        report(f"token-{i}", replica_id, "ready", endpoints[replica_id], "")
+
+        return run
+
+    new_beat, new_report = tasks.heartbeat.run, tasks.replica_report.run
+    for case, changing in (("facts the same", False), ("disk free moves", True)):
+        old = median_cpu(cycle(old_heartbeat, old_replica_report, changing), runs)
+        new = median_cpu(cycle(new_beat, new_report, changing), runs)
+        line("heartbeats", "1000", case, old, new, HEARTBEAT_EVERY_S)
+    print(
+        f"  (a {HEARTBEAT_EVERY_S} s cycle is {n_nodes:,} heartbeats and {n_nodes * per_node // REPORTS_SPREAD:,} "
+        f"reports; 10% of a core is {HEARTBEAT_EVERY_S * 100:.0f} ms of CPU a cycle)"
+    )
+
+
+def old_tree(ref: str, var: Path) -> Path:
+    """The code at `ref`, unpacked with git archive (nothing of the repository changes)."""
+    where = var / f"old-{ref.replace('/', '_').replace('~', '_')}"
+    where.mkdir()
+    archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
+def bench_worker(var: Path, old_ref: str | None, rounds: int, n_nodes: int = 1000, per_node: int = 3) -> None:
+    """A real control worker (Celery, prefork, 2 processes, INFO logs, as `manage.py up` runs it) taking
+    15 s cycles of heartbeats and reports from the broker: its CPU, Celery's own work included."""
+    nodes, replicas, endpoints, facts = build_fleet(n_nodes, per_node)
+    reports = n_nodes * per_node // REPORTS_SPREAD
+    print(f"control worker: {n_nodes:,} heartbeats and {reports:,} reports a cycle, through Redis", flush=True)
+    # BENCH_WORKER_TREE: run "new" from another copy of the code, e.g. with a setting changed, to see what it does.
+    trees = [("new", Path(os.environ.get("BENCH_WORKER_TREE", ROOT)))] + (
+        [(f"old ({old_ref})", old_tree(old_ref, var))] if old_ref else []
+    )
+    for label, tree in trees:
+        run_worker_cycles(var, label, tree, nodes, replicas, endpoints, facts, rounds)
+
+
+def run_worker_cycles(var: Path, label: str, tree: Path, nodes, replicas, endpoints, facts, rounds: int) -> None:
+    import psutil
+    from celery import current_app
+    from django.utils import timezone
+
+    from contracts import tasks
+    from fleet.models import Node
+
+    rng = random.Random(17)
+    argv = [sys.executable, "-m", "celery", "-A", "llmgw_site", "worker", "-Q", "control", "-n", "bench@%h"]
+    if profile := os.environ.get("BENCH_WORKER_PROFILE"):  # a file for cProfile's figures (use --pool solo)
+        argv[1:1] = ["-m", "cProfile", "-o", profile]
+    argv += ["--concurrency", "2", "--loglevel", "INFO", "--without-gossip", "--without-mingle"]
+    argv += os.environ.get("BENCH_WORKER_ARGS", "").split()  # later options win: to see what costs what
+    log_path = var / "worker.log"
+    log = open(log_path, "wb")
+    worker = subprocess.Popen(argv, cwd=tree, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while b"[queues]" not in log_path.read_bytes():  # the banner, at any log level
+            if time.monotonic() > deadline or worker.poll() is not None:
+                raise SystemExit(f"the control worker did not start:\n{log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+        time.sleep(5)  # the pool's processes up, the consumer connected
+
+        def worker_cpu() -> float:
+            parent = psutil.Process(worker.pid)
+            total = 0.0
+            for p in [parent, *parent.children(recursive=True)]:
+                t = p.cpu_times()
+                total += t.user + t.system
+            return total
+
+        with current_app.connection_for_read() as connection:
+            broker = connection.default_channel.client
+            for case in ("facts the same", "disk free moves"):
+                used = []
+                for _ in range(rounds):
+                    started = timezone.now()
+                    before = worker_cpu()
+                    for i, node in enumerate(nodes):
+                        beat = facts[node.pk]
+                        if case == "disk free moves":
+                            beat = dict(beat, disk_free_bytes=beat["disk_free_bytes"] - rng.randrange(1 << 20))
+                        current_app.send_task(tasks.HEARTBEAT, args=[f"token-{i}", beat], queue=tasks.CONTROL_QUEUE)
+                        for replica_id in replicas[node.pk] if i % REPORTS_SPREAD == 0 else ():
+                            report = [f"token-{i}", replica_id, "ready", endpoints[replica_id], ""]
+                            current_app.send_task(tasks.REPLICA_REPORT, args=report, queue=tasks.CONTROL_QUEUE)
+                    deadline = time.monotonic() + 300
+                    while broker.llen(tasks.CONTROL_QUEUE) or Node.objects.filter(last_heartbeat__lt=started).exists():
+                        if time.monotonic() > deadline:
+                            raise SystemExit("the control worker did not take the cycle within 5 minutes")
+                        time.sleep(0.5)
+                    time.sleep(2)  # the last reports, after the last heartbeat
+                    used.append(worker_cpu() - before)
+                cycle = statistics.median(used)
+                print(
+                    f"  control worker {label:<14} {case:<16} {cycle * 1000:8.0f} ms CPU a {HEARTBEAT_EVERY_S} s "
+                    f"cycle: {cycle / HEARTBEAT_EVERY_S * 100:5.1f}% of a core  (median of {rounds}; "
+                    f"{', '.join(f'{u:.1f}' for u in used)} s)",
+                    flush=True,
+                )
+    finally:
+        os.killpg(worker.pid, 15)
+        worker.wait(timeout=30)
+        log.close()
+
+
+# --- the gateway under load, with few keys and with many ------------------------------------
+
+SEED_KEYS = """
+from gateway.keys import hash_key
+from gateway.models import ApiKey, TableChange
+ApiKey.objects.bulk_create(
+    (ApiKey(name=f"many-{i:06}", prefix="llmgw-many", key_hash=hash_key(f"many-{i}")) for i in range({n})),
+    batch_size=2000,
+)
+TableChange.objects.all().delete()
+"""
+
+
+def gateway_load_child(keys: int, gateway_args: list[str]) -> None:
+    """bench/gateway.py as it is, with `keys` more API keys written before llmgw's server starts."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_gateway", ROOT / "bench" / "gateway.py")
+    bench_gateway = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gateway)
+    popen = bench_gateway.quiet_popen
+
+    def quiet_popen(argv, env, log, cwd=ROOT):
+        if "admin_server" in argv and keys:
+            seed = SEED_KEYS.replace("{n}", str(keys))
+            subprocess.run(
+                [sys.executable, str(ROOT / "manage.py"), "shell", "-c", seed], env=env, cwd=ROOT, check=True
+            )
+        return popen(argv, env, log, cwd)
+
+    bench_gateway.quiet_popen = quiet_popen
+    sys.argv = ["gateway.py", "--no-litellm", *gateway_args]
+    bench_gateway.main()
+
+
+def bench_gateway_load(key_counts: list[int], gateway_args: list[str]) -> None:
+    for keys in key_counts:
+        print(f"\nbench/gateway.py, llmgw alone, with {keys:,} API keys in the database", flush=True)
+        argv = [sys.executable, __file__, "--gateway-load-child", str(keys - 1), "--", *gateway_args]
+        subprocess.run(argv, check=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument(
+        "--jobs", default="mirror,gateway,heartbeats,worker", help="also: gateway-load (bench/gateway.py), alone"
+    )
+    parser.add_argument("--sizes", default="1x,10x,100x")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--worker-old-ref", help="also run the control worker from this commit (git archive)")
+    parser.add_argument("--database-url", help="an empty database to use instead of SQLite in the work directory")
+    parser.add_argument("--load-keys", default="100,100000", help="API keys for each gateway-load run")
+    parser.add_argument("--gateway-load-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("gateway_args", nargs="*", help="after --: passed to bench/gateway.py")
+    options = parser.parse_args()
+    jobs, sizes = options.jobs.split(","), options.sizes.split(",")
+    if options.gateway_load_child is not None:
+        gateway_load_child(options.gateway_load_child, options.gateway_args)
+        return 0
+    if jobs == ["gateway-load"]:
+        bench_gateway_load([int(n) for n in options.load_keys.split(",")], options.gateway_args)
+        return 0
+
+    var = Path(tempfile.mkdtemp(prefix="llmgw-bench-scale-"))
+    mirror_root = var / "mirror"
+    mirror_root.mkdir()
+    redis_server = None
+    if "worker" in jobs:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from benchlib import free_port
+
+        redis_port = free_port()
+        redis_server = subprocess.Popen(
+            ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(var)],
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
+    os.environ.update(
+        LLMGW_VAR=str(var),
+        LLMGW_MIRROR_ROOT=str(mirror_root),
+        DATABASE_URL=options.database_url or f"sqlite:///{var / 'bench.sqlite3'}",
+        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
+    )
+    os.environ.pop("DJANGO_DEBUG", None)
+    sys.path.insert(0, str(ROOT))
+    os.chdir(ROOT)
+    import logging
+
+    import django
+
+    django.setup()
+    logging.disable(logging.WARNING)  # a refused report or skipped name is not what is measured
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    print(f"CPU per pass (median of {options.runs}), process time: Python and SQLite together; in {var}")
+    if "mirror" in jobs:
+        bench_mirror(sizes, options.runs, mirror_root)
+    if "gateway" in jobs:
+        bench_gateway(sizes, options.runs)
+    if "heartbeats" in jobs:
+        bench_heartbeats(options.runs)
+    try:
+        if "worker" in jobs:
+            bench_worker(var, options.worker_old_ref, options.runs)
+    finally:
+        if redis_server is not None:
+            redis_server.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

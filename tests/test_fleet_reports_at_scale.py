@@ -1,0 +1,94 @@
+"""Heartbeats and replica reports at fleet size: a report that repeats the last one writes nothing."""
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from fleet import reconcile
+from fleet.enrolment import issue_token
+from fleet.models import Node, Replica
+from fleet.tasks import heartbeat, replica_report
+
+pytestmark = pytest.mark.django_db
+
+FACTS = {
+    "node": "a",
+    "engines": ["llamacpp"],
+    "gpus": [],
+    "memory_gb": 32,
+    "disk_free_bytes": 10**12,
+    "agent_version": "0.1.0",
+    "labels": {"zone": "eu"},
+}
+
+
+def writes(queries) -> list[str]:
+    return [q["sql"] for q in queries if q["sql"].split(None, 1)[0].upper() in {"INSERT", "UPDATE", "DELETE"}]
+
+
+@pytest.fixture
+def token() -> str:
+    return issue_token("a")
+
+
+def test_a_heartbeat_writes_its_time_and_only_the_facts_that_changed(token):
+    heartbeat(token, FACTS)
+    Node.objects.update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    with CaptureQueriesContext(connection) as queries:
+        heartbeat(token, FACTS)
+    [update] = writes(queries)
+    assert "last_heartbeat" in update and "engines" not in update and "disk_free_bytes" not in update
+    node = Node.objects.get()
+    assert node.state == Node.State.READY
+
+    with CaptureQueriesContext(connection) as queries:
+        heartbeat(token, dict(FACTS, disk_free_bytes=5, labels={"zone": "us"}))
+    [update] = writes(queries)
+    assert "disk_free_bytes" in update and "labels" in update and "engines" not in update
+    node.refresh_from_db()
+    assert (node.disk_free_bytes, node.labels, node.engines, node.memory_gb) == (5, {"zone": "us"}, ["llamacpp"], 32)
+
+
+def test_a_heartbeat_for_another_node_or_with_a_wrong_token_writes_nothing(token):
+    issue_token("b")
+    before = list(Node.objects.values_list("name", "last_heartbeat", "memory_gb"))
+    with CaptureQueriesContext(connection) as queries:
+        heartbeat(token, dict(FACTS, node="b", memory_gb=1))
+        heartbeat("llmgw-node-wrong", FACTS)
+    assert writes(queries) == []
+    assert list(Node.objects.values_list("name", "last_heartbeat", "memory_gb")) == before
+
+
+def test_a_report_that_repeats_the_last_one_writes_nothing_and_a_new_one_is_recorded(token):
+    replica = Replica.objects.create(model_name="m", profile_name="cpu", node=Node.objects.get(), state="starting")
+    replica_report(token, replica.pk, "ready", "http://10.0.0.1:9000/v1", "")
+    with CaptureQueriesContext(connection) as queries:
+        replica_report(token, replica.pk, "ready", "http://10.0.0.1:9000/v1", "")
+    assert writes(queries) == []
+    assert len(queries) == 1
+
+    replica_report(token, replica.pk, "ready", "http://10.0.0.1:9001/v1", "")
+    replica.refresh_from_db()
+    assert (replica.state, replica.endpoint) == ("ready", "http://10.0.0.1:9001/v1")
+
+
+def test_a_repeated_failure_still_counts_and_a_report_from_another_nodes_token_is_not_taken_as_before(
+    token, django_capture_on_commit_callbacks, monkeypatch
+):
+    other = issue_token("b")
+    replica = Replica.objects.create(model_name="m", profile_name="cpu", node=Node.objects.get(name="a"))
+    replica_report(token, replica.pk, "failed", "", "out of memory")
+    replica_report(token, replica.pk, "failed", "", "out of memory")
+    replica.refresh_from_db()
+    assert (replica.state, replica.attempts) == ("failed", 2)
+
+    Replica.objects.filter(pk=replica.pk).update(state="ready", endpoint="http://a:1/v1", attempts=0)
+    sent = []
+    monkeypatch.setattr(reconcile, "send_stop", lambda replica_id, node: sent.append((replica_id, node)))
+    with django_capture_on_commit_callbacks(execute=True):
+        replica_report(other, replica.pk, "ready", "http://a:1/v1", "")
+    # Not "as before": node b does not run it, so it is told to stop its engine.
+    assert sent == [(replica.pk, "b")]
