@@ -42,7 +42,7 @@ def node_for_token(token: str, claimed_name: str | None = None) -> Node | None:
     return node
 
 
-FACT_FIELDS = {"engines", "gpus", "memory_gb", "disk_free_bytes", "agent_version", "labels"}
+FACT_FIELDS = {"engines", "engines_unusable", "gpus", "memory_gb", "disk_free_bytes", "agent_version", "labels"}
 
 
 def record_heartbeat(token: str, facts: dict) -> Node | None:
@@ -51,6 +51,8 @@ def record_heartbeat(token: str, facts: dict) -> Node | None:
     if node is None:
         return None
     node.engines = [str(e) for e in facts.get("engines") or []]
+    unusable = facts.get("engines_unusable")
+    node.engines_unusable = {str(k): str(v)[:1000] for k, v in unusable.items()} if isinstance(unusable, dict) else {}
     node.gpus = list(facts.get("gpus") or [])
     node.memory_gb = max(0, int(facts.get("memory_gb") or 0))
     node.disk_free_bytes = max(0, int(facts.get("disk_free_bytes") or 0))

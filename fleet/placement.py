@@ -29,6 +29,8 @@ class NodeView:
     ready: bool = True
     draining: bool = False
     engines: frozenset[str] = frozenset()
+    # Installed but failing the agent's self-test: {engine: why}. Never in `engines`.
+    engines_unusable: dict[str, str] = field(default_factory=dict)
     memory_gb: int = 0
     gpus: int = 0
     labels: dict[str, str] = field(default_factory=dict)
@@ -151,7 +153,8 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
     # Nodes that can take anything at all, by engine; what the candidates are
     # scanned from, so a pass over a large fleet only looks at nodes that matter.
     usable_by_engine: dict[str, list[_Room]] = defaultdict(list)
-    engines_known = any(room.node.engines for room in rooms.values())
+    # A node whose only engine failed its self-test reports no engine, and is not old.
+    engines_known = any(room.node.engines or room.node.engines_unusable for room in rooms.values())
     all_engines = {p.engine for m in wanted.values() for p in m.profiles}
     for room in rooms.values():
         if room.node.ready and not room.node.draining:
@@ -312,6 +315,8 @@ def why_not(profile: ProfileView, room: _Room, engines_known: bool = True) -> st
     if node.draining:
         return "draining"
     if engines_known and profile.engine not in node.engines:
+        if profile.engine in node.engines_unusable:
+            return f"{profile.engine} is installed but unusable ({node.engines_unusable[profile.engine]})"
         return f"no {profile.engine}"
     for key, value in profile.node_selector.items():
         if key not in node.labels:

@@ -54,6 +54,7 @@ def node_views(nodes: list[Node], replicas: list[Replica], now: datetime) -> lis
             ready=n.last_heartbeat is not None and now - n.last_heartbeat <= missed_after,
             draining=n.draining,
             engines=frozenset(n.engines or ()),
+            engines_unusable=dict(n.engines_unusable or {}),
             memory_gb=n.memory_gb,
             gpus=len(n.gpus or ()),
             labels=dict(n.labels or {}),
