@@ -36,7 +36,16 @@ from . import engines
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_S = 120.0
+
+def _timeout_from_env() -> float:
+    try:
+        return max(1.0, float(os.environ.get("LLMGW_SELFTEST_TIMEOUT_S", "") or 60))
+    except ValueError:
+        return 60.0
+
+
+# Loading the 300 KB model and one token take about 2 s; the rest is room for a busy host.
+TIMEOUT_S = _timeout_from_env()
 ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
 MODEL_NAME = "selftest-q4_0-q8_0.gguf"
 

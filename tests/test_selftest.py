@@ -108,3 +108,36 @@ def test_a_node_whose_llamacpp_crashes_reports_it_unusable_its_page_says_why_and
         assert f"{name}: llamacpp is installed but unusable (llama.cpp crashed with SIGILL" in replica.reason
     finally:
         agent.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_engine_that_hangs_is_reported_unusable_and_its_re_probes_never_stop_the_heartbeat(
+    enrolled_node, control_worker, agent_cache, tmp_path
+):
+    name, token = enrolled_node
+    fake = fake_llama_server.install(tmp_path / "bin", "hang")
+    agent = start_agent(
+        name,
+        token,
+        agent_cache,
+        tmp_path,
+        PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
+        LLMGW_SELFTEST_TIMEOUT_S=3,
+        LLMGW_AGENT_REPROBE_S=1,
+    )
+    try:
+        node = wait_until(
+            lambda: Node.objects.filter(name=name, last_heartbeat__isnull=False).first(), timeout=60, what="a heartbeat"
+        )
+        assert node.engines_unusable["llamacpp"] == "llama.cpp did not generate a token within 3 s in its self-test"
+        # Tested again at every re-probe, each one hanging for 3 s, while the beats go on every
+        # second: in the worker's loop, a re-probe would hold each beat back for 3 s.
+        beats = set()
+        until = time.monotonic() + 9
+        while time.monotonic() < until:
+            beats.add(Node.objects.get(name=name).last_heartbeat)
+            time.sleep(0.2)
+        assert len(beats) >= 6, sorted(beats)
+        assert agent.output().count("llama.cpp is installed but unusable") >= 2
+    finally:
+        agent.stop()
