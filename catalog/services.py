@@ -49,8 +49,15 @@ def fleet_facts() -> list[NodeFacts]:
     from fleet.models import Node
 
     return [
-        NodeFacts(engines=tuple(engines or ()), gpus=len(gpus or ()), memory_gb=memory_gb)
-        for engines, gpus, memory_gb in Node.objects.values_list("engines", "gpus", "memory_gb")
+        NodeFacts(
+            engines=tuple(engines or ()),
+            engines_unusable=tuple(unusable or ()),
+            gpus=len(gpus or ()),
+            memory_gb=memory_gb,
+        )
+        for engines, unusable, gpus, memory_gb in Node.objects.values_list(
+            "engines", "engines_unusable", "gpus", "memory_gb"
+        )
     ]
 
 

@@ -15,6 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 
 from agent import selftest
+from catalog.planning import FileFacts, NodeFacts, plan_serve
 from fleet import reconcile
 from fleet.models import Node, Replica
 from fleet.placement import ModelView, ProfileView
@@ -141,3 +142,14 @@ def test_an_engine_that_hangs_is_reported_unusable_and_its_re_probes_never_stop_
         assert agent.output().count("llama.cpp is installed but unusable") >= 2
     finally:
         agent.stop()
+
+
+def test_the_serve_page_warns_when_the_only_llamacpp_in_the_fleet_fails_its_self_test():
+    fleet = [NodeFacts(engines=(), engines_unusable=("llamacpp",), memory_gb=32)]
+    plan = plan_serve("m", "v1", [FileFacts("m.gguf", 1000)], "http://mirror:8001/", fleet, None)
+    assert plan.warning == (
+        "no node reports having llamacpp installed, and .gguf weights need it "
+        "(installed on 1 node but failing its self-test: the node's page says why)"
+    )
+    # A fleet that reports nothing at all is a fleet of older agents, and is not warned.
+    assert plan_serve("m", "v1", [FileFacts("m.gguf", 1000)], "http://mirror:8001/", [NodeFacts()], None).warning == ""
