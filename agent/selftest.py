@@ -19,6 +19,7 @@ a moment of load.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import os
@@ -49,8 +50,17 @@ TIMEOUT_S = _timeout_from_env()
 ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
 MODEL_NAME = "selftest-q4_0-q8_0.gguf"
 
-# Engine -> (fingerprint of its files, None) for engines proven to work in this process.
+# Engine -> the fingerprint of its files, for engines proven to work in this process.
 _proven: dict[str, tuple] = {}
+# Self-test engines running now. Each runs in its own session, as every engine does, so
+# an agent stopped in the middle of a self-test (one that hangs, say) would leave it behind.
+_running: set[int] = set()
+
+
+@atexit.register
+def stop_running() -> None:
+    for pid in list(_running):
+        engines.stop_group(pid, grace=2)
 
 
 # --- the model ----------------------------------------------------------------------
@@ -189,6 +199,7 @@ def check_llamacpp(
     log_path.unlink(missing_ok=True)  # its last lines must be this run's
     deadline = time.monotonic() + timeout
     process = engines.spawn(argv, log_path)
+    _running.add(process.pid)
     try:
         if not engines.wait_until_answers(process, port, timeout):
             code = process.poll()
@@ -217,6 +228,7 @@ def check_llamacpp(
     finally:
         engines.stop_group(process.pid, grace=5)
         _exit_code(process, 5)
+        _running.discard(process.pid)
 
 
 def check_vllm(timeout: float = TIMEOUT_S, which=shutil.which, python: str = sys.executable) -> str | None:
