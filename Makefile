@@ -14,13 +14,14 @@ ENGINE := $(VENV)/.engine-installed
 
 venv: $(STAMP)
 
-# llama.cpp, so this machine's own agent can run GGUF models. Built from source by
-# pip the first time (about 7 minutes on two cores) and kept in pip's wheel cache.
+# llama.cpp, so this machine's own agent can run GGUF models. Built from source for
+# this CPU the first time (about 7 minutes on two cores) by scripts/build-engine.sh,
+# never with pip's -march=native (docs/engines.md says why), and kept under
+# ~/.cache/llmgw/engine-wheels/ keyed by the instruction sets it was built with.
 engine: $(ENGINE)
 
-$(ENGINE): $(STAMP) requirements-engine.txt
-	@$(PY) -c 'import llama_cpp.server' 2>/dev/null || echo "Installing the llama.cpp engine (built from source the first time: about 7 minutes)..."
-	$(PIP) install -q -r requirements-engine.txt
+$(ENGINE): $(STAMP) requirements-engine.txt scripts/build-engine.sh
+	sh scripts/build-engine.sh $(PY)
 	@touch $@
 
 $(STAMP): requirements.txt requirements/control.txt requirements/node.txt

@@ -110,6 +110,19 @@ def served_name_args(engine: str, model: str, args: list[str]) -> list[str]:
     return ["--served-model-name" if engine == "vllm" else "--alias", model]
 
 
+def whole_answers_args(args: list[str]) -> list[str]:
+    """PyPI's server, told to finish each answer rather than cut it for the next request.
+
+    Its `interrupt_requests` (on by default) ends a running stream with `[DONE]`, no
+    finish_reason and no usage, whenever another request is waiting: with two clients
+    streaming, nearly every stream was cut. Off, requests take turns on the model's
+    lock, each answered whole (docs/engines.md). A profile that sets it keeps its own.
+    """
+    if any(arg.split("=", 1)[0] == "--interrupt_requests" for arg in args):
+        return []
+    return ["--interrupt_requests", "false"]
+
+
 def command(
     engine: str,
     weights: Path,
@@ -140,6 +153,7 @@ def command(
             *[python, "-m", "agent.llamacpp_server"],
             *["--model", target, "--host", host, "--port", str(port)],
             *for_llama_cpp_python([*named, *args]),
+            *whole_answers_args(args),
         ]
     vllm = which("vllm")
     if vllm is None:

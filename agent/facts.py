@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from . import __version__
+from . import __version__, runtime, selftest
 
 
 def _importable(module: str) -> bool:
@@ -73,16 +73,23 @@ def disk_free_bytes(path: Path) -> int:
         return 0
 
 
-def installed() -> dict:
-    """The facts that change only when somebody installs something: probed once at start."""
-    return {"engines": engines(), "gpus": gpus()}
+def installed(cache: Path | None = None) -> dict:
+    """The facts that change only when somebody installs something: probed at start and on each re-probe.
+
+    An engine is listed only once it has passed its self-test (`selftest`); one that
+    is installed and fails it is listed under `engines_unusable` with the reason.
+    """
+    found = engines()
+    unusable = selftest.unusable(found, Path(cache or runtime.cache_dir()) / "selftest")
+    return {"engines": [e for e in found if e not in unusable], "engines_unusable": unusable, "gpus": gpus()}
 
 
 def collect(node: str, labels: dict, cache: Path, static: dict | None = None) -> dict:
-    static = static if static is not None else installed()
+    static = static if static is not None else installed(cache)
     return {
         "node": node,
         "engines": static["engines"],
+        "engines_unusable": static.get("engines_unusable", {}),
         "gpus": static["gpus"],
         "memory_gb": memory_gb(),
         "disk_free_bytes": disk_free_bytes(cache),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import time
 
 from celery import bootsteps
@@ -29,6 +30,7 @@ class Heartbeat(bootsteps.StartStopStep):
         self.tref = None
         self.static = None
         self.probed_at = 0.0
+        self.probing = threading.Lock()
 
     def start(self, worker):
         # Engines and GPUs change when somebody installs something: probed at
@@ -40,15 +42,22 @@ class Heartbeat(bootsteps.StartStopStep):
         self.tref = worker.timer.call_repeatedly(float(settings.HEARTBEAT_S), self.beat, priority=10)
 
     def beat(self):
-        if time.monotonic() - self.probed_at >= settings.AGENT_REPROBE_S:
-            # An engine installed since the last probe is a new module on disk.
-            importlib.invalidate_caches()
-            self.static = facts.installed()
+        if time.monotonic() - self.probed_at >= settings.AGENT_REPROBE_S and not self.probing.locked():
             self.probed_at = time.monotonic()
+            # A re-probe runs each engine's self-test, which may take its whole timeout
+            # (an engine that hangs): beside the loop, never in it. The heartbeat sends
+            # the last facts meanwhile.
+            threading.Thread(target=self.reprobe, name="agent-reprobe", daemon=True).start()
         try:
             send_heartbeat(self.static)
         except Exception as error:
             log.warning("heartbeat not sent (%s); trying again in %s s", error, settings.HEARTBEAT_S)
+
+    def reprobe(self):
+        with self.probing:
+            # An engine installed since the last probe is a new module on disk.
+            importlib.invalidate_caches()
+            self.static = facts.installed()
 
     def stop(self, worker):
         if self.tref is not None:

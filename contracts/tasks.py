@@ -52,7 +52,9 @@ class Facts(TypedDict, total=False):
 
     node: str
     agent_version: str
-    engines: list[str]
+    engines: list[str]  # installed and passed the agent's self-test
+    # Installed but failed the self-test: {engine: the sentence why}. Never in `engines`.
+    engines_unusable: dict[str, str]
     gpus: list[dict]
     memory_gb: int
     disk_free_bytes: int

@@ -37,6 +37,7 @@ class NodeAdmin(admin.ModelAdmin):
         "name",
         "state",
         "engine_list",
+        "unusable_engines",
         "gpu_count",
         "memory_gb",
         "disk_free",
@@ -49,6 +50,7 @@ class NodeAdmin(admin.ModelAdmin):
     readonly_fields = [
         "state",
         "engines",
+        "unusable_engines",
         "gpus",
         "memory_gb",
         "disk_free",
@@ -74,6 +76,11 @@ class NodeAdmin(admin.ModelAdmin):
     @admin.display(description="engines")
     def engine_list(self, obj: Node) -> str:
         return ", ".join(obj.engines) or "—"
+
+    @admin.display(description="installed but unusable")
+    def unusable_engines(self, obj: Node) -> str:
+        # The agent's self-test failed: why, in its own sentence, so staff know what to fix.
+        return "; ".join(f"{engine}: {why}" for engine, why in sorted(obj.engines_unusable.items())) or "—"
 
     @admin.display(description="GPUs")
     def gpu_count(self, obj: Node) -> int:

@@ -44,7 +44,7 @@ def node_for_token(token: str, claimed_name: str | None = None) -> Node | None:
     return node
 
 
-FACT_FIELDS = {"engines", "gpus", "memory_gb", "disk_free_bytes", "agent_version", "labels"}
+FACT_FIELDS = {"engines", "engines_unusable", "gpus", "memory_gb", "disk_free_bytes", "agent_version", "labels"}
 
 
 def record_heartbeat(token: str, facts: dict) -> str | None:
@@ -56,7 +56,7 @@ def record_heartbeat(token: str, facts: dict) -> str | None:
     """
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT id, name, engines, gpus, memory_gb, disk_free_bytes, agent_version, labels "
+            f"SELECT id, name, engines, engines_unusable, gpus, memory_gb, disk_free_bytes, agent_version, labels "
             f"FROM {Node._meta.db_table} WHERE token_hash = %s",
             [hash_token(token)],
         )
@@ -64,18 +64,22 @@ def record_heartbeat(token: str, facts: dict) -> str | None:
     claimed = facts.get("node")
     if row is None or (claimed is not None and claimed != row[1]):
         return None
-    node_id, name, engines, gpus, memory_gb, disk_free_bytes, agent_version, labels = row
+    node_id, name, engines, engines_unusable, gpus, memory_gb, disk_free_bytes, agent_version, labels = row
     # JSON columns come back as text on both SQLite and PostgreSQL: Django decodes them itself.
     known = {
         "engines": json.loads(engines),
+        "engines_unusable": json.loads(engines_unusable),
         "gpus": json.loads(gpus),
         "memory_gb": memory_gb,
         "disk_free_bytes": disk_free_bytes,
         "agent_version": agent_version,
         "labels": json.loads(labels),
     }
+    unusable = facts.get("engines_unusable")
     reported = {
         "engines": [str(e) for e in facts.get("engines") or []],
+        # An engine installed but failing its self-test, and why: {engine: sentence}.
+        "engines_unusable": {str(k): str(v)[:1000] for k, v in unusable.items()} if isinstance(unusable, dict) else {},
         "gpus": list(facts.get("gpus") or []),
         "memory_gb": max(0, int(facts.get("memory_gb") or 0)),
         "disk_free_bytes": max(0, int(facts.get("disk_free_bytes") or 0)),

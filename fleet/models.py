@@ -33,7 +33,12 @@ class Node(models.Model):
 
     name = models.CharField(max_length=100, unique=True)
     labels = models.JSONField(default=dict, blank=True, help_text="key: value, used by profiles' node selectors")
-    engines = models.JSONField(default=list, blank=True, help_text="engines the agent found installed")
+    engines = models.JSONField(default=list, blank=True, help_text="engines the agent found installed and working")
+    # Installed but failed the agent's self-test (a build that crashes on this CPU, say):
+    # {engine: why}. Not in `engines`, so placement never puts a replica on them.
+    engines_unusable = models.JSONField(
+        "unusable engines", default=dict, blank=True, help_text="engines installed but failing their self-test, and why"
+    )
     gpus = models.JSONField(default=list, blank=True, help_text="GPUs the agent reports: [{name, memory_mb}]")
     memory_gb = models.PositiveIntegerField(default=0)
     disk_free_bytes = models.BigIntegerField(default=0)

@@ -29,6 +29,8 @@ class NodeView:
     ready: bool = True
     draining: bool = False
     engines: frozenset[str] = frozenset()
+    # Installed but failing the agent's self-test: {engine: why}. Never in `engines`.
+    engines_unusable: dict[str, str] = field(default_factory=dict)
     memory_gb: int = 0
     gpus: int = 0
     labels: dict[str, str] = field(default_factory=dict)
@@ -132,7 +134,8 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
     by_model = _book_held(replicas, rooms)
     wanted = {m.name: m for m in models}
     _stop_unwanted(plan, by_model, wanted, rooms)
-    engines_known = any(room.node.engines for room in rooms.values())
+    # A node whose only engine failed its self-test reports no engine, and is not old.
+    engines_known = any(room.node.engines or room.node.engines_unusable for room in rooms.values())
     usable_by_engine = _usable_by_engine(rooms, wanted, engines_known)
     for model in sorted(wanted.values(), key=lambda m: m.name):
         live, outdated = _current_and_outdated(model, by_model.get(model.name, []))
@@ -344,6 +347,8 @@ def why_not(profile: ProfileView, room: _Room, engines_known: bool = True) -> st
     if node.draining:
         return "draining"
     if engines_known and profile.engine not in node.engines:
+        if profile.engine in node.engines_unusable:
+            return f"{profile.engine} is installed but unusable ({node.engines_unusable[profile.engine]})"
         return f"no {profile.engine}"
     return short_of(profile, room)
 

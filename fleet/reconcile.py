@@ -53,6 +53,7 @@ def node_views(nodes: list[Node], replicas: list[Replica], now: datetime) -> lis
             ready=heard_from_lately(n.last_heartbeat, now),
             draining=n.draining,
             engines=frozenset(n.engines or ()),
+            engines_unusable=dict(n.engines_unusable or {}),
             memory_gb=n.memory_gb,
             gpus=len(n.gpus or ()),
             labels=dict(n.labels or {}),

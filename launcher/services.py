@@ -19,7 +19,7 @@ from django.contrib.auth import get_user_model
 
 from mirror import scan
 
-from . import demo_model
+from . import demo_model, smollm2
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", ""}
 
@@ -154,6 +154,25 @@ def ensure_demo_model() -> str | None:
     if written is None:
         return f"Demo model: {where} was there already, so it is left as it is."
     return f"Demo model (random weights): written to {written}; serve it from the admin's Mirror versions."
+
+
+def ensure_real_demo_model() -> str | None:
+    """SmolLM2-135M-Instruct in the mirror beside tiny-demo; a sentence saying where, or None when turned off."""
+    if not settings.DEMO_MODEL:
+        return None
+    where = Path(settings.MIRROR_ROOT) / smollm2.MODEL
+    try:
+        written = smollm2.seed_mirror(Path(settings.MIRROR_ROOT))
+    except (OSError, smollm2.DemoModelError, subprocess.SubprocessError) as error:
+        # No registry to reach, a full disk: the demo is not worth refusing to start over.
+        return f"Demo model {smollm2.MODEL}: could not write it to {where} ({error}); llmgw runs without it."
+    scan.scan_mirror()
+    if written is None:
+        return f"Demo model {smollm2.MODEL}: {where} was there already, so it is left as it is."
+    return (
+        f"Demo model SmolLM2-135M-Instruct (a real one, answers in English): written to {written}; "
+        "serve it from the admin's Mirror versions."
+    )
 
 
 @dataclass

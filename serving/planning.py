@@ -31,6 +31,8 @@ class NodeFacts:
     engines: tuple[str, ...] = ()
     gpus: int = 0
     memory_gb: int = 0
+    # Installed but failing the agent's self-test: the node reports them, and they do not run.
+    engines_unusable: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,11 @@ def plan_serve(
     # older agent rather than an empty one.
     if not runs_anywhere(fleet, plan.engine):
         plan.warning = f"no node reports having {plan.engine} installed, and {ext_of(deciding.name)} weights need it"
+        if failing := sum(plan.engine in node.engines_unusable for node in fleet):
+            plan.warning += (
+                f" (installed on {failing} node{'s' if failing != 1 else ''} but failing its self-test: "
+                "the node's page says why)"
+            )
         if plan.engine != Engine.LLAMACPP and gpu_total(fleet) == 0:
             plan.warning += ". This fleet has no GPU either; a GGUF build of the same model runs on the CPU nodes"
 
@@ -164,7 +171,8 @@ def runs_anywhere(fleet: Sequence[NodeFacts] | None, engine: str) -> bool:
     """
     if not fleet or not engine:
         return True
-    reported = [node.engines for node in fleet if node.engines]
+    # A node whose only engine failed its self-test reports it, and is not an older agent.
+    reported = [node.engines for node in fleet if node.engines or node.engines_unusable]
     return not reported or any(engine in engines for engines in reported)
 
 

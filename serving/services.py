@@ -25,8 +25,15 @@ def catalog_facts() -> CatalogFacts:
 
 def fleet_facts() -> list[NodeFacts]:
     return [
-        NodeFacts(engines=tuple(engines or ()), gpus=len(gpus or ()), memory_gb=memory_gb)
-        for engines, gpus, memory_gb in Node.objects.values_list("engines", "gpus", "memory_gb")
+        NodeFacts(
+            engines=tuple(engines or ()),
+            engines_unusable=tuple(unusable or ()),
+            gpus=len(gpus or ()),
+            memory_gb=memory_gb,
+        )
+        for engines, unusable, gpus, memory_gb in Node.objects.values_list(
+            "engines", "engines_unusable", "gpus", "memory_gb"
+        )
     ]
 
 

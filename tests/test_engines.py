@@ -87,6 +87,9 @@ def test_llamacpp_without_llama_server_runs_the_python_server_on_the_first_file_
         # The serve page writes llama-server's --ctx-size; PyPI's server calls it --n_ctx.
         "--n_ctx",
         "4096",
+        # Each answer finished, never cut for the next request (docs/engines.md).
+        "--interrupt_requests",
+        "false",
     ]
 
 
@@ -137,9 +140,21 @@ def test_llamacpp_is_given_the_catalog_name_as_its_alias_in_either_server_spelli
     native = engines.command("llamacpp", weights, 9001, [], model="llama-3", which=lambda n: "/usr/bin/llama-server")
     assert native[-2:] == ["--alias", "llama-3"]
     python = engines.command("llamacpp", weights, 9001, [], model="llama-3", which=no_llama_server, python="py")
-    assert python[-2:] == ["--model_alias", "llama-3"]
+    assert python[-4:-2] == ["--model_alias", "llama-3"]
     own = engines.command("llamacpp", weights, 9001, ["-a", "mine"], model="llama-3", which=no_llama_server)
-    assert own[-2:] == ["--model_alias", "mine"] and "llama-3" not in own
+    assert own[-4:-2] == ["--model_alias", "mine"] and "llama-3" not in own
+
+
+def test_pypis_server_finishes_each_answer_unless_the_profile_says_otherwise(tmp_path):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"")
+    argv = engines.command("llamacpp", weights, 9001, [], which=no_llama_server, python="py")
+    assert argv[-2:] == ["--interrupt_requests", "false"]
+    own = engines.command("llamacpp", weights, 9001, ["--interrupt_requests=true"], which=no_llama_server)
+    assert own[-1] == "--interrupt_requests=true" and "false" not in own
+    # llama-server has no such flag: it serves requests side by side in its slots.
+    native = engines.command("llamacpp", weights, 9001, [], which=lambda n: "/usr/bin/llama-server")
+    assert "--interrupt_requests" not in native
 
 
 def test_vllm_missing_says_so(tmp_path):

@@ -36,8 +36,9 @@ class Command(BaseCommand):
             call_command("migrate", interactive=False, verbosity=0)
             note = services.ensure_staff_user()
             settings.MIRROR_ROOT.mkdir(parents=True, exist_ok=True)
-            if demo := services.ensure_demo_model():
-                self.stdout.write(demo)
+            for demo in (services.ensure_demo_model(), services.ensure_real_demo_model()):
+                if demo:
+                    self.stdout.write(demo)
         except services.StartError as error:
             processes.stop()
             raise CommandError(str(error)) from None

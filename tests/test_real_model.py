@@ -1,0 +1,266 @@
+"""A real model, end to end: SmolLM2-135M-Instruct (Q4_1) on this host's llama.cpp, greedy.
+
+Every other engine test runs a generated F32 model whose answers are random; the
+quantized kernels a real model takes are where a build for the wrong CPU dies
+(SIGILL on the first token). So here the real model is started the way the agent
+starts it, asked what the capital of France is, and must say Paris: through the
+supervisor, through the gateway (whole, streamed, with usage, and the engine's own
+400 for a prompt too long), from the mirror through an agent, and with 16 clients
+streaming at once for a minute, every answer whole.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from agent import engines, supervisor
+from catalog.models import Model, Profile
+from fleet.enrolment import issue_token
+from fleet.models import Node, Replica
+from gateway.keys import create_key
+from gateway.models import Usage
+from mirror import scan
+
+from . import real_model
+from .processes import Process, process_env, wait_until
+from .real_model import MODEL, ask, streamed_whole
+from .staff_api import token_session
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return real_model.gguf()
+
+
+@pytest.fixture(scope="module")
+def engine(weights, tmp_path_factory):
+    """One real llama.cpp replica on the real model, as the supervisor would start it."""
+    process, endpoint, log_path = real_model.start_engine(weights, tmp_path_factory.mktemp("engine"))
+    yield endpoint
+    engines.stop_group(process.pid, grace=5)
+    process.wait(timeout=10)
+
+
+class Reports(list):
+    def __call__(self, replica_id, state, endpoint, reason):
+        self.append((replica_id, state, endpoint, reason))
+
+
+# --- through the agent's own engine start ----------------------------------------------
+
+
+def test_the_real_quantized_model_answers_through_the_agents_own_engine_start(tmp_path, weights):
+    """The test that catches a build for the wrong CPU: it crashes here, on the first token."""
+    cache = tmp_path / "cache"
+    reports = Reports()
+    sup = supervisor.Supervisor(cache, reports)
+    supervisor.want(cache, 1, "llamacpp", "http://mirror/smollm2-135m/instruct-q4_1/", weights, [], MODEL)
+    try:
+        wait_until(
+            lambda: sup.step() or any(r[1] in ("ready", "failed") for r in reports),
+            timeout=180,
+            what="the engine to be ready",
+        )
+        assert [r[1] for r in reports] == ["starting", "ready"], reports
+        endpoint = reports[-1][2]
+        answer = requests.post(endpoint + "/chat/completions", json=ask(), timeout=120)
+        sup.step()
+        # A crash on the first token (SIGILL) ends the engine; the supervisor says so with its code.
+        crashed = [r[3] for r in reports if r[1] == "failed"]
+        assert not crashed, f"the engine crashed answering: {crashed[0]}"
+        assert answer.status_code == 200, answer.text
+        text = answer.json()["choices"][0]["message"]["content"]
+        assert "Paris" in text, text
+        assert answer.json()["usage"]["completion_tokens"] > 0
+    finally:
+        for entry in supervisor.read_state(cache)["replicas"].values():
+            if entry.get("pid"):
+                engines.stop_group(entry["pid"], grace=3)
+
+
+# --- through the gateway -------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(transactional_db, engine, gateway):
+    """The real engine as the one ready replica of `smollm2-135m`, and a client with a key."""
+    Model.objects.create(name=MODEL, source="http://127.0.0.1:1/smollm2-135m/instruct-q4_1/", context_length=2048)
+    Profile.objects.create(model=Model.objects.get(name=MODEL), name="cpu", engine="llamacpp")
+    node = Node.objects.create(name="n1")
+    Replica.objects.create(model_name=MODEL, profile_name="cpu", node=node, state="ready", endpoint=engine)
+    _, secret = create_key("real")
+    client = requests.Session()
+    client.headers["Authorization"] = f"Bearer {secret}"
+    wait_until(
+        # A key made a moment ago may be refused until the gateway's next look at its keys.
+        lambda: any(m["ready"] for m in client.get(gateway.url + "/v1/models").json().get("data", [])),
+        timeout=10,
+        what="the gateway to route the model",
+    )
+    return client, gateway.url
+
+
+def test_through_the_gateway_the_real_model_says_paris_whole_and_streamed_and_both_are_counted(served):
+    client, url = served
+    whole = client.post(url + "/v1/chat/completions", json={"model": MODEL, **ask()}, timeout=120)
+    assert whole.status_code == 200, whole.text
+    answer = whole.json()
+    assert "Paris" in answer["choices"][0]["message"]["content"]
+    assert answer["usage"]["prompt_tokens"] > 0 and answer["usage"]["completion_tokens"] > 0
+
+    with client.post(
+        url + "/v1/chat/completions", json={"model": MODEL, **ask(), "stream": True}, stream=True, timeout=120
+    ) as streamed:
+        assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+        text, usage, finish = streamed_whole(real_model.stream_events(streamed))
+    # Greedy: the same words as the whole answer, and the same count.
+    assert text == answer["choices"][0]["message"]["content"]
+    assert finish == answer["choices"][0]["finish_reason"]
+    assert usage == answer["usage"]
+
+    def counted():
+        row = Usage.objects.filter(key__name="real", model_name=MODEL).first()
+        return row if row is not None and row.requests == 2 else None
+
+    row = wait_until(counted, timeout=10, what="the usage to be written")
+    assert row.completion_tokens == 2 * answer["usage"]["completion_tokens"]
+
+
+def test_a_prompt_longer_than_the_engines_context_is_the_engines_own_400(served):
+    client, url = served
+    # About 3,000 tokens for a context of 2,048: the gateway cannot count them, the engine can.
+    too_long = client.post(
+        url + "/v1/chat/completions", json={"model": MODEL, **ask("Paris is lovely. " * 750)}, timeout=120
+    )
+    assert too_long.status_code == 400, too_long.text
+    message = too_long.json()["error"]["message"]
+    assert "maximum context length is 2048 tokens" in message, message
+
+
+STREAMS = 16
+SECONDS = 60
+PROMPTS = [real_model.QUESTION, "Name three colours.", "Count from 1 to 10.", "Say hello."]
+
+
+def test_sixteen_clients_streaming_at_once_for_a_minute_each_get_their_whole_answer(served):
+    """PyPI's server cut a running stream whenever another request arrived; started as the agent
+    starts it, every stream must end in [DONE] with its finish_reason and usage."""
+    client, url = served
+    secret = client.headers["Authorization"]
+    done: list[int] = []
+    broken: list[str] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + SECONDS
+
+    def one_client(n: int) -> None:
+        session = requests.Session()
+        session.headers["Authorization"] = secret
+        i = 0
+        while time.monotonic() < stop_at:
+            body = {"model": MODEL, **ask(PROMPTS[(n + i) % len(PROMPTS)], max_tokens=24), "stream": True}
+            i += 1
+            try:
+                with session.post(url + "/v1/chat/completions", json=body, stream=True, timeout=300) as r:
+                    if r.status_code != 200:
+                        raise AssertionError(f"status {r.status_code}: {r.text[:200]}")
+                    text, usage, finish = streamed_whole(real_model.stream_events(r))
+                if not usage or usage["completion_tokens"] <= 0 or finish not in ("stop", "length") or not text:
+                    raise AssertionError(f"cut short: finish {finish}, usage {usage}, text {text!r}")
+                with lock:
+                    done.append(usage["completion_tokens"])
+            except Exception as error:
+                with lock:
+                    broken.append(f"client {n}: {error}")
+
+    threads = [threading.Thread(target=one_client, args=(n,)) for n in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=SECONDS + 360)
+    assert not broken, f"{len(broken)} of {len(broken) + len(done)} streams broken, the first: {broken[0]}"
+    # Every client got at least one whole answer: queued behind the others, not dropped.
+    assert len(done) >= STREAMS, done
+
+
+# --- from the mirror, through an agent -------------------------------------------------------
+
+
+@pytest.fixture
+def agent_n1(tmp_path, mirror_root, byte_listener):
+    token = issue_token("n1")
+    cache = tmp_path / "cache-n1"
+    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1)
+    env["DATABASE_URL"] = "postgres://nobody@127.0.0.1:1/none"  # a node has no database
+    agent = Process(
+        "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
+    )
+    yield agent, cache
+    agent.stop()
+    for entry in supervisor.read_state(cache)["replicas"].values():
+        if entry.get("pid") and engines.group_alive(entry["pid"]):
+            engines.stop_group(entry["pid"], grace=3)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_real_model_copied_into_the_mirror_is_served_fetched_started_and_says_paris_through_the_gateway(
+    settings, weights, mirror_root, byte_listener, control_worker, agent_n1, live_server, gateway
+):
+    agent, cache = agent_n1
+    settings.BYTES_URL = byte_listener
+    version = mirror_root / MODEL / "instruct-q4_1"
+    version.mkdir(parents=True)
+    shutil.copyfile(weights, version / weights.name)
+    scan.scan_mirror()
+
+    def enrolled():
+        node = Node.objects.filter(name="n1").first()
+        return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
+
+    wait_until(enrolled, timeout=120, interval=0.5, what=f"n1's heartbeat with llamacpp\n{agent.output()[-3000:]}")
+    assert Node.objects.get(name="n1").engines_unusable == {}
+
+    api = token_session()
+    plan = api.get(live_server.url + f"/api/serve/plan/?model={MODEL}&version=instruct-q4_1").json()
+    assert plan["engine"] == "llamacpp" and plan["source"] == f"{byte_listener}{MODEL}/instruct-q4_1/{weights.name}", (
+        plan
+    )
+    served = api.post(
+        live_server.url + "/api/serve/",
+        json={
+            "name": MODEL,
+            "source": plan["source"],
+            "engine": plan["engine"],
+            "profile": plan["profile"],
+            "context_length": 2048,
+            "ctx_size": 2048,
+            "replicas": 1,
+            "min_memory_gb": plan["min_memory_gb"],
+        },
+    )
+    assert served.status_code == 201, served.text
+    wait_until(
+        lambda: Replica.objects.filter(model_name=MODEL, state="ready").exists(),
+        timeout=300,
+        interval=0.5,
+        what=f"a ready replica: {list(Replica.objects.values('state', 'reason'))}\n{agent.output()[-3000:]}",
+    )
+
+    _, secret = create_key("e2e")
+    client = requests.Session()
+    client.headers["Authorization"] = f"Bearer {secret}"
+    wait_until(
+        lambda: [m["ready"] for m in client.get(gateway.url + "/v1/models").json().get("data", [])] == [True],
+        timeout=10,
+        what="the gateway to route the model",
+    )
+    answer = client.post(gateway.url + "/v1/chat/completions", json={"model": MODEL, **ask()}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert "Paris" in answer.json()["choices"][0]["message"]["content"]
