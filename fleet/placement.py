@@ -327,8 +327,11 @@ def _place_one(
     for profile in profile_order(model.profiles, per_profile):
         best = None
         best_key = None
+        need_memory, need_gpus, selector = profile.min_memory_gb, profile.gpus, profile.node_selector
         for room in usable_by_engine.get(profile.engine, ()):
-            if not fits(profile, room):
+            # `fits` unrolled for speed: a pass over a large fleet asks it a million times,
+            # and a call each time cost a fifth of the pass. `fits` stays the rule.
+            if room.memory_gb < need_memory or room.gpus < need_gpus or (selector and not fits(profile, room)):
                 continue
             # Spread first, then weights already on disk, then the most room left.
             key = (on_node.get(room.node.name, 0), model.source not in room.node.holds, -room.memory_gb, room.node.name)
