@@ -12,8 +12,6 @@ from pathlib import Path
 
 from django.conf import settings
 
-# Only for agent/models.py, until the Fetch record moves to the control plane and imports it from contracts.
-
 NODE_NAME = "LLMGW_NODE_NAME"
 AGENT_CACHE = "LLMGW_AGENT_CACHE"
 NODE_TOKEN = "LLMGW_NODE_TOKEN"

@@ -10,11 +10,11 @@ import os
 import zipfile
 
 import pytest
-from catalog.services import plan_for
 
 from launcher import smollm2
 from launcher.services import ensure_real_demo_model
 from mirror.models import MirrorVersion
+from serving.services import plan_for
 
 from .conftest import put
 

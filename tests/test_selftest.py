@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from catalog.planning import FileFacts, NodeFacts, plan_serve
 from gguf import GGMLQuantizationType, GGUFReader
 
 from agent import selftest
 from fleet import reconcile
 from fleet.models import Node, Replica
 from fleet.placement import ModelView, ProfileView
+from serving.planning import FileFacts, NodeFacts, plan_serve
 
 from . import fake_llama_server
 from .processes import start_agent, wait_until
