@@ -13,6 +13,7 @@ import time
 
 from celery import Task, current_app, shared_task
 
+from contracts import signing
 from contracts.progress import cancel_key, clear_cancel
 from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEAT, node_queue
 
@@ -44,12 +45,44 @@ def report_fetch(
         log.exception("could not report the fetch of %s to the control plane", source)
 
 
-class OnThisNode(Task):
+class FromControlPlane(Task):
+    """A task the control plane sends this node: run only with a proof that it did.
+
+    Anyone who can reach Redis can put a message on this node's queue; one without a
+    valid proof (none, another node's, other arguments, expired) is dropped here and
+    said in the log, never run. Acknowledged all the same, so it is not delivered again.
+    """
+
+    def __call__(self, *args, **kwargs):
+        proof = kwargs.pop(signing.PROOF, None)
+        problem = signing.proof_problem(
+            signing.token_hash(runtime.token()) if runtime.token() else "",
+            self.name,
+            runtime.node_name(),
+            list(args),
+            kwargs,
+            proof,
+        )
+        if problem is not None:
+            log.warning("dropped %s%r %r from the queue, not run: %s", self.name, tuple(args), kwargs, problem)
+            return None
+        return super().__call__(*args, **kwargs)
+
+
+class OnThisNode(FromControlPlane):
     """A task of this node's own queue, retried there: no route by its name may send it elsewhere."""
 
-    def retry(self, *args, **options):
+    def retry(self, args=None, kwargs=None, *more, **options):
         options.setdefault("queue", node_queue(runtime.node_name()))
-        return super().retry(*args, **options)
+        # The retry is a new message on the queue, and must carry a proof like any other:
+        # the node signs its own retry (it holds its key), so a backoff longer than what
+        # is left of the first proof does not drop it.
+        args = list(self.request.args if args is None else args)
+        kwargs = dict(self.request.kwargs if kwargs is None else kwargs)
+        kwargs.pop(signing.PROOF, None)
+        key = signing.token_hash(runtime.token())
+        kwargs = signing.with_proof(key, self.name, runtime.node_name(), args, kwargs)
+        return super().retry(args, kwargs, *more, **options)
 
 
 # Late acknowledgement with reject-on-worker-lost: a worker killed mid-download

@@ -7,6 +7,7 @@ writes the plan back, and sends the agents their work once it is saved.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timedelta
 
 import redis
@@ -15,7 +16,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from contracts import tasks
+from contracts import signing, tasks
 
 from .models import Fetch, Node, Replica, heard_from_lately
 from .placement import HOLDING_WEIGHTS, ModelView, NodeView, Plan, ProfileView, ReplicaView, place
@@ -28,6 +29,8 @@ RETRY_MAX_S = 600
 # A stop that was sent and never answered is sent again after this long.
 STOP_RESEND_S = 60
 LOCK_NAME = "fleet:reconcile"
+# A pass takes well under a second; a lock older than this is a pass that died or hangs.
+LOCK_TIMEOUT_S = 60
 
 
 def retry_delay(attempts: int) -> timedelta:
@@ -109,17 +112,18 @@ def replica_views(replicas: list[Replica], node_names: dict[int, str]) -> list[R
 
 
 def send_start(replica: Replica) -> None:
-    current_app.send_task(
-        tasks.START_REPLICA,
-        args=[replica.pk, replica.source, replica.engine, list(replica.args)],
-        # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
-        kwargs={"model": replica.model_name},
-        queue=tasks.node_queue(replica.node.name),
-    )
+    node = replica.node
+    args = [replica.pk, replica.source, replica.engine, list(replica.args)]
+    # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
+    kwargs = signing.with_proof(node.token_hash, tasks.START_REPLICA, node.name, args, {"model": replica.model_name})
+    current_app.send_task(tasks.START_REPLICA, args=args, kwargs=kwargs, queue=tasks.node_queue(node.name))
 
 
 def send_stop(replica_id: int, node_name: str) -> None:
-    current_app.send_task(tasks.STOP_REPLICA, args=[replica_id], queue=tasks.node_queue(node_name))
+    key = Node.objects.filter(name=node_name).values_list("token_hash", flat=True).first() or ""
+    args = [replica_id]
+    kwargs = signing.with_proof(key, tasks.STOP_REPLICA, node_name, args)
+    current_app.send_task(tasks.STOP_REPLICA, args=args, kwargs=kwargs, queue=tasks.node_queue(node_name))
 
 
 def stop(replica: Replica, reason: str = "") -> None:
@@ -134,17 +138,55 @@ def reconcile(now: datetime | None = None, models: list[ModelView] | None = None
 
     `models` is the catalog as snapshots, read from the catalog app when not given.
     """
-    lock = redis.Redis.from_url(settings.REDIS_URL).lock(LOCK_NAME, timeout=60, blocking_timeout=0)
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    lock = client.lock(LOCK_NAME, timeout=LOCK_TIMEOUT_S, blocking_timeout=0)
     if not lock.acquire(blocking=False):
-        return None
+        if not _break_foreign_lock(client):
+            return None
+        if not lock.acquire(blocking=False):
+            return None
+    started = time.monotonic()
     try:
         return reconcile_unlocked(now or timezone.now(), models)
     finally:
         try:
             lock.release()
         except redis.exceptions.LockError:
-            # Held past its timeout and taken by another pass; nothing of ours to release.
-            pass
+            # Held past its timeout, and maybe taken by another pass that ran beside this one.
+            log.warning(
+                "the reconcile pass took %.0f s, longer than its lock's %d s: the lock expired while it ran",
+                time.monotonic() - started,
+                LOCK_TIMEOUT_S,
+            )
+
+
+# A pass always sets the lock with an expiry of LOCK_TIMEOUT_S; a key with none, or a
+# longer one, was set by something else (anyone who reaches Redis can SET it) and would
+# stop placement for as long as it stays. Checked and removed in one step on the server.
+_BREAK_FOREIGN = """
+local ttl = redis.call('pttl', KEYS[1])
+if ttl == -1 or ttl > tonumber(ARGV[1]) then
+  redis.call('del', KEYS[1])
+  return ttl
+end
+return -3
+"""
+
+
+def _break_foreign_lock(client: redis.Redis) -> bool:
+    """Remove a lock no reconcile pass could have set; True when there was one."""
+    ttl = client.eval(_BREAK_FOREIGN, 1, LOCK_NAME, LOCK_TIMEOUT_S * 1000)
+    if ttl == -3:
+        return False
+    held = "with no expiry" if ttl == -1 else f"for {ttl / 1000:.0f} s more"
+    log.warning(
+        "the reconcile lock %s was held %s, which no reconcile pass does (each expires in %d s): "
+        "it was removed so that placement goes on",
+        LOCK_NAME,
+        held,
+        LOCK_TIMEOUT_S,
+    )
+    return True
 
 
 @transaction.atomic
