@@ -131,7 +131,7 @@ NAMES = {
     "a#b.bin": b"hash....",
     "q?x=1.bin": b"question",
     "with space.bin": b"spaces..",
-    "naïve-模型.bin": "non-ascii".encode(),
+    "naïve-模型.bin": "ünïcode".encode(),
     "100%.bin": b"hundred.",
 }
 
