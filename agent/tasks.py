@@ -17,7 +17,7 @@ from contracts import signing
 from contracts.progress import cancel_key, clear_cancel
 from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEAT, node_queue
 
-from . import facts, progress, runtime
+from . import engine_state, facts, progress, runtime
 from .fetch import FetchError, fetch_source
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,8 @@ def send_heartbeat(static: dict | None = None) -> None:
     """One heartbeat from this node: its facts and its token, as a task on `control`."""
     labels = json.loads(os.environ.get("LLMGW_NODE_LABELS", "{}") or "{}")
     payload = facts.collect(runtime.node_name(), labels, runtime.cache_dir(), static)
+    state = engine_state.read_state(runtime.cache_dir())
+    payload["replicas"] = sorted(int(k) for k, entry in state["replicas"].items() if entry.get("wanted"))
     current_app.send_task(
         HEARTBEAT,
         args=[runtime.token(), payload],

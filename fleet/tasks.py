@@ -21,6 +21,9 @@ def heartbeat(token: str, facts: tasks.Facts) -> None:
         # Said once per heartbeat in the log, never acted on: a stray worker
         # cannot enrol itself or speak for another node.
         log.warning("heartbeat refused: the token does not enrol a node called %r", facts.get("node"))
+        return
+    if isinstance(facts.get("replicas"), list):
+        reconciling.record_running(node.name, facts["replicas"])
 
 
 @shared_task(name=tasks.RECONCILE, ignore_result=True)
@@ -30,13 +33,15 @@ def reconcile() -> None:
 
 
 @shared_task(name=tasks.REPLICA_REPORT, ignore_result=True)
-def replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "") -> None:
+def replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "", seq: int = 0) -> None:
     """A node's agent saying what became of a replica it runs; arrives on the control queue."""
     node = enrolment.node_for_token(token)
     if node is None:
         log.warning("replica report refused: the token does not enrol a node (replica %s)", replica_id)
         return
-    outcome = reconciling.record_report(node, int(replica_id), str(state), str(endpoint or ""), str(reason or ""))
+    outcome = reconciling.record_report(
+        node, int(replica_id), str(state), str(endpoint or ""), str(reason or ""), seq=int(seq or 0)
+    )
     log.info("replica %s on %s reported %s: %s", replica_id, node.name, state, outcome)
 
 
