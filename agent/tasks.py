@@ -146,8 +146,7 @@ def send_heartbeat(static: dict | None = None) -> None:
     """One heartbeat from this node: its facts and its token, as a task on `control`."""
     labels = json.loads(os.environ.get("LLMGW_NODE_LABELS", "{}") or "{}")
     payload = facts.collect(runtime.node_name(), labels, runtime.cache_dir(), static)
-    state = engine_state.read_state(runtime.cache_dir())
-    payload["replicas"] = sorted(int(k) for k, entry in state["replicas"].items() if entry.get("wanted"))
+    payload["replicas"] = engine_state.wanted_ids(runtime.cache_dir())
     current_app.send_task(
         HEARTBEAT,
         args=[runtime.token(), payload],
