@@ -12,6 +12,7 @@ import re
 import shutil
 import threading
 from pathlib import Path
+from urllib.parse import urljoin
 
 import requests
 
@@ -19,15 +20,34 @@ from contracts.digest import sha256_file
 
 from .fetch_state import read_validator, write_validator
 from .progress import Progress, human_bytes
-from .sources import TIMEOUT, Entry, FetchError, describe, status_error
+from .sources import TIMEOUT, Entry, FetchError, describe, origin, status_error
 
 CHUNK = 1 << 20
 
 
-def new_session() -> requests.Session:
-    session = requests.Session()
-    session.headers["User-Agent"] = "llmgw-agent"
-    return session
+class OneHostSession(requests.Session):
+    """A session that follows a redirect only to the host and port it was made for.
+
+    The source was checked before any request (`refuse_other_hosts`); a redirect must
+    not take the fetch somewhere the check would have refused.
+    """
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.headers["User-Agent"] = "llmgw-agent"
+        self.source = source
+
+    def get_redirect_target(self, resp):
+        target = super().get_redirect_target(resp)
+        if target:
+            where = urljoin(resp.url, target)
+            if origin(where) != origin(self.source):
+                raise FetchError(f"{resp.url} redirected to {where}, another host; it is not followed")
+        return target
+
+
+def new_session(source: str) -> requests.Session:
+    return OneHostSession(source)
 
 
 def part_of(target: Path) -> Path:
@@ -74,8 +94,13 @@ def fetch_file(
     progress: Progress,
     entry: Entry | None = None,
     cancel: threading.Event | None = None,
+    size: int | None = None,
 ) -> None:
-    """Download url into target through <target>.part, resuming a part left by an earlier attempt."""
+    """Download url into target through <target>.part, resuming a part left by an earlier attempt.
+
+    The file is `entry.bytes` long (the manifest's word), or `size` (a HEAD's), or the
+    answer's own Content-Length: a body that goes on past that is an error, not a bigger file.
+    """
     part = part_of(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     validator, have = _resumable_part(cache, target, part, entry)
@@ -105,7 +130,9 @@ def fetch_file(
                 part.unlink(missing_ok=True)
                 etag, last_modified = response.headers.get("ETag", ""), response.headers.get("Last-Modified", "")
                 write_validator(cache, target, etag, last_modified, total)
-            received = _copy_body(response, part, mode, url, have, progress, cancel)
+            promised = [n for n in (entry.bytes if entry else None, size, total) if n is not None]
+            limit = min(promised) - have if promised else None
+            received = _copy_body(response, part, mode, url, have, progress, cancel, limit)
             if expected_body is not None and received < expected_body:
                 raise FetchError(
                     f"{url} ended after {have + received:,} of {have + expected_body:,} bytes; the part is kept and "
@@ -179,8 +206,14 @@ def _how_to_write(
     raise status_error(url, response.status_code)
 
 
-def _copy_body(response, part: Path, mode: str, url: str, have: int, progress: Progress, cancel) -> int:
-    """Append (or write) the body to the part; returns the bytes received. The part is kept on failure."""
+def _copy_body(
+    response, part: Path, mode: str, url: str, have: int, progress: Progress, cancel, limit: int | None
+) -> int:
+    """Append (or write) the body to the part; returns the bytes received. The part is kept on failure.
+
+    At most `limit` bytes: a server that sends more than the file has (an endless body)
+    would otherwise fill the disk. That part is removed, since its end is not the file's.
+    """
     received = 0
     with open(part, mode) as out:
         while True:
@@ -198,6 +231,13 @@ def _copy_body(response, part: Path, mode: str, url: str, have: int, progress: P
                 ) from None
             if not chunk:
                 return received
+            if limit is not None and received + len(chunk) > limit:
+                out.close()
+                part.unlink(missing_ok=True)
+                raise FetchError(
+                    f"{url} sent more than the {have + limit:,} bytes the file has; the download was removed and "
+                    "the next attempt starts it over"
+                )
             try:
                 out.write(chunk)
             except OSError as error:

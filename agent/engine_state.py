@@ -47,6 +47,19 @@ def read_state(cache: Path) -> dict:
         return json.loads(json.dumps(state))
 
 
+def wanted_ids(cache: Path) -> list[int]:
+    """The replicas this node runs or is starting, for the heartbeat.
+
+    Read without the lock: the file is only ever replaced whole, and the heartbeat runs
+    in the worker's event loop, which must not wait on a supervisor stopping an engine.
+    """
+    try:
+        state = json.loads((state_dir(cache) / "state.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return sorted(int(k) for k, entry in state.get("replicas", {}).items() if entry.get("wanted"))
+
+
 def _spec_of(entry: dict, keys) -> dict:
     # An entry written before the model name was recorded has none: it was started without one.
     return {k: entry.get(k, "" if k == "model" else None) for k in keys}

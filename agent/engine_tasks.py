@@ -19,7 +19,7 @@ from contracts.tasks import START_REPLICA, STOP_REPLICA
 
 from . import engine_state, engines, progress, runtime, supervisor
 from .fetch import FetchError, fetch_source
-from .tasks import report_fetch
+from .tasks import FromControlPlane, report_fetch
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def start_on_node(
         if engine not in engines.ENGINES:
             raise engines.EngineError(f"no engine called {engine!r}; llmgw runs {' and '.join(engines.ENGINES)}")
         # Refused before fetching: gigabytes downloaded for an engine that will not start help nobody.
-        engines.refuse_remote_code(list(args), allow_remote_code)
+        engines.refuse_args(engine, list(args), allow_remote_code)
     except engines.EngineError as e:
         report(replica_id, "failed", "", str(e))
         return False
@@ -61,7 +61,7 @@ def start_on_node(
     return True
 
 
-@shared_task(name=START_REPLICA, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+@shared_task(name=START_REPLICA, base=FromControlPlane, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
 def start_replica(replica_id: int, source: str, engine: str, args: list[str], model: str = "") -> None:
     # `model` has a default: a start queued before the control plane sent it still
     # runs, and the engine serves under its own default name.
@@ -93,7 +93,7 @@ def fetch_reported(source: str, cache: Path) -> Path:
     return path
 
 
-@shared_task(name=STOP_REPLICA, ignore_result=True)
+@shared_task(name=STOP_REPLICA, base=FromControlPlane, ignore_result=True)
 def stop_replica(replica_id: int) -> None:
     if not engine_state.unwant(runtime.cache_dir(), replica_id):
         # Nothing of that id runs here: say so, and the control plane lets the row go.

@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import requests
 
+from contracts import engine_args
+
 ENGINES = ("llamacpp", "vllm")
-# Arguments that make an engine import and run Python shipped beside the weights.
-REMOTE_CODE_ARGS = ("--trust-remote-code",)
 TAIL_LINES = 20
 # Where `python -m agent.llamacpp_server` finds the agent package, whatever directory
 # the agent itself was started from.
@@ -32,16 +32,13 @@ class EngineError(Exception):
     """An engine that cannot be started as asked; the message is the sentence to show."""
 
 
-def refuse_remote_code(args: list[str], allowed: bool) -> None:
-    """Refuse an argument that runs code from the weights, unless the setting allows it."""
-    if allowed:
-        return
-    for arg in args:
-        if arg.split("=", 1)[0] in REMOTE_CODE_ARGS:
-            raise EngineError(
-                f"{arg} makes the engine run code that came with the weights; "
-                "it is refused unless LLMGW_ALLOW_REMOTE_CODE is set"
-            )
+def refuse_args(engine: str, args: list[str], allow_remote_code: bool) -> None:
+    """Refuse any argument not on the engine's allow-list (the contract the catalog checks too).
+
+    Checked again here: what arrives on the node's queue is not trusted for having been stored.
+    """
+    if problem := engine_args.args_problem(engine, list(args), allow_remote_code):
+        raise EngineError(problem)
 
 
 def weights_argument(engine: str, weights: Path) -> Path:
@@ -140,7 +137,7 @@ def command(
     `model` is the catalog's name for it; empty when a start came from a control
     plane that did not send it, and the engine then serves under its default name.
     """
-    refuse_remote_code(args, allow_remote_code)
+    refuse_args(engine, args, allow_remote_code)
     target = str(weights_argument(engine, weights))
     named = served_name_args(engine, model, args)
     if engine == "llamacpp":

@@ -20,14 +20,23 @@ from .download import check_space, fetch_file, head_size, new_session, part_of
 from .fetch_set import fetch_set
 from .fetch_state import locked
 from .progress import Cancelled, Progress, RedisProgress, redis_client
-from .sources import FetchError, cache_path
+from .sources import FetchError, cache_path, refuse_other_hosts
 
 __all__ = ["FetchError", "cache_path", "fetch_source", "is_set"]
 
 
-def fetch_source(source: str, cache: Path, progress: Progress | None = None, parallel: int | None = None) -> Path:
+def fetch_source(
+    source: str,
+    cache: Path,
+    progress: Progress | None = None,
+    parallel: int | None = None,
+    *,
+    any_host: bool = False,
+) -> Path:
     """Fetch a source into the cache and return the local file, or the set's directory.
 
+    Only from this node's byte listener (LLMGW_BYTES_URL), unless `any_host` (a
+    one-off copy staff ask for by hand with `manage.py fetch --allow-any-host`).
     Raises FetchError with a sentence for the user; nothing half-written is ever
     returned, and a part left behind is resumed by the next call.
     """
@@ -36,6 +45,10 @@ def fetch_source(source: str, cache: Path, progress: Progress | None = None, par
     if parallel is None:
         parallel = getattr(settings, "FETCH_PARALLEL", 4)
     try:
+        # Both before any request: what the address would write, and where it would ask.
+        cache_path(source, cache)
+        if not any_host:
+            refuse_other_hosts(source, settings.BYTES_URL)
         try:
             cache.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -62,7 +75,7 @@ def _fetch_single(source: str, cache: Path, progress: Progress) -> Path:
     if target.exists():
         progress.already_complete(bytes_total=target.stat().st_size, files_total=1)
         return target
-    session = new_session()
+    session = new_session(source)
     with locked(cache, target, progress):
         if target.exists():
             progress.already_complete(bytes_total=target.stat().st_size, files_total=1)
@@ -74,7 +87,7 @@ def _fetch_single(source: str, cache: Path, progress: Progress) -> Path:
             check_space(source, target.parent, max(0, total - have))
         progress.begin(bytes_total=total or 0, files_total=1, bytes_done=min(have, total or have))
         progress.file_started(target.name)
-        fetch_file(session, source, target, cache, progress)
+        fetch_file(session, source, target, cache, progress, size=total)
         progress.file_done(target.name)
     progress.complete()
     return target

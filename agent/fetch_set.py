@@ -10,6 +10,7 @@ import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
+from urllib.parse import quote
 
 import requests
 
@@ -31,7 +32,7 @@ def fetch_set(source: str, cache: Path, progress: Progress, parallel: int) -> Pa
     marker = directory / COMPLETE_MARKER
     if marker.exists():
         return _already_complete(directory, progress)
-    session = new_session()
+    session = new_session(source)
     with locked(cache, directory, progress):
         if marker.exists():
             return _already_complete(directory, progress)
@@ -106,7 +107,10 @@ def _fetch_files(
             if _already_there(target, entry):
                 return
             progress.file_started(entry.name)
-            fetch_file(session, source + entry.name, target, cache, progress, entry, cancel=stop)
+            # Encoded whole: a name is a name, not a path or an address (`r%41.bin` is not
+            # `rA.bin`, and `#` or `?` would end the path).
+            url = source + quote(entry.name, safe="")
+            fetch_file(session, url, target, cache, progress, entry, cancel=stop)
             progress.file_done(entry.name)
 
     with ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="fetch") as pool:

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import requests
 
@@ -67,6 +68,30 @@ def cache_path(source: str, cache: Path) -> Path:
     if real_cache not in real.parents:
         raise FetchError(f"{source} would be written outside the cache {cache}; it is refused")
     return target
+
+
+def origin(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of an address, the port filled in from the scheme."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        port = -1
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port
+
+
+def refuse_other_hosts(source: str, byte_listener: str) -> None:
+    """Refuse, before any request, an address that is not on this node's byte listener.
+
+    The source comes in a message, and whoever can write to the broker could name any
+    host: a cloud's metadata address, a service on the node itself. A node fetches only
+    from the byte listener it is configured with (LLMGW_BYTES_URL).
+    """
+    if origin(source) != origin(byte_listener):
+        raise FetchError(
+            f"{source} is not on this node's byte listener {byte_listener} (LLMGW_BYTES_URL); "
+            "a node fetches only from there"
+        )
 
 
 def read_manifest(session: requests.Session, source: str) -> list[Entry]:

@@ -30,9 +30,12 @@ import django
 from celery import current_app
 from django.conf import settings
 
-from contracts.tasks import CONTROL_QUEUE, REPLICA_REPORT
+from contracts.tasks import CONTROL_QUEUE, REPLICA_REPORT, report_seq_key
 
-from . import engine_state, engines, runtime
+from . import engine_state, engines, progress, runtime
+
+# A replica's report counter outlives a month without reports; the control plane's too.
+REPORT_SEQ_KEEP_S = 30 * 24 * 3600
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +275,26 @@ class Supervisor:
 
 def celery_report(token: str) -> Report:
     def report(replica_id: int, state: str, endpoint: str, reason: str) -> None:
-        current_app.send_task(REPLICA_REPORT, args=[token, replica_id, state, endpoint, reason], queue=CONTROL_QUEUE)
+        # Numbered, so the control plane can tell a late report from the latest one.
+        seq = report_seq(replica_id)
+        current_app.send_task(
+            REPLICA_REPORT, args=[token, replica_id, state, endpoint, reason], kwargs={"seq": seq}, queue=CONTROL_QUEUE
+        )
 
     return report
+
+
+def report_seq(replica_id: int) -> int:
+    """The next number of this replica's reports on this node; 0 (applied whatever came before) without Redis."""
+    try:
+        key = report_seq_key(runtime.node_name(), replica_id)
+        client = progress.redis_client()
+        seq = client.incr(key)
+        client.expire(key, REPORT_SEQ_KEEP_S)
+        return int(seq)
+    except Exception:
+        log.warning("could not number the report of replica %s; it is sent unnumbered", replica_id)
+        return 0
 
 
 def start() -> subprocess.Popen:

@@ -13,10 +13,11 @@ import time
 
 from celery import Task, current_app, shared_task
 
+from contracts import signing
 from contracts.progress import cancel_key, clear_cancel
 from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEAT, node_queue
 
-from . import facts, progress, runtime
+from . import engine_state, facts, progress, runtime
 from .fetch import FetchError, fetch_source
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,51 @@ def report_fetch(
         log.exception("could not report the fetch of %s to the control plane", source)
 
 
-class OnThisNode(Task):
+class FromControlPlane(Task):
+    """A task the control plane sends this node: run only with a proof that it did.
+
+    Anyone who can reach Redis can put a message on this node's queue; one without a
+    valid proof (none, another node's, other arguments, expired) is dropped here and
+    said in the log, never run. Acknowledged all the same, so it is not delivered again.
+    """
+
+    # The messages carry `proof`, which __call__ takes off before the task's own function
+    # sees them; Celery must not check them against that function's signature on a retry.
+    typing = False
+
+    def __call__(self, *args, **kwargs):
+        proof = kwargs.pop(signing.PROOF, None)
+        problem = signing.proof_problem(
+            signing.token_hash(runtime.token()) if runtime.token() else "",
+            self.name,
+            runtime.node_name(),
+            list(args),
+            kwargs,
+            proof,
+        )
+        if problem is not None:
+            # Cut short: what is logged here was written by whoever forged it.
+            what = f"{tuple(args)!r} {kwargs!r}"
+            what = what if len(what) <= 300 else what[:300] + "..."
+            log.warning("dropped %s%s from the queue, not run: %s", self.name, what, problem)
+            return None
+        return super().__call__(*args, **kwargs)
+
+
+class OnThisNode(FromControlPlane):
     """A task of this node's own queue, retried there: no route by its name may send it elsewhere."""
 
-    def retry(self, *args, **options):
+    def retry(self, args=None, kwargs=None, *more, **options):
         options.setdefault("queue", node_queue(runtime.node_name()))
-        return super().retry(*args, **options)
+        # The retry is a new message on the queue, and must carry a proof like any other:
+        # the node signs its own retry (it holds its key), so a backoff longer than what
+        # is left of the first proof does not drop it.
+        args = list(self.request.args if args is None else args)
+        kwargs = dict(self.request.kwargs if kwargs is None else kwargs)
+        kwargs.pop(signing.PROOF, None)
+        key = signing.token_hash(runtime.token())
+        kwargs = signing.with_proof(key, self.name, runtime.node_name(), args, kwargs)
+        return super().retry(args, kwargs, *more, **options)
 
 
 # Late acknowledgement with reject-on-worker-lost: a worker killed mid-download
@@ -113,6 +153,7 @@ def send_heartbeat(static: dict | None = None) -> None:
     """One heartbeat from this node: its facts and its token, as a task on `control`."""
     labels = json.loads(os.environ.get("LLMGW_NODE_LABELS", "{}") or "{}")
     payload = facts.collect(runtime.node_name(), labels, runtime.cache_dir(), static)
+    payload["replicas"] = engine_state.wanted_ids(runtime.cache_dir())
     current_app.send_task(
         HEARTBEAT,
         args=[runtime.token(), payload],

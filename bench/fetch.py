@@ -80,7 +80,7 @@ def main() -> None:
         wait_for(base)
 
         def agent(dest: Path, parallel: int) -> None:
-            fetch_source(base, dest, parallel=parallel)
+            fetch_source(base, dest, parallel=parallel, any_host=True)
 
         def curl(dest: Path) -> None:
             dest.mkdir(parents=True)

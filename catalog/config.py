@@ -143,7 +143,7 @@ def _profile(model_where: str, index: int, entry) -> dict:
     if isinstance(args, list):
         # YAML reads `--ctx-size, 8192` as a string and a number; the engine gets strings.
         args = [str(a) if isinstance(a, int | float) and not isinstance(a, bool) else a for a in args]
-    if problem := args_problem(args):
+    if problem := args_problem(args, engine):
         raise CatalogFileError(f"{where}: args: {problem}")
     selector = entry.get("node_selector") or {}
     if isinstance(selector, dict):

@@ -91,7 +91,7 @@ class Profile(models.Model):
 
     def clean(self) -> None:
         errors = {}
-        if problem := args_problem(self.args):
+        if problem := args_problem(self.args, self.engine):
             errors["args"] = problem
         if problem := selector_problem(self.node_selector):
             errors["node_selector"] = problem

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
+from contracts import engine_args
 from contracts.sources import SourceError, cache_parts
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
@@ -92,13 +93,19 @@ def source_problem(source: str, byte_base: str | None = None) -> str | None:
     return None
 
 
-def args_problem(args) -> str | None:
+def args_problem(args, engine: str | None = None) -> str | None:
+    """Why these are not arguments a profile of `engine` may give, or None.
+
+    The allow-list is the contract's, which a node checks again before it starts an engine.
+    """
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         return 'engine arguments must be a list of strings, like ["--ctx-size", "8192"]'
     if len(args) > MAX_LIST:
         return f"a profile may have at most {MAX_LIST} engine arguments"
     if any(len(a) > MAX_ITEM for a in args):
         return f"an engine argument may be at most {MAX_ITEM} characters"
+    if engine in engine_args.ALLOWED:
+        return engine_args.args_problem(engine, args, settings.LLMGW_ALLOW_REMOTE_CODE)
     return None
 
 

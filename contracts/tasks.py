@@ -34,7 +34,9 @@ STOP_REPLICA = "agent.stop_replica"
 HEARTBEAT = "fleet.heartbeat"
 # fetch_finished(token: str, report: FetchReport)
 FETCH_FINISHED = "agent.fetch_finished"
-# replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "")
+# replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "", seq: int = 0)
+# `seq` is the report's order among this replica's reports on the node (see report_seq_key);
+# the control plane ignores a report older than one it applied. 0 (an older agent): applied.
 REPLICA_REPORT = "fleet.replica_report"
 
 # --- the control plane to itself ---------------------------------------------------------
@@ -59,6 +61,15 @@ class Facts(TypedDict, total=False):
     memory_gb: int
     disk_free_bytes: int
     labels: dict[str, str]
+    # The replicas this node is running or starting (wanted in its engine state): the
+    # control plane sends again a start that never arrived, and stops one it does not know.
+    replicas: list[int]
+
+
+def report_seq_key(node: str, replica_id: int) -> str:
+    """The node's counter of one replica's reports, in Redis: shared by the worker and the
+    supervisor, which both report, and kept across the agent's restarts."""
+    return f"llmgw:report-seq:{node}:{replica_id}"
 
 
 class FetchReport(TypedDict, total=False):

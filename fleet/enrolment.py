@@ -7,7 +7,6 @@ host), shown once, and stored only as its hash.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import secrets
@@ -15,11 +14,14 @@ import secrets
 from django.db import connection
 from django.utils import timezone
 
+from contracts import signing
+
 from .models import Node
 
 
 def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+    # The same hash keys the proofs on the messages sent to the node (contracts.signing).
+    return signing.token_hash(token)
 
 
 def issue_token(node_name: str) -> str:

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db import models, transaction
 from django.utils import timezone
 
-from contracts import progress, tasks
+from contracts import progress, signing, tasks
 from contracts.sources import cache_parts
 
 from .live import redis_client
@@ -144,7 +144,10 @@ class FetchQuerySet(models.QuerySet):
         def send():
             # A cancel left over from an earlier request must not stop this one.
             progress.clear_cancel(redis_client(), node.name, source)
-            current_app.send_task(tasks.FETCH, args=[source], queue=tasks.node_queue(node.name), task_id=task_id)
+            kwargs = signing.with_proof(node.token_hash, tasks.FETCH, node.name, [source])
+            current_app.send_task(
+                tasks.FETCH, args=[source], kwargs=kwargs, queue=tasks.node_queue(node.name), task_id=task_id
+            )
 
         transaction.on_commit(send)
         return fetch

@@ -6,7 +6,9 @@ writes the plan back, and sends the agents their work once it is saved.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from datetime import datetime, timedelta
 
 import redis
@@ -15,8 +17,9 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from contracts import tasks
+from contracts import signing, tasks
 
+from .live import redis_client
 from .models import Fetch, Node, Replica, heard_from_lately
 from .placement import HOLDING_WEIGHTS, ModelView, NodeView, Plan, ProfileView, ReplicaView, place
 
@@ -28,6 +31,8 @@ RETRY_MAX_S = 600
 # A stop that was sent and never answered is sent again after this long.
 STOP_RESEND_S = 60
 LOCK_NAME = "fleet:reconcile"
+# A pass takes well under a second; a lock older than this is a pass that died or hangs.
+LOCK_TIMEOUT_S = 60
 
 
 def retry_delay(attempts: int) -> timedelta:
@@ -110,17 +115,18 @@ def replica_views(replicas: list[Replica], node_names: dict[int, str]) -> list[R
 
 
 def send_start(replica: Replica) -> None:
-    current_app.send_task(
-        tasks.START_REPLICA,
-        args=[replica.pk, replica.source, replica.engine, list(replica.args)],
-        # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
-        kwargs={"model": replica.model_name},
-        queue=tasks.node_queue(replica.node.name),
-    )
+    node = replica.node
+    args = [replica.pk, replica.source, replica.engine, list(replica.args)]
+    # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
+    kwargs = signing.with_proof(node.token_hash, tasks.START_REPLICA, node.name, args, {"model": replica.model_name})
+    current_app.send_task(tasks.START_REPLICA, args=args, kwargs=kwargs, queue=tasks.node_queue(node.name))
 
 
 def send_stop(replica_id: int, node_name: str) -> None:
-    current_app.send_task(tasks.STOP_REPLICA, args=[replica_id], queue=tasks.node_queue(node_name))
+    key = Node.objects.filter(name=node_name).values_list("token_hash", flat=True).first() or ""
+    args = [replica_id]
+    kwargs = signing.with_proof(key, tasks.STOP_REPLICA, node_name, args)
+    current_app.send_task(tasks.STOP_REPLICA, args=args, kwargs=kwargs, queue=tasks.node_queue(node_name))
 
 
 def stop(replica: Replica, reason: str = "") -> None:
@@ -135,17 +141,55 @@ def reconcile(now: datetime | None = None, models: list[ModelView] | None = None
 
     `models` is the catalog as snapshots, read from the catalog app when not given.
     """
-    lock = redis.Redis.from_url(settings.REDIS_URL).lock(LOCK_NAME, timeout=60, blocking_timeout=0)
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    lock = client.lock(LOCK_NAME, timeout=LOCK_TIMEOUT_S, blocking_timeout=0)
     if not lock.acquire(blocking=False):
-        return None
+        if not _break_foreign_lock(client):
+            return None
+        if not lock.acquire(blocking=False):
+            return None
+    started = time.monotonic()
     try:
         return reconcile_unlocked(now or timezone.now(), models)
     finally:
         try:
             lock.release()
         except redis.exceptions.LockError:
-            # Held past its timeout and taken by another pass; nothing of ours to release.
-            pass
+            # Held past its timeout, and maybe taken by another pass that ran beside this one.
+            log.warning(
+                "the reconcile pass took %.0f s, longer than its lock's %d s: the lock expired while it ran",
+                time.monotonic() - started,
+                LOCK_TIMEOUT_S,
+            )
+
+
+# A pass always sets the lock with an expiry of LOCK_TIMEOUT_S; a key with none, or a
+# longer one, was set by something else (anyone who reaches Redis can SET it) and would
+# stop placement for as long as it stays. Checked and removed in one step on the server.
+_BREAK_FOREIGN = """
+local ttl = redis.call('pttl', KEYS[1])
+if ttl == -1 or ttl > tonumber(ARGV[1]) then
+  redis.call('del', KEYS[1])
+  return ttl
+end
+return -3
+"""
+
+
+def _break_foreign_lock(client: redis.Redis) -> bool:
+    """Remove a lock no reconcile pass could have set; True when there was one."""
+    ttl = client.eval(_BREAK_FOREIGN, 1, LOCK_NAME, LOCK_TIMEOUT_S * 1000)
+    if ttl == -3:
+        return False
+    held = "with no expiry" if ttl == -1 else f"for {ttl / 1000:.0f} s more"
+    log.warning(
+        "the reconcile lock %s was held %s, which no reconcile pass does (each expires in %d s): "
+        "it was removed so that placement goes on",
+        LOCK_NAME,
+        held,
+        LOCK_TIMEOUT_S,
+    )
+    return True
 
 
 @transaction.atomic
@@ -159,6 +203,7 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
     by_id = {r.pk: r for r in replicas}
     plan = place(node_views(nodes, replicas, now), models, replica_views(replicas, node_names))
     ready_nodes = {n.name for n in nodes if heard_from_lately(n.last_heartbeat, now)}
+    running = running_on(sorted(ready_nodes))
 
     Replica.objects.filter(pk__in=plan.forget).delete()
     for replica_id in plan.stop:
@@ -199,7 +244,37 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
             replica.since = now
             replica.save(update_fields=["since"])
             transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
+        elif (
+            replica.state == Replica.State.PENDING
+            and waited >= timedelta(seconds=START_RESEND_S)
+            and node_names[replica.node_id] in running
+            and replica.pk not in running[node_names[replica.node_id]]
+        ):
+            # No answer, and its node does not run it: the start was lost (a broker restarted
+            # without persistence, a worker killed between commit and publish). A start is
+            # idempotent on the node, so one that was only slow costs nothing.
+            log.info("replica %s: no answer to its start for %s, sent again", replica.pk, waited)
+            replica.since = now
+            replica.save(update_fields=["since"])
+            transaction.on_commit(lambda r=replica: send_start(r))
+    _stop_extras(running, by_name)
     return plan
+
+
+def _stop_extras(running: dict[str, set[int]], by_name: dict[str, Node]) -> None:
+    """Tell a node to stop a replica it runs that is not its (deleted, or moved while it was away)."""
+    if not running:
+        return
+    theirs = set(Replica.objects.filter(node__isnull=False).values_list("node_id", "pk"))
+    client = redis_client()
+    for name, ids in running.items():
+        for replica_id in ids:
+            if (by_name[name].pk, replica_id) in theirs:
+                continue
+            # Once a STOP_RESEND_S, not on every pass until the node has stopped it.
+            if client.set(f"llmgw:extra-stop:{name}:{replica_id}", "1", nx=True, ex=STOP_RESEND_S):
+                log.info("replica %s runs on %s, which it is not placed on: told to stop", replica_id, name)
+                transaction.on_commit(lambda r=replica_id, n=name: send_stop(r, n))
 
 
 REPORTED_STATES = set(tasks.REPLICA_STATES)
@@ -241,8 +316,12 @@ def repeated_report(token_hash: str, replica_id: int, state: str, endpoint: str,
         return said_before(cursor.fetchone(), state, endpoint, reason)
 
 
-def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason: str) -> str:
-    """Apply what a node's agent says about a replica; returns what was done, for the log."""
+def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason: str, seq: int = 0) -> str:
+    """Apply what a node's agent says about a replica; returns what was done, for the log.
+
+    `seq` is the report's order on the node; one older than a report already applied
+    (a `starting` delivered after a `ready`) is ignored. 0 is an unnumbered report.
+    """
     if state not in REPORTED_STATES:
         return f"ignored: {state!r} is not a state an agent reports"
     if state in SAME_AGAIN_STATES:
@@ -260,6 +339,8 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
                 transaction.on_commit(lambda: send_stop(replica_id, node.name))
                 return "told to stop: the replica is not on this node"
             return "ignored: the replica is not on this node"
+        if seq and not _newest_report(node.name, replica_id, seq):
+            return f"ignored: report {seq} is older than one already applied"
         if state == "stopped":
             if replica.state == Replica.State.STOPPING:
                 replica.delete()
@@ -278,3 +359,47 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
         replica.enter(state, reason[:4000], endpoint if state == "ready" else "")
         replica.save()
         return state
+
+
+# The highest report number applied for a replica, set only upward, in one step on the server.
+_NEWER = """
+local last = tonumber(redis.call('get', KEYS[1]) or '0')
+if tonumber(ARGV[1]) <= last then return 0 end
+redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
+REPORT_SEQ_KEEP_S = 30 * 24 * 3600
+
+
+def _newest_report(node_name: str, replica_id: int, seq: int) -> bool:
+    """Whether this report is newer than every one applied for the replica (and now the newest)."""
+    key = "llmgw:applied-" + tasks.report_seq_key(node_name, replica_id).removeprefix("llmgw:")
+    return bool(redis_client().eval(_NEWER, 1, key, seq, REPORT_SEQ_KEEP_S))
+
+
+# --- what nodes say they run --------------------------------------------------------------
+
+RUNNING_PREFIX = "llmgw:node-running:"
+# A start that has had no answer for this long is sent again, unless the node says it runs it.
+START_RESEND_S = 60
+
+
+def record_running(node_name: str, replica_ids: list) -> None:
+    """Keep what a node's heartbeat says it runs, for the next reconcile pass."""
+    ids = sorted({int(i) for i in replica_ids if isinstance(i, int) and not isinstance(i, bool)})
+    value = json.dumps({"at": time.time(), "replicas": ids})
+    redis_client().set(RUNNING_PREFIX + node_name, value, ex=settings.HEARTBEAT_S * settings.HEARTBEATS_MISSED)
+
+
+def running_on(node_names: list[str]) -> dict[str, set[int]]:
+    """{node: replica ids} from each node's latest heartbeat, for the nodes that sent one lately."""
+    if not node_names:
+        return {}
+    out = {}
+    for name, raw in zip(node_names, redis_client().mget([RUNNING_PREFIX + n for n in node_names]), strict=True):
+        if raw:
+            try:
+                out[name] = set(json.loads(raw)["replicas"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out

@@ -16,10 +16,14 @@ log = logging.getLogger(__name__)
 @shared_task(name=tasks.HEARTBEAT, ignore_result=True)
 def heartbeat(token: str, facts: tasks.Facts) -> None:
     """A node's agent reporting its facts; arrives on the control queue."""
-    if enrolment.record_heartbeat(token, facts) is None:
+    name = enrolment.record_heartbeat(token, facts)
+    if name is None:
         # Said once per heartbeat in the log, never acted on: a stray worker
         # cannot enrol itself or speak for another node.
         log.warning("heartbeat refused: the token does not enrol a node called %r", facts.get("node"))
+        return
+    if isinstance(facts.get("replicas"), list):
+        reconciling.record_running(name, facts["replicas"])
 
 
 @shared_task(name=tasks.RECONCILE, ignore_result=True)
@@ -29,7 +33,7 @@ def reconcile() -> None:
 
 
 @shared_task(name=tasks.REPLICA_REPORT, ignore_result=True)
-def replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "") -> None:
+def replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "", seq: int = 0) -> None:
     """A node's agent saying what became of a replica it runs; arrives on the control queue."""
     state, endpoint, reason = str(state), str(endpoint or ""), str(reason or "")
     # Most reports repeat the last one: the token and the replica in one read, and done.
@@ -39,7 +43,7 @@ def replica_report(token: str, replica_id: int, state: str, endpoint: str = "", 
     if node is None:
         log.warning("replica report refused: the token does not enrol a node (replica %s)", replica_id)
         return
-    outcome = reconciling.record_report(node, int(replica_id), state, endpoint, reason)
+    outcome = reconciling.record_report(node, int(replica_id), state, endpoint, reason, seq=int(seq or 0))
     log.info("replica %s on %s reported %s: %s", replica_id, node.name, state, outcome)
 
 

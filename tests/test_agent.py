@@ -11,6 +11,7 @@ from celery import current_app
 from agent import progress
 from agent.fetch import cache_path
 from contracts import progress as contracts_progress
+from contracts import signing
 from fleet.models import Fetch, Node
 
 from .conftest import put
@@ -46,7 +47,10 @@ def no_tasks_left_from_another_test():
 
 
 def send_fetch(node: str, source: str) -> None:
-    current_app.send_task("agent.fetch", args=[source], queue=f"node.{node}")
+    """A fetch as the control plane sends it: with its proof, for that node."""
+    key = Node.objects.get(name=node).token_hash
+    kwargs = signing.with_proof(key, "agent.fetch", node, [source])
+    current_app.send_task("agent.fetch", args=[source], kwargs=kwargs, queue=f"node.{node}")
 
 
 def live(redis_client, source: str, node: str) -> dict:
@@ -91,7 +95,7 @@ def test_a_fetch_sent_to_the_node_queue_is_fetched_whole_and_recorded(
 ):
     name, token = enrolled_node
     source = byte_listener + "m/v1/"
-    agent = start_agent(name, token, agent_cache, tmp_path)
+    agent = start_agent(name, token, agent_cache, tmp_path, LLMGW_BYTES_URL=byte_listener)
     try:
         send_fetch(name, source)
         fetch = wait_until(
@@ -127,7 +131,7 @@ def test_a_worker_killed_halfway_resumes_and_transfers_only_what_was_missing(
     source = proxy.url + "m/v1/"
     directory = cache_path(source, agent_cache)
     marker = directory / ".complete"
-    agent = start_agent(name, token, agent_cache, tmp_path)
+    agent = start_agent(name, token, agent_cache, tmp_path, LLMGW_BYTES_URL=proxy.url)
     try:
         send_fetch(name, source)
 
@@ -144,7 +148,7 @@ def test_a_worker_killed_halfway_resumes_and_transfers_only_what_was_missing(
 
         proxy.reset_counts()
         # Not asked again: the agent takes back the task its killed run left unacknowledged.
-        agent = start_agent(name, token, agent_cache, tmp_path)
+        agent = start_agent(name, token, agent_cache, tmp_path, LLMGW_BYTES_URL=proxy.url)
 
         def finished():
             if marker.exists():
@@ -179,7 +183,7 @@ def test_a_pool_process_killed_mid_fetch_gets_its_task_run_again_without_asking(
     name, token = enrolled_node
     proxy = CountingProxy(byte_listener, rate=400_000)
     source = proxy.url + "m/v1/"
-    agent = start_agent(name, token, agent_cache, tmp_path)
+    agent = start_agent(name, token, agent_cache, tmp_path, LLMGW_BYTES_URL=proxy.url)
     try:
         send_fetch(name, source)
         wait_until(
@@ -211,7 +215,7 @@ def test_staff_ask_for_a_fetch_and_cancel_it_and_the_node_stops(
     name, token = enrolled_node
     proxy = CountingProxy(byte_listener, rate=200_000)
     source = proxy.url + "m/v1/"
-    agent = start_agent(name, token, agent_cache, tmp_path)
+    agent = start_agent(name, token, agent_cache, tmp_path, LLMGW_BYTES_URL=proxy.url)
     try:
         fetch = Fetch.objects.request(Node.objects.get(name=name), source)
         wait_until(
@@ -264,7 +268,7 @@ def test_the_same_fetch_sent_twice_at_once_sends_each_byte_once_and_both_finish(
     name, token = enrolled_node
     proxy = CountingProxy(byte_listener, rate=1_000_000)
     source = proxy.url + "m/v1/"
-    agent = start_agent(name, token, agent_cache, tmp_path)
+    agent = start_agent(name, token, agent_cache, tmp_path, LLMGW_BYTES_URL=proxy.url)
     try:
         send_fetch(name, source)
         send_fetch(name, source)
@@ -290,7 +294,7 @@ def test_a_dropped_connection_is_tried_again_with_backoff_and_resumes(
     proxy = CountingProxy(byte_listener)
     proxy.truncate_after = 300_000  # every file body cut short, until the mirror "recovers"
     source = proxy.url + "m/v1/"
-    agent = start_agent(name, token, agent_cache, tmp_path)
+    agent = start_agent(name, token, agent_cache, tmp_path, LLMGW_BYTES_URL=proxy.url)
     try:
         send_fetch(name, source)
         wait_until(lambda: "trying again in" in agent.output(), timeout=30, what="a retry to be scheduled")
@@ -318,7 +322,7 @@ def test_a_permanent_failure_is_reported_at_once_with_its_sentence(
     proxy = CountingProxy(byte_listener)
     proxy.overrides["/m/v1/"] = (200, "text/html", b"<html><a href='x'>x</a></html>")
     source = proxy.url + "m/v1/"
-    agent = start_agent(name, token, agent_cache, tmp_path)
+    agent = start_agent(name, token, agent_cache, tmp_path, LLMGW_BYTES_URL=proxy.url)
     try:
         send_fetch(name, source)
         fetch = wait_until(

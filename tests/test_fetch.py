@@ -33,8 +33,10 @@ def four_files(mirror_root):
 
 
 @pytest.fixture
-def proxy(byte_listener):
+def proxy(byte_listener, settings):
+    """The byte listener behind a proxy that counts and misbehaves; the node is configured with it."""
     p = CountingProxy(byte_listener)
+    settings.BYTES_URL = p.url
     yield p
     p.stop()
 
@@ -238,7 +240,8 @@ def test_a_manifest_answered_with_an_error_status_says_so(proxy, four_files, cac
     assert str(failed.value) == f"{proxy.url}m/nope/ is not on the mirror (404)"
 
 
-def test_a_mirror_that_cannot_be_reached_is_a_sentence(cache):
+def test_a_mirror_that_cannot_be_reached_is_a_sentence(cache, settings):
+    settings.BYTES_URL = "http://127.0.0.1:9/"
     with pytest.raises(FetchError) as failed:
         fetch_source("http://127.0.0.1:9/m/v1/", cache)
     assert (
@@ -295,7 +298,7 @@ def test_two_processes_fetching_one_set_take_turns_and_each_byte_is_sent_once(by
     try:
         source = proxy.url + "m/v1/"
         argv = [sys.executable, "manage.py", "fetch", source, "--cache", str(cache)]
-        env = process_env()
+        env = process_env(LLMGW_BYTES_URL=proxy.url)
         first = subprocess.Popen(argv, cwd=BASE_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         wait_until(lambda: proxy.body_bytes > 50_000, timeout=30, what="the first fetch to be under way")
         second = subprocess.Popen(argv, cwd=BASE_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -317,7 +320,7 @@ def test_the_fetch_command_exits_non_zero_with_the_sentence(cache):
     done = subprocess.run(
         [sys.executable, "manage.py", "fetch", "http://127.0.0.1:9/m/v1/", "--cache", str(cache)],
         cwd=BASE_DIR,
-        env=process_env(),
+        env=process_env(LLMGW_BYTES_URL="http://127.0.0.1:9/"),
         capture_output=True,
         text=True,
         timeout=60,
@@ -328,11 +331,12 @@ def test_the_fetch_command_exits_non_zero_with_the_sentence(cache):
 
 
 def test_a_single_file_and_its_set_fetched_at_once_share_the_file_and_each_byte_is_sent_once(
-    byte_listener, four_files, cache
+    byte_listener, four_files, cache, settings
 ):
     import threading
 
     proxy = CountingProxy(byte_listener, rate=300_000)
+    settings.BYTES_URL = proxy.url
     try:
         results = {}
 

@@ -13,6 +13,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
+from contracts import signing
 from fleet import reconcile
 from fleet.models import Node, Replica
 from fleet.placement import ModelView, ProfileView
@@ -36,12 +37,20 @@ def broker():
 
 def sent(broker, queue: str) -> list[tuple]:
     """Tasks waiting on a queue, oldest first, as (name, args) or (name, args, kwargs) when
-    there are kwargs; taken off it, so the next look sees only new ones."""
+    there are kwargs; taken off it, so the next look sees only new ones.
+
+    Each must carry a proof the node it is for would accept; the proof is checked and left out.
+    """
     messages = []
+    node_name = queue.removeprefix("node.")
+    key = Node.objects.get(name=node_name).token_hash
     while (raw := broker.rpop(queue)) is not None:
         message = json.loads(raw)
+        task = message["headers"]["task"]
         args, kwargs, _ = json.loads(base64.b64decode(message["body"]))
-        messages.append((message["headers"]["task"], args, kwargs) if kwargs else (message["headers"]["task"], args))
+        proof = kwargs.pop("proof", None)
+        assert signing.proof_problem(key, task, node_name, args, kwargs, proof) is None, (task, args, kwargs)
+        messages.append((task, args, kwargs) if kwargs else (task, args))
     return messages
 
 
@@ -52,7 +61,12 @@ def start_of(replica_id: int, args: tuple[str, ...] = ("--ctx-size", "512")) -> 
 
 def node(name: str, memory_gb: int = 32, **kw) -> Node:
     return Node.objects.create(
-        name=name, engines=["llamacpp"], memory_gb=memory_gb, last_heartbeat=timezone.now(), **kw
+        name=name,
+        engines=["llamacpp"],
+        memory_gb=memory_gb,
+        last_heartbeat=timezone.now(),
+        token_hash=signing.token_hash(f"token-of-{name}"),
+        **kw,
     )
 
 

@@ -38,7 +38,7 @@ def agent_n1(tmp_path, mirror_root, byte_listener):
     """`manage.py agent --node n1`, enrolled with a token from the control plane, and nothing else."""
     token = issue_token("n1")
     cache = tmp_path / "cache-n1"
-    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1)
+    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
     # The agent has no database: what it reports goes back through the broker.
     env["DATABASE_URL"] = "postgres://nobody@127.0.0.1:1/none"
     agent = Process(

@@ -16,12 +16,17 @@ class Command(BaseCommand):
         parser.add_argument("source", help="http://mirror:8001/<model>/<version>/ or .../<version>/<file>")
         parser.add_argument("--cache", type=Path, help="the cache directory; default LLMGW_AGENT_CACHE")
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
+        parser.add_argument(
+            "--allow-any-host",
+            action="store_true",
+            help="fetch from any host, not only this node's byte listener (LLMGW_BYTES_URL): a one-off copy",
+        )
 
-    def handle(self, *args, source, cache=None, quiet=False, **options):
+    def handle(self, *args, source, cache=None, quiet=False, allow_any_host=False, **options):
         cache = cache or runtime.cache_dir()
         progress = None if quiet else TerminalProgress(source, self.stderr._out)
         try:
-            path = fetch_source(source, cache, progress=progress)
+            path = fetch_source(source, cache, progress=progress, any_host=allow_any_host)
         except FetchError as error:
             raise CommandError(str(error)) from None
         except KeyboardInterrupt:

@@ -1,0 +1,113 @@
+"""Issue 13, item 4: reports applied in their order, a lost start sent again, an extra replica stopped."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import redis
+from django.conf import settings
+from django.utils import timezone
+
+from agent import engine_state, runtime, supervisor
+from agent import tasks as agent_tasks
+from fleet import reconcile
+from fleet.enrolment import issue_token
+from fleet.models import Node, Replica
+from fleet.placement import ModelView, ProfileView
+from fleet.tasks import heartbeat, replica_report
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TINY = [ModelView("tiny", "http://127.0.0.1:8001/tiny/v1/", 1, (ProfileView("cpu", "llamacpp", min_memory_gb=1),))]
+
+
+@pytest.fixture
+def broker():
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+@pytest.fixture
+def token():
+    token = issue_token("a")
+    Node.objects.filter(name="a").update(last_heartbeat=timezone.now(), engines=["llamacpp"], memory_gb=8)
+    return token
+
+
+def tasks_on(broker, queue: str) -> list[tuple[str, list]]:
+    out = []
+    while (raw := broker.rpop(queue)) is not None:
+        message = json.loads(raw)
+        out.append((message["headers"]["task"], json.loads(base64.b64decode(message["body"]))[0]))
+    return out
+
+
+def beat(token: str, replicas: list[int]) -> None:
+    heartbeat(token, {"node": "a", "engines": ["llamacpp"], "memory_gb": 8, "replicas": replicas})
+
+
+def test_a_report_older_than_one_already_applied_is_ignored(broker, token):
+    replica = Replica.objects.create(model_name="tiny", profile_name="cpu", node=Node.objects.get(name="a"))
+    replica_report(token, replica.pk, "ready", "http://127.0.0.1:9000/v1", "", seq=5)
+    # The `starting` the node sent before its `ready`, delivered late.
+    replica_report(token, replica.pk, "starting", "", "", seq=4)
+    replica.refresh_from_db()
+    assert (replica.state, replica.endpoint) == ("ready", "http://127.0.0.1:9000/v1")
+    replica_report(token, replica.pk, "failed", "", "the engine exited", seq=6)
+    replica.refresh_from_db()
+    assert replica.state == "failed"
+
+
+def test_a_start_that_was_lost_is_sent_again_when_the_node_does_not_run_it(broker, token):
+    reconcile.reconcile(models=TINY)
+    replica = Replica.objects.get()
+    assert [t for t, _ in tasks_on(broker, "node.a")] == ["agent.start_replica"]  # and lost: nobody took it
+    beat(token, [])
+    reconcile.reconcile(models=TINY)
+    assert tasks_on(broker, "node.a") == []  # not yet: a start may take a while to be answered
+    Replica.objects.filter(pk=replica.pk).update(since=timezone.now() - timedelta(seconds=61))
+    reconcile.reconcile(models=TINY)
+    assert tasks_on(broker, "node.a") == [("agent.start_replica", [replica.pk, replica.source, "llamacpp", []])]
+
+
+def test_a_pending_replica_the_node_says_it_runs_is_not_started_twice(broker, token):
+    reconcile.reconcile(models=TINY)
+    replica = Replica.objects.get()
+    tasks_on(broker, "node.a")
+    beat(token, [replica.pk])
+    Replica.objects.filter(pk=replica.pk).update(since=timezone.now() - timedelta(seconds=61))
+    reconcile.reconcile(models=TINY)
+    assert tasks_on(broker, "node.a") == []
+
+
+def test_a_replica_a_node_runs_that_is_not_placed_there_is_told_to_stop_once_a_while(broker, token):
+    beat(token, [9999])
+    reconcile.reconcile(models=[])
+    assert tasks_on(broker, "node.a") == [("agent.stop_replica", [9999])]
+    reconcile.reconcile(models=[])
+    assert tasks_on(broker, "node.a") == []
+
+
+def test_the_agent_numbers_its_reports_and_heartbeats_what_it_runs(broker, tmp_path, monkeypatch):
+    sent = []
+    fake_app = SimpleNamespace(send_task=lambda name, args=None, kwargs=None, **o: sent.append((name, args, kwargs)))
+    monkeypatch.setattr(supervisor, "current_app", fake_app)
+    monkeypatch.setattr(agent_tasks, "current_app", fake_app)
+    monkeypatch.setenv(runtime.NODE_NAME, "a")
+    monkeypatch.setenv(runtime.AGENT_CACHE, str(tmp_path))
+    report = supervisor.celery_report("tok")
+    report(7, "starting", "", "")
+    report(7, "ready", "http://x/v1", "")
+    assert [kwargs["seq"] for _, _, kwargs in sent] == [1, 2]
+
+    engine_state.want(tmp_path, 7, "llamacpp", "http://m/t/v1/", tmp_path, [], "t")
+    engine_state.want(tmp_path, 8, "llamacpp", "http://m/t/v1/", tmp_path, [], "t")
+    engine_state.unwant(tmp_path, 8)
+    agent_tasks.send_heartbeat({"engines": [], "gpus": []})
+    assert sent[-1][0] == "fleet.heartbeat" and sent[-1][1][1]["replicas"] == [7]
