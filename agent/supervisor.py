@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -30,7 +31,7 @@ import django
 from celery import current_app
 from django.conf import settings
 
-from contracts.tasks import CONTROL_QUEUE, REPLICA_REPORT, report_seq_key
+from contracts.tasks import CONTROL_QUEUE, REPLICA_REPORT, REPORTS_KEY, post, report_seq_key
 
 from . import engine_state, engines, progress, runtime
 
@@ -74,6 +75,8 @@ class Supervisor:
     ):
         self.cache = Path(cache)
         self.report = report
+        # The same report, repeated so a lost one is made good: batched where the reporter can.
+        self.report_again = getattr(report, "again", report)
         self.host = host
         # 0.0.0.0 is an address to bind, not one to connect to: the gateway reaches
         # an engine listening everywhere by this host's name.
@@ -125,6 +128,7 @@ class Supervisor:
         """One look at every replica; the loop calls this about twice a second."""
         now = time.time()
         reports: list[tuple[int, str, str, str]] = []
+        repeats: list[tuple[int, str, str, str]] = []
         to_stop: list[dict] = []
         to_check: list[tuple[int, int, int]] = []
         with engine_state.locked_state(self.cache) as state:
@@ -158,18 +162,20 @@ class Supervisor:
                 if now - self.last_report.get(replica_id, 0) > REREPORT_S and not any(
                     r[0] == replica_id for r in reports
                 ):
-                    reports.append(self._current(entry))
+                    repeats.append(self._current(entry))
         for entry in to_stop:
             if (stopped := self._stop(entry)) is not None:
                 reports.append(stopped)
         reports += self._check_liveness(to_check, now)
-        for replica_id, *rest in reports:
-            self.last_report[replica_id] = now
-            try:
-                self.report(replica_id, *rest)
-            except Exception:
-                # The broker may be away for a moment; the report is repeated later.
-                log.exception("replica %s: the report could not be sent", replica_id)
+        changed = {r[0] for r in reports}
+        for send, batch in ((self.report, reports), (self.report_again, [r for r in repeats if r[0] not in changed])):
+            for replica_id, *rest in batch:
+                self.last_report[replica_id] = now
+                try:
+                    send(replica_id, *rest)
+                except Exception:
+                    # The broker may be away for a moment; the report is repeated later.
+                    log.exception("replica %s: the report could not be sent", replica_id)
 
     def _check_liveness(self, to_check: list[tuple[int, int, int]], now: float) -> list[tuple[int, str, str, str]]:
         """Ask ready engines whether they answer; outside the state lock, since a hung one takes the whole timeout."""
@@ -281,6 +287,12 @@ def celery_report(token: str) -> Report:
             REPLICA_REPORT, args=[token, replica_id, state, endpoint, reason], kwargs={"seq": seq}, queue=CONTROL_QUEUE
         )
 
+    def again(replica_id: int, state: str, endpoint: str, reason: str) -> None:
+        # Nothing new: posted for the control plane's next collection, not a message of its own.
+        entry = json.dumps([token, replica_id, state, endpoint, reason, report_seq(replica_id)])
+        post(progress.redis_client(), current_app.send_task, REPORTS_KEY, str(replica_id), entry)
+
+    report.again = again
     return report
 
 

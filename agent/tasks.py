@@ -15,7 +15,7 @@ from celery import Task, current_app, shared_task
 
 from contracts import signing
 from contracts.progress import cancel_key, clear_cancel
-from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEAT, node_queue
+from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEATS_KEY, node_queue, post
 
 from . import engine_state, facts, progress, runtime
 from .fetch import FetchError, fetch_source
@@ -150,16 +150,18 @@ def fetch(self, source: str) -> None:
 
 
 def send_heartbeat(static: dict | None = None) -> None:
-    """One heartbeat from this node: its facts and its token, as a task on `control`."""
+    """One heartbeat from this node: its facts and its token, posted for the control plane's next collection.
+
+    A broker that is away is tried again at the next beat, not retried here: the
+    worker's event loop runs this and must not stall on it (the client's timeouts are short).
+    """
     labels = json.loads(os.environ.get("LLMGW_NODE_LABELS", "{}") or "{}")
     payload = facts.collect(runtime.node_name(), labels, runtime.cache_dir(), static)
     payload["replicas"] = engine_state.wanted_ids(runtime.cache_dir())
-    current_app.send_task(
-        HEARTBEAT,
-        args=[runtime.token(), payload],
-        queue=CONTROL_QUEUE,
-        # A broker that is away is tried again at the next beat, not retried here:
-        # the worker's event loop runs this and must not stall on it.
-        retry=True,
-        retry_policy={"max_retries": 1, "interval_start": 0.5, "interval_step": 0.5},
+    post(
+        progress.redis_client(),
+        current_app.send_task,
+        HEARTBEATS_KEY,
+        runtime.node_name(),
+        json.dumps([runtime.token(), payload]),
     )

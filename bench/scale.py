@@ -28,6 +28,7 @@ number of API keys in the database, to show a request costs the same with 100,00
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -473,10 +474,14 @@ def bench_worker(var: Path, old_ref: str | None, rounds: int, n_nodes: int = 100
         [(f"old ({old_ref})", old_tree(old_ref, var))] if old_ref else []
     )
     for label, tree in trees:
-        run_worker_cycles(var, label, tree, nodes, replicas, endpoints, facts, rounds)
+        # The old code's agents sent a Celery message for each heartbeat and report.
+        posted = label == "new" and os.environ.get("BENCH_WORKER_MESSAGES") is None
+        run_worker_cycles(var, label, tree, nodes, replicas, endpoints, facts, rounds, posted)
 
 
-def run_worker_cycles(var: Path, label: str, tree: Path, nodes, replicas, endpoints, facts, rounds: int) -> None:
+def run_worker_cycles(
+    var: Path, label: str, tree: Path, nodes, replicas, endpoints, facts, rounds: int, posted: bool
+) -> None:
     import psutil
     from celery import current_app
     from django.utils import timezone
@@ -520,12 +525,27 @@ def run_worker_cycles(var: Path, label: str, tree: Path, nodes, replicas, endpoi
                         beat = facts[node.pk]
                         if case == "disk free moves":
                             beat = dict(beat, disk_free_bytes=beat["disk_free_bytes"] - rng.randrange(1 << 20))
+                        reports = [
+                            [f"token-{i}", replica_id, "ready", endpoints[replica_id], ""]
+                            for replica_id in (replicas[node.pk] if i % REPORTS_SPREAD == 0 else ())
+                        ]
+                        if posted:
+                            # As the agent sends them now: a heartbeat and a repeated report are posted.
+                            value = json.dumps([f"token-{i}", beat])
+                            tasks.post(broker, current_app.send_task, tasks.HEARTBEATS_KEY, node.name, value)
+                            for report in reports:
+                                value = json.dumps([*report, 0])
+                                tasks.post(broker, current_app.send_task, tasks.REPORTS_KEY, str(report[1]), value)
+                            continue
                         current_app.send_task(tasks.HEARTBEAT, args=[f"token-{i}", beat], queue=tasks.CONTROL_QUEUE)
-                        for replica_id in replicas[node.pk] if i % REPORTS_SPREAD == 0 else ():
-                            report = [f"token-{i}", replica_id, "ready", endpoints[replica_id], ""]
+                        for report in reports:
                             current_app.send_task(tasks.REPLICA_REPORT, args=report, queue=tasks.CONTROL_QUEUE)
                     deadline = time.monotonic() + 300
-                    while broker.llen(tasks.CONTROL_QUEUE) or Node.objects.filter(last_heartbeat__lt=started).exists():
+                    while (
+                        broker.llen(tasks.CONTROL_QUEUE)
+                        or broker.exists(tasks.HEARTBEATS_KEY, tasks.REPORTS_KEY)
+                        or Node.objects.filter(last_heartbeat__lt=started).exists()
+                    ):
                         if time.monotonic() > deadline:
                             raise SystemExit("the control worker did not take the cycle within 5 minutes")
                         time.sleep(0.5)

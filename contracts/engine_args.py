@@ -38,6 +38,8 @@ LLAMACPP: dict[str, bool] = {
     **dict.fromkeys(["--n_ctx", "--n_gpu_layers", "--n_threads", "--n_threads_batch", "--n_batch"], True),
     **dict.fromkeys(["--n_ubatch", "--chat_format", "--model_alias", "--flash_attn", "--use_mlock"], True),
     **dict.fromkeys(["--use_mmap", "--seed", "--split_mode", "--main_gpu", "--tensor_split"], True),
+    # Off unless a profile says otherwise: on, a new request cuts the one streaming (docs/engines.md).
+    "--interrupt_requests": True,
 }
 
 VLLM: dict[str, bool] = {

@@ -84,3 +84,51 @@ class FetchReport(TypedDict, total=False):
     files_total: int
     seconds: float
     started: float  # when the run began, to tell it from a newer request of the same source
+
+
+# --- what a node says often, posted for the control plane to take in batches ------------
+#
+# A heartbeat every 15 s from a thousand nodes, and each replica's report repeated every
+# minute, would be a hundred Celery messages a second: Celery's own work, a few ms a
+# message, was a third of a core. So the node writes them into a Redis hash (one field
+# per node, or per replica: the latest wins) and asks for a collection only when none is
+# pending; the control plane takes the whole hash in one task a second or so. Each entry
+# still carries the node's token and is believed only for the node the token enrols.
+
+HEARTBEATS_KEY = "llmgw:heartbeats"  # field: node name; value: JSON [token, facts]
+REPORTS_KEY = "llmgw:replica-reports"  # field: replica id; value: JSON [token, id, state, endpoint, reason, seq]
+COLLECT_PENDING_KEY = "llmgw:collect-pending"
+# collect(): take every posted heartbeat and repeated report; sent by a node, delayed.
+COLLECT = "fleet.collect"
+COLLECT_DELAY_S = 1.0
+# A collection that never ran (its worker died) is asked for again after this long.
+COLLECT_PENDING_TTL_S = 30
+
+
+def post(client, send_task, key: str, field: str, value: str) -> None:
+    """Post one entry; ask for a collection unless one is already pending.
+
+    `client` is a Redis client and `send_task` Celery's: passed in, so this module
+    stays free of both.
+    """
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(key, field, value)
+    pipe.set(COLLECT_PENDING_KEY, "1", nx=True, ex=COLLECT_PENDING_TTL_S)
+    _, first = pipe.execute()
+    if first:
+        send_task(COLLECT, queue=CONTROL_QUEUE, countdown=COLLECT_DELAY_S)
+
+
+def take(client) -> tuple[dict, dict]:
+    """({node: raw heartbeat}, {replica id: raw report}) posted so far, removed as they are taken.
+
+    The pending flag goes first, so anything posted from here on asks for the next collection.
+    """
+    client.delete(COLLECT_PENDING_KEY)
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(HEARTBEATS_KEY)
+    pipe.delete(HEARTBEATS_KEY)
+    pipe.hgetall(REPORTS_KEY)
+    pipe.delete(REPORTS_KEY)
+    heartbeats, _, reports, _ = pipe.execute()
+    return heartbeats, reports

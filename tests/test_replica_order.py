@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from agent import engine_state, runtime, supervisor
 from agent import tasks as agent_tasks
+from contracts import tasks
 from fleet import reconcile
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
@@ -109,5 +110,7 @@ def test_the_agent_numbers_its_reports_and_heartbeats_what_it_runs(broker, tmp_p
     engine_state.want(tmp_path, 7, "llamacpp", "http://m/t/v1/", tmp_path, [], "t")
     engine_state.want(tmp_path, 8, "llamacpp", "http://m/t/v1/", tmp_path, [], "t")
     engine_state.unwant(tmp_path, 8)
+    broker.delete(tasks.HEARTBEATS_KEY, tasks.COLLECT_PENDING_KEY)
     agent_tasks.send_heartbeat({"engines": [], "gpus": []})
-    assert sent[-1][0] == "fleet.heartbeat" and sent[-1][1][1]["replicas"] == [7]
+    assert json.loads(broker.hget(tasks.HEARTBEATS_KEY, "a"))[1]["replicas"] == [7]
+    assert sent[-1][0] == "fleet.collect"
