@@ -15,7 +15,9 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from .intake import prompt_texts
 from .models import ApiKey, Usage
+from .relay import TAIL_BYTES
 
 USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -39,6 +41,46 @@ def tokens_in(tail: bytes) -> tuple[int, int] | None:
     if prompt is None and completion is None:
         return None
     return int(prompt.group(1)) if prompt else 0, int(completion.group(1)) if completion else 0
+
+
+# A streamed chunk that carries generated text: a chat delta's "content" or a completion's
+# "text", not empty. llama.cpp and vLLM send one token a chunk.
+GENERATED = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
+# Bytes of the last chunk kept to find a match split between two chunks; longer than any match.
+CARRY_BYTES = 64
+# Characters a token, by OpenAI's rule of thumb, counted in UTF-8 bytes so that a script
+# of many bytes a character (CJK: about one token each) is not billed at a quarter.
+BYTES_PER_TOKEN = 4
+
+
+class Answer:
+    """What the gateway saw of one answer on its way through: its end, and the text chunks streamed."""
+
+    def __init__(self) -> None:
+        self.tail = b""
+        self.event_stream = False
+        self.generated = 0
+        self._carry = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+        if self.event_stream:
+            window, seen = self._carry + chunk, len(self._carry)
+            # A match ending inside the carry was counted with the chunk before.
+            self.generated += sum(1 for match in GENERATED.finditer(window) if match.end() > seen)
+            self._carry = window[-CARRY_BYTES:]
+
+    def tokens(self, path: str, request: dict) -> tuple[int, int]:
+        """(prompt, completion): the engine's own count, or what was relayed of a stream cut short."""
+        counted = tokens_in(self.tail)
+        if counted is not None:
+            return counted
+        if not self.event_stream:
+            return 0, 0
+        # The usage chunk comes last and never came. The engine's count is gone with the
+        # connection; asking it again would cost a request to an engine for each hang-up.
+        size = sum(len(text.encode("utf-8", "replace")) for text in prompt_texts(path, request))
+        return -(-size // BYTES_PER_TOKEN), self.generated
 
 
 class Recorder:
