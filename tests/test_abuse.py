@@ -5,7 +5,6 @@ against the byte listener.
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -107,3 +106,116 @@ def test_a_client_that_hangs_up_before_the_usage_chunk_is_billed_for_what_was_re
     assert 599 <= row.completion_tokens <= 600
     # The prompt, estimated from its length: 420 characters at about four a token.
     assert row.prompt_tokens == 105
+
+
+# --- 7. slow clients against the byte listener --------------------------------------
+
+
+class Slowloris:
+    """Connections that each send a request's first line and then one header line every few seconds."""
+
+    def __init__(self, url: str, count: int, every: float) -> None:
+        host, port = url.split("//")[1].rstrip("/").split(":")
+        self.sockets = []
+        for _ in range(count):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.settimeout(None)  # so that a peek with MSG_DONTWAIT says at once whether it is open
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: mirror\r\n")
+            self.sockets.append(sock)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._drip, args=(every,), daemon=True)
+        self.thread.start()
+
+    def _drip(self, every: float) -> None:
+        while not self.stopping.wait(every):
+            for sock in self.sockets:
+                try:
+                    sock.sendall(b"X-Slow: 1\r\n")
+                except OSError:
+                    pass  # closed by the server: what the timeout is for
+
+    def open(self) -> int:
+        return still_open(self.sockets)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        for sock in self.sockets:
+            sock.close()
+
+
+def still_open(sockets: list[socket.socket]) -> int:
+    """How many of these connections the server has not closed (nor answered)."""
+    count = 0
+    for sock in sockets:
+        try:
+            sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            count += 1  # nothing to read and not closed
+        except OSError:
+            pass
+    return count
+
+
+@pytest.fixture
+def slow_clients():
+    made = []
+
+    def make(url: str, count: int, every: float) -> Slowloris:
+        made.append(Slowloris(url, count, every))
+        return made[-1]
+
+    yield make
+    for slow in made:
+        slow.close()
+
+
+def test_a_thousand_slow_clients_do_not_stop_a_download_from_starting_within_a_second(
+    tmp_path, mirror_root, django_db_setup, slow_clients
+):
+    weights = bytes(range(256)) * 16384  # 4 MiB
+    (mirror_root / "m" / "v1").mkdir(parents=True)
+    (mirror_root / "m" / "v1" / "weights.bin").write_bytes(weights)
+    # Heads may take a minute here, so the slow clients are all still open during the download.
+    process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_HEADER_TIMEOUT_S=60)
+    try:
+        slow = slow_clients(url, 1000, every=3)
+        time.sleep(1)  # every one of them has been accepted and is waiting for its head
+        assert slow.open() == 1000
+
+        started = time.monotonic()
+        download = requests.get(url + "m/v1/weights.bin", stream=True, timeout=10)
+        first_byte = time.monotonic() - started
+        body = download.content
+        took = time.monotonic() - started
+        assert download.status_code == 200 and body == weights
+        assert first_byte < 1.0, f"the download began {first_byte:.2f} s after it was asked for"
+        assert took < 2.0, f"the download took {took:.2f} s"
+        assert slow.open() == 1000, "the slow clients were let go before the download: the test proves nothing"
+        assert process.alive()
+    finally:
+        process.stop()
+
+
+def test_slow_and_idle_connections_to_the_byte_listener_are_closed_after_the_header_timeout(
+    tmp_path, mirror_root, django_db_setup, slow_clients
+):
+    process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_HEADER_TIMEOUT_S=2)
+    idle: list[socket.socket] = []
+    try:
+        slow = slow_clients(url, 20, every=0.5)
+        host, port = url.split("//")[1].rstrip("/").split(":")
+        idle += [socket.create_connection((host, int(port))) for _ in range(20)]  # they send nothing at all
+        time.sleep(0.5)
+        assert slow.open() == 20 and still_open(idle) == 20
+
+        def all_closed():
+            return slow.open() == 0 and still_open(idle) == 0
+
+        wait_until(all_closed, timeout=8, what="the slow and idle connections to be closed")
+        # And the listener still answers.
+        assert requests.get(url, timeout=5).status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        process.stop()
