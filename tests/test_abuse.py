@@ -12,11 +12,13 @@ import time
 import pytest
 import requests
 
+from agent import engine_state, engines, supervisor
 from gateway.intake import LONGEST_TOKEN_CHARS
 from gateway.keys import create_key
 from gateway.models import Usage
 
 from .processes import start_byte_listener, wait_until
+from .test_engines import Reports, engine_cleanup, step_until, tiny_gguf  # noqa: F401
 from .test_gateway import add_model, add_replica, client, error_of, replicas, until_routed  # noqa: F401
 
 # --- 2. a prompt that cannot fit its model's context --------------------------------
@@ -219,3 +221,52 @@ def test_slow_and_idle_connections_to_the_byte_listener_are_closed_after_the_hea
         for sock in idle:
             sock.close()
         process.stop()
+
+
+# --- 2. an engine busy with a long prompt is not a dead one -------------------------
+
+
+@pytest.mark.engine
+def test_an_engine_busy_reading_a_long_prompt_is_not_killed_by_its_liveness_check(
+    tmp_path,
+    tiny_gguf,  # noqa: F811
+    engine_cleanup,  # noqa: F811
+):
+    cache = tmp_path / "cache"
+    reports = Reports()
+    # Checked every second, half a second to answer, three in a row: killed after about 4.5 s of silence.
+    sup = supervisor.Supervisor(cache, reports, liveness_interval=1, liveness_timeout=0.5, liveness_failures=3)
+    engine_state.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--n_ctx", "256"], "tiny")
+    step_until(sup, lambda: "ready" in reports.states(), 120, "llama.cpp to answer on /v1/models")
+    endpoint = reports.last()[2]
+    pid = engine_state.read_state(cache)["replicas"]["1"]["pid"]
+
+    # What the attack sent: a prompt the engine reads for many seconds, answering nothing meanwhile.
+    outcome: dict = {}
+
+    def long_prompt() -> None:
+        started = time.monotonic()
+        try:
+            answer = requests.post(
+                endpoint + "/chat/completions",
+                json={"messages": [{"role": "user", "content": "x" * 300_000}], "max_tokens": 8},
+                timeout=300,
+            )
+            outcome["status"] = answer.status_code
+        except requests.RequestException as error:
+            outcome["error"] = error
+        outcome["took"] = time.monotonic() - started
+
+    sender = threading.Thread(target=long_prompt)
+    sender.start()
+    while sender.is_alive():
+        sup.step()
+        time.sleep(0.2)
+
+    assert "error" not in outcome, f"the engine went away mid-request: {outcome['error']}"
+    assert outcome["took"] > 6, "the engine was not busy past the liveness window: the test proves nothing"
+    assert reports.states() == ["starting", "ready"]
+    assert engine_state.read_state(cache)["replicas"]["1"]["pid"] == pid
+    # The engine's own refusal, once it has read the prompt; and it answers again.
+    assert outcome["status"] == 400
+    assert engines.answers(engine_state.read_state(cache)["replicas"]["1"]["port"], timeout=5)
