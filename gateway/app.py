@@ -345,14 +345,14 @@ class Gateway:
                     continue
                 self.cooling.pop(replica, None)
                 gateway_s = sent_at - started
-                answer = Answer()
+                answer = Answer(scope["path"])
                 try:
                     await self.relay(receive, send, response, replica, gateway_s, client_wants_usage, answer)
                 finally:
                     response.close()
                     # Counted however the answer ended: a stream cut short, by either side, is billed for
                     # what was relayed, since its usage chunk (the last) never came.
-                    self.usage.add(key.id, route.name, *answer.tokens(scope["path"], request))
+                    self.usage.add(key.id, route.name, *answer.tokens(request))
                 return
             finally:
                 self.in_flight[replica] -= 1

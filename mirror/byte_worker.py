@@ -18,7 +18,12 @@ from __future__ import annotations
 import io
 import os
 
+import gevent
 from gunicorn.workers.ggevent import GeventWorker
+
+# A reader as fast as the disk never fills the socket, so the greenlet would never wait:
+# after this many bytes it lets this worker's other connections, and its heartbeat, have a turn.
+TURN_BYTES = 16 << 20
 
 
 def cooperative_sendfile(self, file, offset: int = 0, count: int | None = None) -> int:
@@ -30,7 +35,7 @@ def cooperative_sendfile(self, file, offset: int = 0, count: int | None = None) 
             count = os.fstat(source).st_size - offset
     except (AttributeError, io.UnsupportedOperation, OSError):
         return self._sendfile_use_send(file, offset, count)
-    sent = 0
+    sent = turn = 0
     try:
         while sent < count:
             try:
@@ -41,6 +46,9 @@ def cooperative_sendfile(self, file, offset: int = 0, count: int | None = None) 
             if done == 0:
                 break  # the file is shorter than it was said to be
             sent += done
+            if sent - turn >= TURN_BYTES:
+                turn = sent
+                gevent.sleep(0)
         return sent
     finally:
         if sent and hasattr(file, "seek"):
