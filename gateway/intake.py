@@ -96,7 +96,7 @@ def check_prompt_length(path: str, request: dict, route: routes.Route, body_byte
     a byte of JSON), so ordinary requests are not counted at all.
     """
     most = route.context_length * LONGEST_TOKEN_CHARS
-    if body_bytes <= most:
+    if body_bytes <= most or not most:  # a model without a context length is the engine's to judge
         return
     length = sum(len(text) for text in prompt_texts(path, request))
     if length > most:
@@ -110,7 +110,7 @@ def check_prompt_length(path: str, request: dict, route: routes.Route, body_byte
         )
 
 
-def check_limits(path: str, request: dict, route: routes.Route, body_bytes: int = 0) -> None:
+def check_limits(path: str, request: dict, route: routes.Route, body_bytes: int) -> None:
     """Refuse what the model cannot do, before a replica spends time on it.
 
     A prompt that may fit by its length but not in tokens is refused by the engine
