@@ -7,27 +7,35 @@ such clients cost memory, and gunicorn closes any whose head has not arrived wit
 the keep-alive time (`LLMGW_BYTES_HEADER_TIMEOUT_S`), idle kept-alive ones alike.
 
 gevent's own `socket.sendfile` copies the file through Python 8 KiB at a time (its
-comment: os.sendfile is not cooperative), which cost the zero-copy path that keeps
-the byte listener level with nginx. `os.sendfile` on the non-blocking socket is
-cooperative enough: it sends what the socket buffer takes, and the greenlet waits
-for the socket to be writable before the next call, like nginx's event loop.
+comment: os.sendfile is not cooperative), which would cost the zero-copy path that
+keeps the byte listener level with nginx. Calling os.sendfile on the non-blocking
+socket from the event loop keeps it zero-copy but returns each time the socket buffer
+is full, and those round trips cost 10-30 % against nginx (docs/benchmarks.md). So a
+body goes out as gthread sent it, one long blocking sendfile(2) in a thread (gevent's
+pool), in pieces; the socket's SO_SNDTIMEO bounds how long a thread waits for room, and
+a reader slower than that is waited for on the hub, holding no thread.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import socket
+import struct
 
 import gevent
 from gunicorn.workers.ggevent import GeventWorker
 
-# A reader as fast as the disk never fills the socket, so the greenlet would never wait:
-# after this many bytes it lets this worker's other connections, and its heartbeat, have a turn.
-TURN_BYTES = 16 << 20
+# A body goes out in pieces of this size, each one blocking sendfile(2) in a thread of
+# gevent's pool: the kernel loops inside it as it did under gthread.
+PIECE_BYTES = 64 << 20
+# The longest a thread waits for room in a socket; a reader slower than that is waited for on the hub.
+SEND_TIMEOUT = struct.pack("ll", 0, 200_000)
+THREADS = 32
 
 
 def cooperative_sendfile(self, file, offset: int = 0, count: int | None = None) -> int:
-    """socket.sendfile for a gevent socket: os.sendfile, waiting on the hub whenever the socket is full."""
+    """socket.sendfile for a gevent socket: long blocking sendfiles in a thread, waits for room on the hub."""
     self._check_sendfile_params(file, offset, count)
     try:
         source = file.fileno()
@@ -35,20 +43,31 @@ def cooperative_sendfile(self, file, offset: int = 0, count: int | None = None) 
             count = os.fstat(source).st_size - offset
     except (AttributeError, io.UnsupportedOperation, OSError):
         return self._sendfile_use_send(file, offset, count)
-    sent = turn = 0
+    target = self.fileno()
+    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, SEND_TIMEOUT)
+
+    def send(start: int, size: int) -> int:
+        os.set_blocking(target, True)
+        try:
+            return os.sendfile(target, source, start, size)
+        except BlockingIOError:
+            return -1  # no room within SO_SNDTIMEO
+        finally:
+            os.set_blocking(target, False)
+
+    pool = gevent.get_hub().threadpool
+    sent = 0
     try:
         while sent < count:
-            try:
-                done = os.sendfile(self.fileno(), source, offset + sent, count - sent)
-            except BlockingIOError:
-                self._wait(self._write_event)
-                continue
+            size = min(count - sent, PIECE_BYTES)
+            done = pool.apply(send, (offset + sent, size))
             if done == 0:
                 break  # the file is shorter than it was said to be
-            sent += done
-            if sent - turn >= TURN_BYTES:
-                turn = sent
-                gevent.sleep(0)
+            if done > 0:
+                sent += done
+            if done < size:
+                # A slow reader: wait for room on the hub rather than hold a thread for it.
+                self._wait(self._write_event)
         return sent
     finally:
         if sent and hasattr(file, "seek"):
@@ -61,3 +80,4 @@ class ByteWorker(GeventWorker):
         from gevent import socket
 
         socket.socket.sendfile = cooperative_sendfile
+        gevent.get_hub().threadpool.maxsize = THREADS

@@ -270,3 +270,33 @@ def test_an_engine_busy_reading_a_long_prompt_is_not_killed_by_its_liveness_chec
     # The engine's own refusal, once it has read the prompt; and it answers again.
     assert outcome["status"] == 400
     assert engines.answers(engine_state.read_state(cache)["replicas"]["1"]["port"], timeout=5)
+
+
+def test_clients_that_stop_reading_mid_download_do_not_hold_up_the_next_download(
+    tmp_path, mirror_root, django_db_setup
+):
+    """A body goes out in a thread while the client reads; one that stops reading gives the thread back."""
+    (mirror_root / "m" / "v1").mkdir(parents=True)
+    (mirror_root / "m" / "v1" / "large.bin").write_bytes(b"\0" * (32 << 20))
+    weights = bytes(range(256)) * 16384  # 4 MiB
+    (mirror_root / "m" / "v1" / "weights.bin").write_bytes(weights)
+    process, url = start_byte_listener(mirror_root, tmp_path)
+    host, port = url.split("//")[1].rstrip("/").split(":")
+    stalled = []
+    try:
+        for _ in range(100):
+            sock = socket.create_connection((host, int(port)))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"GET /m/v1/large.bin HTTP/1.1\r\nHost: mirror\r\n\r\n")
+            stalled.append(sock)  # and never read from
+        time.sleep(2)
+        started = time.monotonic()
+        download = requests.get(url + "m/v1/weights.bin", stream=True, timeout=10)
+        first_byte = time.monotonic() - started
+        assert download.status_code == 200 and download.content == weights
+        assert first_byte < 1.0, f"the download began {first_byte:.2f} s after it was asked for"
+        assert time.monotonic() - started < 2.0
+    finally:
+        for sock in stalled:
+            sock.close()
+        process.stop()
