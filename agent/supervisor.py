@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import django
+import psutil
 from celery import current_app
 from django.conf import settings
 
@@ -56,6 +57,13 @@ REREPORT_S = 60.0
 LIVENESS_INTERVAL_S = 10.0
 LIVENESS_TIMEOUT_S = 5.0
 LIVENESS_FAILURES = 3
+# An unanswered check does not count while the engine is busy: using at least this share
+# of a core since the last check. llama.cpp answers no check while it reads a long prompt
+# (a megabyte took 30-38 s), and killing it then cut every other request; a hung engine
+# (deadlocked, stopped) uses none. Busy and silent for this long, it is taken for stuck in
+# a loop: the gateway has given up on its requests by then (LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S).
+BUSY_CPU_SHARE = 0.05
+LIVENESS_BUSY_GRACE_S = 600.0
 
 
 class Supervisor:
@@ -72,6 +80,7 @@ class Supervisor:
         liveness_interval: float = LIVENESS_INTERVAL_S,
         liveness_timeout: float = LIVENESS_TIMEOUT_S,
         liveness_failures: int = LIVENESS_FAILURES,
+        liveness_busy_grace: float = LIVENESS_BUSY_GRACE_S,
     ):
         self.cache = Path(cache)
         self.report = report
@@ -89,6 +98,7 @@ class Supervisor:
         self.liveness_interval = liveness_interval
         self.liveness_timeout = liveness_timeout
         self.liveness_failures = liveness_failures
+        self.liveness_busy_grace = liveness_busy_grace
         # Engines this process started, so their exit is reaped and its code known.
         self.children: dict[int, subprocess.Popen] = {}
         self.last_report: dict[int, float] = {}
@@ -146,7 +156,8 @@ class Supervisor:
                     reports.append(self._crashed(entry, now, code))
                 elif not entry["ready"]:
                     if engines.answers(entry["port"], host=self.check_host, timeout=0.5):
-                        entry.update(ready=True, ready_since=now)
+                        # What the liveness check measured was of the engine before this one.
+                        entry.update(ready=True, ready_since=now, cpu=None, busy_since=None)
                         reports.append((replica_id, "ready", self.endpoint(entry["port"]), ""))
                     elif now - entry.get("started", now) > self.startup_timeout:
                         engines.stop_group(entry["pid"], grace=5)
@@ -183,26 +194,42 @@ class Supervisor:
             replica_id: engines.answers(port, host=self.check_host, timeout=self.liveness_timeout)
             for replica_id, _, port in to_check
         }
+        cpu = {replica_id: cpu_seconds(pid) for replica_id, pid, _ in to_check}
         reports = []
         with engine_state.locked_state(self.cache) as state:
             for replica_id, pid, port in to_check:
                 entry = state["replicas"].get(str(replica_id))
                 if entry is None or not entry.get("ready") or entry.get("pid") != pid or entry.get("port") != port:
                     continue  # stopped, restarted or replaced meanwhile
-                entry["checked"] = now
+                last_cpu, last_checked = entry.get("cpu"), entry.get("checked")
+                entry["checked"], entry["cpu"] = now, cpu[replica_id]
                 if answered[replica_id]:
+                    entry.update(unanswered=0, busy_since=None)
+                    continue
+                busy = None not in (last_cpu, last_checked, cpu[replica_id]) and (
+                    cpu[replica_id] - last_cpu >= BUSY_CPU_SHARE * max(now - last_checked, 0.001)
+                )
+                if busy:
                     entry["unanswered"] = 0
-                    continue
-                entry["unanswered"] = entry.get("unanswered", 0) + 1
-                if entry["unanswered"] < self.liveness_failures:
-                    continue
+                    entry["busy_since"] = entry.get("busy_since") or now
+                    if now - entry["busy_since"] < self.liveness_busy_grace:
+                        log.info(
+                            "replica %s: the engine is busy and did not answer its check; left to work", replica_id
+                        )
+                        continue
+                    why = f"stopped answering (busy and silent for {now - entry['busy_since']:.0f} s)"
+                else:
+                    entry["busy_since"] = None
+                    entry["unanswered"] = entry.get("unanswered", 0) + 1
+                    if entry["unanswered"] < self.liveness_failures:
+                        continue
+                    why = f"stopped answering ({self.liveness_failures} checks of /v1/models in a row went unanswered)"
                 log.warning("replica %s: the engine (pid %s) stopped answering; killing it", replica_id, pid)
                 engines.stop_group(pid, grace=5)
                 child = self.children.pop(pid, None)
                 if child is not None:
                     child.wait(timeout=5)
                 entry["unanswered"] = 0
-                why = f"stopped answering ({self.liveness_failures} checks of /v1/models in a row went unanswered)"
                 reports.append(self._crashed(entry, now, None, why))
         return reports
 
@@ -277,6 +304,22 @@ class Supervisor:
             except Exception:
                 log.exception("supervisor step failed")
             stop.wait(interval)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time the engine and its children have used so far; None when it cannot be read."""
+    try:
+        process = psutil.Process(pid)
+        members = [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return None
+    used = 0.0
+    for member in members:
+        try:
+            used += sum(member.cpu_times()[:2])  # user and system
+        except psutil.Error:
+            pass  # a child that ended meanwhile
+    return used
 
 
 def celery_report(token: str) -> Report:

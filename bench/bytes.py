@@ -4,7 +4,7 @@
     .venv/bin/python bench/bytes.py [--size-mib 2048] [--runs 5] [--streams 8]
 
 Writes a file of --size-mib into a temporary mirror, serves that directory from
-llmgw's byte listener (gunicorn, gthread, sendfile) and from nginx (Debian's
+llmgw's byte listener (gunicorn, gevent, sendfile) and from nginx (Debian's
 package, sendfile on), and fetches it with curl, alternating between the two so
 that neither gets a warmer machine. Prints medians and ratios (llmgw / nginx):
 

@@ -26,8 +26,8 @@ from . import routes
 from .errors import ClientGone, Refusal
 from .intake import check_limits, parse_request, read_body, sentence_of
 from .keys import hash_key
-from .relay import TAIL_BYTES, EventFilter
-from .usage import Recorder, tokens_in
+from .relay import EventFilter
+from .usage import Answer, Recorder
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -221,7 +221,7 @@ class Gateway:
                 kind="permission_error",
                 code="model_not_allowed",
             )
-        check_limits(path, request, route)
+        check_limits(path, request, route, len(body))
         changed = False
         if name != route.name:
             # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
@@ -239,7 +239,7 @@ class Gateway:
             raise Refusal(
                 503, reason, kind="service_unavailable", code="no_ready_replica", headers=[(b"retry-after", b"5")]
             )
-        await self.forward(scope, receive, send, key, route, target, body, client_wants_usage, started)
+        await self.forward(scope, receive, send, key, route, target, body, client_wants_usage, started, request)
 
     async def authorize(self, scope) -> routes.Key:
         given = b""
@@ -313,7 +313,9 @@ class Gateway:
                 best, best_score = upstream, score
         return best
 
-    async def forward(self, scope, receive, send, key, route, target, body, client_wants_usage, started) -> None:
+    async def forward(
+        self, scope, receive, send, key, route, target, body, client_wants_usage, started, request
+    ) -> None:
         tried: set[int] = set()
         failures = []
         while True:
@@ -350,21 +352,26 @@ class Gateway:
                     continue
                 self.cooling.pop(replica, None)
                 gateway_s = sent_at - started
+                answer = Answer(scope["path"])
                 try:
-                    tail = await self.relay(receive, send, response, replica, gateway_s, client_wants_usage)
+                    await self.relay(receive, send, response, replica, gateway_s, client_wants_usage, answer)
                 finally:
                     response.close()
-                prompt, completion = tokens_in(tail) or (0, 0)
-                self.usage.add(key.id, route.name, prompt, completion)
+                    # Counted however the answer ended: a stream cut short, by either side, is billed for
+                    # what was relayed, since its usage chunk (the last) never came.
+                    self.usage.add(key.id, route.name, *answer.tokens(request))
                 return
             finally:
                 self.in_flight[replica] -= 1
 
-    async def relay(self, receive, send, response, replica: int, gateway_s: float, client_wants_usage: bool) -> bytes:
-        """Pass the replica's answer on as it comes; returns its last bytes, where the usage is."""
+    async def relay(
+        self, receive, send, response, replica: int, gateway_s: float, client_wants_usage: bool, answer: Answer
+    ) -> None:
+        """Pass the replica's answer on as it comes, noting in `answer` what usage needs."""
         answered_at = time.perf_counter()
         content_type = response.headers.get("Content-Type", "application/json")
         event_stream = content_type.startswith("text/event-stream")
+        answer.event_stream = event_stream
         events = EventFilter() if event_stream and not client_wants_usage else None
         headers = [(b"content-type", content_type.encode("latin-1"))]
         if event_stream:
@@ -388,11 +395,10 @@ class Gateway:
                     return
 
         watcher = asyncio.get_running_loop().create_task(watch())
-        tail = b""
         try:
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             async for chunk in response.content.iter_any():
-                tail = (tail + chunk)[-TAIL_BYTES:]
+                answer.feed(chunk)
                 if events is not None:
                     chunk = events.feed(chunk)
                     if not chunk:
@@ -406,7 +412,7 @@ class Gateway:
                 raise
             # The client went away: the answer so far is counted, the replica's connection closed.
             asyncio.current_task().uncancel()
-            return tail
+            return
         except aiohttp.ClientError as error:
             # The replica broke off or fell silent mid-answer: too late for another replica,
             # so the client's connection is cut rather than ended as if the answer were whole.
@@ -414,7 +420,6 @@ class Gateway:
             raise ClientGone from None
         finally:
             watcher.cancel()
-        return tail
 
 
 def timing(seconds: float) -> tuple[bytes, bytes]:

@@ -15,7 +15,9 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from .intake import prompt_texts
 from .models import ApiKey, Usage
+from .relay import TAIL_BYTES
 
 USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -39,6 +41,53 @@ def tokens_in(tail: bytes) -> tuple[int, int] | None:
     if prompt is None and completion is None:
         return None
     return int(prompt.group(1)) if prompt else 0, int(completion.group(1)) if completion else 0
+
+
+# A streamed chunk that carries generated text: a chat delta's "content" or a completion's
+# "text", not empty, as engines write JSON (no space or one after the colon). llama.cpp and
+# vLLM send one token a chunk. A literal start lets the regex engine skip ahead: about half
+# a microsecond a chunk.
+GENERATED = {
+    "/v1/chat/completions": re.compile(rb'"content": ?"[^"]'),
+    "/v1/completions": re.compile(rb'"text": ?"[^"]'),
+}
+# The end of the last chunk kept to find a match split between two chunks: a match is at most 14 bytes.
+CARRY_BYTES = 16
+# Characters a token, by OpenAI's rule of thumb, counted in UTF-8 bytes so that a script
+# of many bytes a character (CJK: about one token each) is not billed at a quarter.
+BYTES_PER_TOKEN = 4
+
+
+class Answer:
+    """What the gateway saw of one answer on its way through: its end, and the text chunks streamed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tail = b""
+        self.event_stream = False
+        self.generated = 0
+        self._pattern = GENERATED.get(path)
+        self._carry = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+        if self.event_stream and self._pattern is not None:
+            window = self._carry + chunk
+            # A match wholly inside the carry was counted with the chunk before.
+            self.generated += len(self._pattern.findall(window)) - len(self._pattern.findall(self._carry))
+            self._carry = window[-CARRY_BYTES:]
+
+    def tokens(self, request: dict) -> tuple[int, int]:
+        """(prompt, completion): the engine's own count, or what was relayed of a stream cut short."""
+        counted = tokens_in(self.tail)
+        if counted is not None:
+            return counted
+        if not self.event_stream:
+            return 0, 0
+        # The usage chunk comes last and never came. The engine's count is gone with the
+        # connection; asking it again would cost a request to an engine for each hang-up.
+        size = sum(len(text.encode("utf-8", "replace")) for text in prompt_texts(self.path, request))
+        return -(-size // BYTES_PER_TOKEN), self.generated
 
 
 class Recorder:

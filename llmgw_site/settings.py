@@ -61,8 +61,11 @@ LLMGW_ALLOW_REMOTE_CODE = env_bool("LLMGW_ALLOW_REMOTE_CODE", False)
 # Where engines listen on a node, and the host the gateway reaches them by.
 LLMGW_ENGINE_HOST = env_str("LLMGW_ENGINE_HOST", "127.0.0.1")
 LLMGW_ENGINE_ADVERTISE = env_str("LLMGW_ENGINE_ADVERTISE", "")
-BYTES_THREADS = env_int("LLMGW_BYTES_THREADS", 32, minimum=1)
-# gunicorn's worker heartbeat timeout; with threads it bounds a stuck worker, not a long download.
+# Connections one byte-listener process holds at once (gevent: each costs a greenlet, not a thread).
+BYTES_CONNECTIONS = env_int("LLMGW_BYTES_CONNECTIONS", 10000, minimum=1)
+# A connection whose request head has not arrived within this time is closed, kept-alive idle ones too.
+BYTES_HEADER_TIMEOUT_S = env_int("LLMGW_BYTES_HEADER_TIMEOUT_S", 10, minimum=1)
+# gunicorn's worker heartbeat timeout; it bounds a stuck worker, not a long download (the hub beats between sends).
 BYTES_WORKER_TIMEOUT_S = env_int("LLMGW_BYTES_WORKER_TIMEOUT_S", 120, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
 # `manage.py up` puts a tiny demo GGUF into the mirror (tiny-demo/v1) unless one is there.

@@ -62,8 +62,8 @@ class FakeReplica:
             for i in range(self.chunks):
                 chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": f"c{i}"}}]}
                 await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                if body.get("hold") and i == 0:
-                    # Wait here, with the first chunk sent, until the test lets go.
+                if i == (0 if body.get("hold") else body.get("hold_after")):
+                    # Wait here, with this chunk sent (the first, or the one asked for), until the test lets go.
                     while not self.release.is_set():
                         await asyncio.sleep(0.02)
                         if request.transport is None or request.transport.is_closing():

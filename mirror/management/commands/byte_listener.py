@@ -1,4 +1,5 @@
 import os
+import resource
 import sys
 
 from django.conf import settings
@@ -15,6 +16,10 @@ class Command(BaseCommand):
         host, port = settings.BYTES_ADDR
         bind = addr or f"{host}:{port}"
         settings.MIRROR_ROOT.mkdir(parents=True, exist_ok=True)
+        # Every connection is a descriptor, and the point is to hold thousands of them.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
         env = dict(os.environ, LLMGW_ROLE="bytes", DJANGO_SETTINGS_MODULE="llmgw_site.settings")
         argv = [
             sys.executable,
@@ -23,21 +28,21 @@ class Command(BaseCommand):
             "llmgw_site.wsgi_bytes:application",
             "--bind",
             bind,
-            # Threads, so eight nodes fetching at once are eight streams at once
-            # rather than a queue; the gthread worker's heartbeat does not depend
-            # on a request finishing, so a multi-GB download is never cut.
+            # gevent, so a client sending its head slowly holds a greenlet, not a thread
+            # every download needs (mirror/byte_worker.py says why, and how sendfile stays
+            # zero-copy). A head not read within the keep-alive time closes the connection.
             "--worker-class",
-            "gthread",
+            "mirror.byte_worker.ByteWorker",
             "--workers",
             str(settings.BYTES_WORKERS),
-            "--threads",
-            str(settings.BYTES_THREADS),
+            "--worker-connections",
+            str(settings.BYTES_CONNECTIONS),
             "--timeout",
             str(settings.BYTES_WORKER_TIMEOUT_S),
             "--graceful-timeout",
             "10",
             "--keep-alive",
-            "30",
+            str(settings.BYTES_HEADER_TIMEOUT_S),
             "--name",
             "llmgw-bytes",
         ]
