@@ -26,6 +26,10 @@ ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+TEXT_DELTA = (
+    b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": %d, '
+    b'"delta": {"type": "text_delta", "text": %s}}\n\n'
+)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 
 
@@ -265,7 +269,8 @@ class MessagesStream(ChatStream):
             if text:
                 if self.open_kind != "text":
                     out += self._open("text", {"type": "text", "text": ""})
-                out += self._delta({"type": "text_delta", "text": text})
+                # The event of every token, written without building a dict to encode.
+                out += TEXT_DELTA % (self.block, json.dumps(text).encode())
             for call in delta.get("tool_calls") or []:
                 index = call.get("index", 0)
                 function = call.get("function") or {}

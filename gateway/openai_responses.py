@@ -15,6 +15,10 @@ import uuid
 from .errors import Refusal
 from .translation import ChatStream, Translation, engine_message, sse, text_of
 
+TEXT_DELTA = (
+    b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "sequence_number": %d, '
+    b'"item_id": "%s", "output_index": %d, "content_index": 0, "delta": %s, "logprobs": []}\n\n'
+)
 # Fields the answer repeats from the request, as OpenAI's does.
 ECHOED = ("instructions", "max_output_tokens", "temperature", "top_p", "tool_choice", "parallel_tool_calls")
 
@@ -295,14 +299,14 @@ class ResponsesStream(ChatStream):
                 if self.open_key != "text":
                     out += self._open("text", message_item("msg_" + uuid.uuid4().hex, "", "in_progress"))
                 self.open["content"][0]["text"] += text
-                out += self._event(
-                    "response.output_text.delta",
-                    item_id=self.open["id"],
-                    output_index=len(self.output) - 1,
-                    content_index=0,
-                    delta=text,
-                    logprobs=[],
+                # The event of every token, written without building a dict to encode.
+                out += TEXT_DELTA % (
+                    self.sequence,
+                    self.open["id"].encode(),
+                    len(self.output) - 1,
+                    json.dumps(text).encode(),
                 )
+                self.sequence += 1
             for call in delta.get("tool_calls") or []:
                 key = ("tool", call.get("index", 0))
                 function = call.get("function") or {}

@@ -23,7 +23,7 @@ import aiohttp
 
 from .errors import ClientGone, Refusal
 from .intake import sentence_of
-from .relay import EVENT_END, TAIL_BYTES, complete_events
+from .relay import TAIL_BYTES, complete_events
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -78,18 +78,17 @@ class ChatStream:
 
     def _events(self, events: bytes) -> bytes:
         out = []
-        for event in EVENT_END.split(events):
-            for line in event.splitlines():
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    if not self.finished:
-                        self.finished = True
-                        out.append(self.finish())
-                elif data and not self.finished:
-                    chunk = json.loads(data)
-                    out.append(self.failed(chunk) if "error" in chunk else self.chunk(chunk))
+        for line in events.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                if not self.finished:
+                    self.finished = True
+                    out.append(self.finish())
+            elif data and not self.finished:
+                chunk = json.loads(data)
+                out.append(self.failed(chunk) if "error" in chunk else self.chunk(chunk))
         return b"".join(out)
 
     def chunk(self, chunk: dict) -> bytes:
