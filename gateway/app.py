@@ -170,7 +170,7 @@ class Gateway:
         try:
             await self.handle(scope, receive, send, started)
         except Refusal as refusal:
-            if scope.get("path") == "/v1/messages":
+            if scope.get("path", "").startswith("/v1/messages"):
                 refusal = AnthropicRefusal.of(refusal)
             await self.refuse(send, refusal, started)
         except ClientGone:
@@ -181,7 +181,7 @@ class Gateway:
             failure = Refusal(
                 500, "The gateway failed to answer; its log says why.", kind="api_error", code="internal_error"
             )
-            if scope.get("path") == "/v1/messages":
+            if scope.get("path", "").startswith("/v1/messages"):
                 failure = AnthropicRefusal.of(failure)
             try:
                 await self.refuse(send, failure, started)

@@ -103,6 +103,22 @@ def _tools(request: dict) -> dict:
     return out
 
 
+def _format(request: dict) -> dict:
+    """`text.format` (structured output) as chat's `response_format`."""
+    text = request.get("text")
+    form = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(form, dict) or form.get("type") in (None, "text"):
+        return {}
+    if form["type"] == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if form["type"] == "json_schema":
+        schema = {"name": form.get("name") or "answer", "schema": form.get("schema") or {}}
+        if form.get("strict") is not None:
+            schema["strict"] = form["strict"]
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    raise Refusal(400, f'"text.format" of type {form["type"]!r} is not one of text, json_object, json_schema.')
+
+
 class Responses(Translation):
     def __init__(self, request: dict) -> None:
         if request.get("previous_response_id"):
@@ -122,6 +138,7 @@ class Responses(Translation):
             if request.get(field) is not None:
                 chat[field] = request[field]
         chat.update(_tools(request))
+        chat.update(_format(request))
         self.streamed = request.get("stream") is True
         if self.streamed:
             chat["stream"] = True
@@ -130,6 +147,9 @@ class Responses(Translation):
         self.echo = {field: request.get(field) for field in ECHOED}
         self.echo["tools"] = request.get("tools") or []
         self.echo["metadata"] = request.get("metadata") or {}
+        self.echo["text"] = (
+            request.get("text") if isinstance(request.get("text"), dict) else {"format": {"type": "text"}}
+        )
         self.id = "resp_" + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -144,7 +164,6 @@ class Responses(Translation):
             "usage": usage,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
-            "text": {"format": {"type": "text"}},
             "truncation": "disabled",
             "store": False,
             "previous_response_id": None,

@@ -321,3 +321,37 @@ def test_both_apis_are_counted_as_usage_streamed_or_not(served):
 
     row = wait_until(counted, timeout=10, what="four requests counted")
     assert (row.prompt_tokens, row.completion_tokens) == (44, 12)
+
+
+def test_structured_output_is_asked_of_the_engine_as_chats_response_format(served):
+    replica, _, gpt = served
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    gpt.responses.create(
+        model="chat", input="hi", text={"format": {"type": "json_schema", "name": "place", "schema": schema}}
+    )
+    assert replica.requests[-1]["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "place", "schema": schema},
+    }
+
+
+def test_a_replicas_refusal_of_a_streamed_request_is_the_clients_own_error_and_odd_blocks_are_named(served, gateway):
+    replica, claude, gpt = served
+    replica.status = 400
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        list(
+            claude.messages.create(
+                model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+            )
+        )
+    assert refused.value.body["error"] == {"type": "invalid_request_error", "message": "the replica answers 400"}
+    with pytest.raises(openai.BadRequestError) as also:
+        list(gpt.responses.create(model="chat", input="hi", stream=True))
+    assert also.value.message.endswith("the replica answers 400")
+    replica.status = 200
+    image = {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:1/cat.png"}}
+    with pytest.raises(anthropic.BadRequestError) as odd:
+        claude.messages.create(model="chat", messages=[{"role": "user", "content": [image]}], max_tokens=5)
+    assert "'image'" in odd.value.body["error"]["message"]
+    nothing = requests.post(gateway.url + "/v1/messages/count_tokens", json={}, headers={"x-api-key": claude.api_key})
+    assert nothing.status_code == 404 and nothing.json()["error"]["type"] == "not_found_error"
