@@ -33,6 +33,7 @@ class FakeReplica:
         # or with a call of this tool, {"name": ..., "arguments": "{...}"}, as an engine calls tools.
         self.status = 200
         self.tool_call: dict | None = None
+        self.hold = False  # hold every stream after its first chunk, as "hold": true in a body does
         self.stop_reason: str | None = None  # vLLM names the stop sequence that ended an answer here
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -77,7 +78,7 @@ class FakeReplica:
             for i in range(self.chunks):
                 chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": f"c{i}"}}]}
                 await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                if body.get("hold") and i == 0:
+                if (body.get("hold") or self.hold) and i == 0:
                     # Wait here, with the first chunk sent, until the test lets go.
                     while not self.release.is_set():
                         await asyncio.sleep(0.02)

@@ -355,3 +355,23 @@ def test_a_replicas_refusal_of_a_streamed_request_is_the_clients_own_error_and_o
     assert "'image'" in odd.value.body["error"]["message"]
     nothing = requests.post(gateway.url + "/v1/messages/count_tokens", json={}, headers={"x-api-key": claude.api_key})
     assert nothing.status_code == 404 and nothing.json()["error"]["type"] == "not_found_error"
+
+
+def test_a_client_that_hangs_up_mid_stream_closes_the_replicas_connection_on_both_apis(served, gateway):
+    replica, claude, _ = served
+    replica.hold = True
+    bodies = {
+        "/v1/messages": {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+        "/v1/responses": {"model": "chat", "input": "hi"},
+    }
+    for n, (path, body) in enumerate(bodies.items(), start=1):
+        with requests.post(
+            gateway.url + path,
+            json={**body, "stream": True},
+            headers={"x-api-key": claude.api_key},
+            stream=True,
+            timeout=30,
+        ) as held:
+            first = next(held.iter_lines())
+            assert first.startswith(b"event: ")  # message_start or response.created, the first chunk translated
+        wait_until(lambda n=n: replica.hung_up == n, timeout=10, what=f"the replica to see {path}'s client leave")
