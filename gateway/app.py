@@ -268,8 +268,8 @@ class Gateway:
         if scheme.lower() != "bearer" or not secret.strip():
             raise Refusal(
                 401,
-                "No API key: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>'). Staff create keys in the admin "
-                "or with 'manage.py api_key create NAME'.",
+                "No API key: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>'). "
+                "Staff create keys in the admin or with 'manage.py api_key create NAME'.",
                 code="invalid_api_key",
             )
         digest = hash_key(secret.strip())
