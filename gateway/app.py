@@ -23,10 +23,13 @@ from django.conf import settings
 from django.db import connection
 
 from . import routes
+from .anthropic_messages import AnthropicRefusal, Messages
 from .errors import ClientGone, Refusal
 from .intake import check_limits, parse_request, read_body, sentence_of
 from .keys import hash_key
+from .openai_responses import Responses
 from .relay import EventFilter
+from .translation import relay_translated
 from .usage import Answer, Recorder
 
 log = logging.getLogger("llmgw.gateway")
@@ -36,7 +39,12 @@ ENDPOINTS = {
     "/v1/chat/completions": "/chat/completions",
     "/v1/completions": "/completions",
     "/v1/embeddings": "/embeddings",
+    "/v1/messages": "/chat/completions",
+    "/v1/responses": "/chat/completions",
 }
+CHAT = "/v1/chat/completions"
+# Other clients' APIs, translated to chat completions for the engines (translation.py).
+TRANSLATIONS = {"/v1/messages": Messages, "/v1/responses": Responses}
 # A replica that refused a connection is tried last for this long, so one dead
 # engine costs one failed connect, not one per request, until the table says so.
 COOLDOWN_S = 5.0
@@ -163,6 +171,8 @@ class Gateway:
         try:
             await self.handle(scope, receive, send, started)
         except Refusal as refusal:
+            if scope.get("path", "").startswith("/v1/messages"):
+                refusal = AnthropicRefusal.of(refusal)
             await self.refuse(send, refusal, started)
         except ClientGone:
             pass
@@ -172,6 +182,8 @@ class Gateway:
             failure = Refusal(
                 500, "The gateway failed to answer; its log says why.", kind="api_error", code="internal_error"
             )
+            if scope.get("path", "").startswith("/v1/messages"):
+                failure = AnthropicRefusal.of(failure)
             try:
                 await self.refuse(send, failure, started)
             except Exception:
@@ -197,7 +209,7 @@ class Gateway:
             raise Refusal(
                 404,
                 f"There is nothing at {path}. The gateway answers /v1/models, /v1/chat/completions, "
-                "/v1/completions and /v1/embeddings.",
+                "/v1/completions, /v1/embeddings, /v1/messages and /v1/responses.",
                 code="unknown_url",
             )
         if method != "POST":
@@ -205,6 +217,10 @@ class Gateway:
         key = await self.authorize(scope)
         body = await read_body(receive, settings.GATEWAY_MAX_BODY)
         request = parse_request(body)
+        translation = None
+        if path in TRANSLATIONS:
+            translation = TRANSLATIONS[path](request)
+            request = translation.chat
         name = request["model"]
         route = self.table.routes.get(name)
         if route is None:
@@ -221,8 +237,9 @@ class Gateway:
                 kind="permission_error",
                 code="model_not_allowed",
             )
-        check_limits(path, request, route, len(body))
-        changed = False
+        # A translated request is a chat completion from here on, and is checked as one.
+        check_limits(path if translation is None else CHAT, request, route, len(body))
+        changed = translation is not None
         if name != route.name:
             # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
             request["model"], changed = route.name, True
@@ -239,7 +256,9 @@ class Gateway:
             raise Refusal(
                 503, reason, kind="service_unavailable", code="no_ready_replica", headers=[(b"retry-after", b"5")]
             )
-        await self.forward(scope, receive, send, key, route, target, body, client_wants_usage, started, request)
+        await self.forward(
+            scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation
+        )
 
     async def authorize(self, scope) -> routes.Key:
         given = b""
@@ -247,12 +266,14 @@ class Gateway:
             if header == b"authorization":
                 given = value
                 break
+            if header == b"x-api-key":  # how Anthropic's clients send it
+                given = b"Bearer " + value
         scheme, _, secret = given.decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
             raise Refusal(
                 401,
-                "No API key: send it as 'Authorization: Bearer <key>'. Staff create keys in the admin "
-                "or with 'manage.py api_key create NAME'.",
+                "No API key: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>'). "
+                "Staff create keys in the admin or with 'manage.py api_key create NAME'.",
                 code="invalid_api_key",
             )
         digest = hash_key(secret.strip())
@@ -314,7 +335,7 @@ class Gateway:
         return best
 
     async def forward(
-        self, scope, receive, send, key, route, target, body, client_wants_usage, started, request
+        self, scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation=None
     ) -> None:
         tried: set[int] = set()
         failures = []
@@ -352,9 +373,12 @@ class Gateway:
                     continue
                 self.cooling.pop(replica, None)
                 gateway_s = sent_at - started
-                answer = Answer(scope["path"])
+                answer = Answer(scope["path"] if translation is None else CHAT)
                 try:
-                    await self.relay(receive, send, response, replica, gateway_s, client_wants_usage, answer)
+                    if translation is None:
+                        await self.relay(receive, send, response, replica, gateway_s, client_wants_usage, answer)
+                    else:
+                        await relay_translated(translation, receive, send, response, replica, gateway_s, answer)
                 finally:
                     response.close()
                     # Counted however the answer ended: a stream cut short, by either side, is billed for

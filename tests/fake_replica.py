@@ -29,6 +29,12 @@ class FakeReplica:
         self.release = threading.Event()  # lets held streams finish
         self.usage = {"prompt_tokens": 11, "completion_tokens": 3}
         self.chunks = 3
+        # Steering: answer with this status and an OpenAI error instead (429: a replica out of room),
+        # or with a call of this tool, {"name": ..., "arguments": "{...}"}, as an engine calls tools.
+        self.status = 200
+        self.tool_call: dict | None = None
+        self.hold = False  # hold every stream after its first chunk, as "hold": true in a body does
+        self.stop_reason: str | None = None  # vLLM names the stop sequence that ended an answer here
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -43,6 +49,11 @@ class FakeReplica:
         self.paths.append(request.path)
         if body.get("delay"):
             await asyncio.sleep(body["delay"])
+        if self.status != 200:
+            error = {"message": f"the replica answers {self.status}", "type": "rate_limit_error", "code": None}
+            return web.json_response({"error": error}, status=self.status)
+        if self.tool_call is not None:
+            return await self._call_tool(request, body)
         if not body.get("stream"):
             return web.json_response(
                 {
@@ -51,7 +62,12 @@ class FakeReplica:
                     "replica": self.name,
                     "usage": self.usage,
                     "choices": [
-                        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "ok"},
+                            "finish_reason": "stop",
+                            "stop_reason": self.stop_reason,
+                        }
                     ],
                 }
             )
@@ -62,7 +78,7 @@ class FakeReplica:
             for i in range(self.chunks):
                 chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": f"c{i}"}}]}
                 await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                if i == (0 if body.get("hold") else body.get("hold_after")):
+                if i == (0 if body.get("hold") or self.hold else body.get("hold_after")):
                     # Wait here, with this chunk sent (the first, or the one asked for), until the test lets go.
                     while not self.release.is_set():
                         await asyncio.sleep(0.02)
@@ -78,6 +94,41 @@ class FakeReplica:
             raise
         finally:
             self.open_streams -= 1
+        return response
+
+    async def _call_tool(self, request: web.Request, body: dict) -> web.StreamResponse:
+        call = {"id": "call_1", "type": "function", "function": self.tool_call}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+            choice = {"index": 0, "message": message, "finish_reason": "tool_calls"}
+            return web.json_response({"object": "chat.completion", "usage": self.usage, "choices": [choice]})
+        # Streamed as llama.cpp and vLLM do: the name first, then the arguments in pieces.
+        arguments = self.tool_call["arguments"]
+        half = len(arguments) // 2
+        deltas = [
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": self.tool_call["name"], "arguments": ""},
+                    }
+                ]
+            },
+            {"tool_calls": [{"index": 0, "function": {"arguments": arguments[:half]}}]},
+            {"tool_calls": [{"index": 0, "function": {"arguments": arguments[half:]}}]},
+        ]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for n, delta in enumerate(deltas):
+            choice = {"index": 0, "delta": delta, "finish_reason": "tool_calls" if n == len(deltas) - 1 else None}
+            chunk = {"object": "chat.completion.chunk", "choices": [choice]}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        usage = {"object": "chat.completion.chunk", "choices": [], "usage": self.usage}
+        await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
         return response
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -1,0 +1,358 @@
+"""OpenAI's Responses API at `/v1/responses`, the stateless part, translated to and from chat completions.
+
+What new OpenAI SDK code and agent frameworks call first: `input` as a string or
+items (messages, function calls and their outputs), `instructions`,
+`max_output_tokens`, function tools. Stored responses are not kept, so a request
+that names a previous response is refused with a sentence saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from .errors import Refusal
+from .translation import ChatStream, Translation, engine_message, sse, text_of
+
+TEXT_DELTA = (
+    b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "sequence_number": %d, '
+    b'"item_id": "%s", "output_index": %d, "content_index": 0, "delta": %s, "logprobs": []}\n\n'
+)
+# Fields the answer repeats from the request, as OpenAI's does.
+ECHOED = ("instructions", "max_output_tokens", "temperature", "top_p", "tool_choice", "parallel_tool_calls")
+
+
+def _input(request: dict) -> list[dict]:
+    chat = []
+    if request.get("instructions"):
+        chat.append({"role": "system", "content": text_of(request["instructions"], '"instructions"')})
+    given = request.get("input")
+    if isinstance(given, str):
+        chat.append({"role": "user", "content": given})
+        return chat
+    if not isinstance(given, list) or not given:
+        raise Refusal(400, '"input" must be a string or a list of items.', param="input")
+    for n, item in enumerate(given):
+        where = f"input[{n}]"
+        if not isinstance(item, dict):
+            raise Refusal(400, f"{where} must be an object.", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise Refusal(400, f"{where} has role {role!r}; it must be user, assistant, system or developer.")
+            chat.append(
+                {"role": "system" if role == "developer" else role, "content": text_of(item.get("content"), where)}
+            )
+        elif kind == "function_call":
+            call = {
+                "id": str(item.get("call_id", "")),
+                "type": "function",
+                "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", "{}"))},
+            }
+            last = chat[-1] if chat else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)  # calls made together go in one assistant message
+            else:
+                chat.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            chat.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": str(item.get("call_id", "")),
+                    "content": output if isinstance(output, str) else text_of(output, f"{where}.output"),
+                }
+            )
+        elif kind == "reasoning":
+            continue
+        else:
+            raise Refusal(400, f"{where} is an item of type {kind!r}, which this gateway does not take.", param="input")
+    return chat
+
+
+def _tools(request: dict) -> dict:
+    out = {}
+    tools = request.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise Refusal(400, '"tools" must be a list.', param="tools")
+        out["tools"] = []
+        for tool in tools:
+            if not isinstance(tool, dict) or tool.get("type") != "function" or not tool.get("name"):
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                raise Refusal(
+                    400, f"Only function tools with a name are served here, not {kind!r} tools.", param="tools"
+                )
+            function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
+            if tool.get("description"):
+                function["description"] = tool["description"]
+            out["tools"].append({"type": "function", "function": function})
+    choice = request.get("tool_choice")
+    if isinstance(choice, str):
+        out["tool_choice"] = choice
+    elif isinstance(choice, dict):
+        if choice.get("type") != "function" or not choice.get("name"):
+            raise Refusal(
+                400, '"tool_choice" must be auto, none, required, or a function by name.', param="tool_choice"
+            )
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(request.get("parallel_tool_calls"), bool):
+        out["parallel_tool_calls"] = request["parallel_tool_calls"]
+    return out
+
+
+def _format(request: dict) -> dict:
+    """`text.format` (structured output) as chat's `response_format`."""
+    text = request.get("text")
+    form = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(form, dict) or form.get("type") in (None, "text"):
+        return {}
+    if form["type"] == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if form["type"] == "json_schema":
+        schema = {"name": form.get("name") or "answer", "schema": form.get("schema") or {}}
+        if form.get("strict") is not None:
+            schema["strict"] = form["strict"]
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    raise Refusal(400, f'"text.format" of type {form["type"]!r} is not one of text, json_object, json_schema.')
+
+
+class Responses(Translation):
+    def __init__(self, request: dict) -> None:
+        if request.get("previous_response_id"):
+            raise Refusal(
+                400,
+                "previous_response_id is not served: this gateway keeps no responses. Send the whole "
+                "conversation in input, as items, instead.",
+                param="previous_response_id",
+                code="stored_responses_unsupported",
+            )
+        self.model = request["model"]
+        chat = {"model": self.model, "messages": _input(request)}
+        wanted = request.get("max_output_tokens")
+        if wanted is not None:
+            chat["max_tokens"] = wanted
+        for field in ("temperature", "top_p"):
+            if request.get(field) is not None:
+                chat[field] = request[field]
+        chat.update(_tools(request))
+        chat.update(_format(request))
+        self.streamed = request.get("stream") is True
+        if self.streamed:
+            chat["stream"] = True
+            chat["stream_options"] = {"include_usage": True}
+        self.chat = chat
+        self.echo = {field: request.get(field) for field in ECHOED}
+        self.echo["tools"] = request.get("tools") or []
+        self.echo["metadata"] = request.get("metadata") or {}
+        self.echo["text"] = (
+            request.get("text") if isinstance(request.get("text"), dict) else {"format": {"type": "text"}}
+        )
+        self.id = "resp_" + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def response(self, status: str, output: list, usage: dict | None, finish: str | None = None) -> dict:
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "usage": usage,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "truncation": "disabled",
+            "store": False,
+            "previous_response_id": None,
+            **self.echo,
+            "tool_choice": self.echo["tool_choice"] or "auto",
+            "parallel_tool_calls": self.echo["parallel_tool_calls"] is not False,
+        }
+
+    def answer(self, completion: dict) -> dict:
+        choice = completion["choices"][0]
+        message = choice.get("message") or {}
+        output = []
+        if message.get("content"):
+            output.append(message_item("msg_" + uuid.uuid4().hex, message["content"], "completed"))
+        for call in message.get("tool_calls") or []:
+            function = call["function"]
+            output.append(call_item(call.get("id"), function["name"], function.get("arguments") or "", "completed"))
+        finish = choice.get("finish_reason")
+        status = "incomplete" if finish == "length" else "completed"
+        return self.response(status, output, usage_of(completion.get("usage")), finish)
+
+    def stream(self) -> ResponsesStream:
+        return ResponsesStream(self)
+
+    def error(self, status: int, body: bytes) -> bytes:
+        # The replica's refusal is in OpenAI's shape already, or is put in it.
+        try:
+            parsed = json.loads(body)
+            if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+                return body
+        except ValueError:
+            pass
+        return Refusal(
+            status, engine_message(body), kind="api_error" if status >= 500 else "invalid_request_error"
+        ).body()
+
+
+def usage_of(usage: dict | None) -> dict:
+    usage = usage or {}
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.get("total_tokens", prompt + completion),
+    }
+
+
+def text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict:
+    content = [] if text is None else [text_part(text)]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def call_item(call_id: str | None, name: str, arguments: str, status: str) -> dict:
+    call_id = call_id or "call_" + uuid.uuid4().hex[:24]
+    return {
+        "type": "function_call",
+        "id": "fc_" + uuid.uuid4().hex,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+class ResponsesStream(ChatStream):
+    """response.created and .in_progress; each output item added, its deltas, done; response.completed."""
+
+    def __init__(self, responses: Responses) -> None:
+        super().__init__()
+        self.responses = responses
+        self.sequence = 0
+        self.started = False
+        self.output: list[dict] = []
+        self.open: dict | None = None  # the output item being written
+        self.open_key = None  # "text", or the tool call's index in the chat stream
+        self.finish_reason = None
+        self.usage: dict | None = None
+
+    def _event(self, kind: str, **fields) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return sse(kind, data)
+
+    def _start(self) -> bytes:
+        self.started = True
+        response = self.responses.response("in_progress", [], None)
+        return self._event("response.created", response=response) + self._event(
+            "response.in_progress", response=response
+        )
+
+    def _close(self) -> bytes:
+        item = self.open
+        if item is None:
+            return b""
+        self.open, self.open_key = None, None
+        index = len(self.output) - 1
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            out = self._event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            )
+            out += self._event(
+                "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+            )
+        else:
+            out = self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+        return out + self._event("response.output_item.done", output_index=index, item=item)
+
+    def _open(self, key, item: dict) -> bytes:
+        out = self._close()
+        self.output.append(item)
+        self.open, self.open_key = item, key
+        index = len(self.output) - 1
+        added = dict(item, status="in_progress", content=[]) if item["type"] == "message" else dict(item)
+        out += self._event("response.output_item.added", output_index=index, item=added)
+        if item["type"] == "message":
+            out += self._event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=text_part(""),
+            )
+        return out
+
+    def chunk(self, chunk: dict) -> bytes:
+        out = b"" if self.started else self._start()
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                if self.open_key != "text":
+                    out += self._open("text", message_item("msg_" + uuid.uuid4().hex, "", "in_progress"))
+                self.open["content"][0]["text"] += text
+                # The event of every token, written without building a dict to encode.
+                out += TEXT_DELTA % (
+                    self.sequence,
+                    self.open["id"].encode(),
+                    len(self.output) - 1,
+                    json.dumps(text).encode(),
+                )
+                self.sequence += 1
+            for call in delta.get("tool_calls") or []:
+                key = ("tool", call.get("index", 0))
+                function = call.get("function") or {}
+                if self.open_key != key:
+                    out += self._open(key, call_item(call.get("id"), function.get("name") or "", "", "in_progress"))
+                if function.get("arguments"):
+                    self.open["arguments"] += function["arguments"]
+                    out += self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=self.open["id"],
+                        output_index=len(self.output) - 1,
+                        delta=function["arguments"],
+                    )
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return out
+
+    def finish(self) -> bytes:
+        out = b"" if self.started else self._start()
+        out += self._close()
+        incomplete = self.finish_reason == "length"
+        response = self.responses.response(
+            "incomplete" if incomplete else "completed", self.output, usage_of(self.usage), self.finish_reason
+        )
+        return out + self._event("response.incomplete" if incomplete else "response.completed", response=response)
+
+    def failed(self, chunk: dict) -> bytes:
+        self.finished = True
+        message = engine_message(json.dumps(chunk).encode())
+        return self._event("error", code="engine_error", message=message, param=None)
