@@ -22,7 +22,7 @@ import aiohttp
 from django.conf import settings
 from django.db import close_old_connections
 
-from . import routes
+from . import metrics, routes
 from .errors import ClientGone, Refusal
 from .intake import check_limits, parse_request, read_body, sentence_of
 from .keys import hash_key
@@ -58,6 +58,7 @@ class Gateway:
         self._refreshing: asyncio.Future | None = None
         self._last_refresh_start = 0.0
         self._turn = 0
+        self.observer = metrics.Observer()
 
     # --- life -----------------------------------------------------------------
 
@@ -153,6 +154,7 @@ class Gateway:
         started = time.perf_counter()
         if self._session is None:
             await self.start()
+        exchange, send = self.observer.begin(scope, send, started)
         try:
             await self.handle(scope, receive, send, started)
         except Refusal as refusal:
@@ -169,6 +171,8 @@ class Gateway:
                 await self.refuse(send, failure, started)
             except Exception:
                 pass  # the answer had begun: uvicorn ends the connection
+        finally:
+            self.observer.end(exchange)
 
     async def refuse(self, send, refusal: Refusal, started: float) -> None:
         body = refusal.body()
@@ -215,6 +219,7 @@ class Gateway:
                 code="model_not_allowed",
             )
         check_limits(path, request, route)
+        self.observer.routed(scope, route.name, request, key.name)
         changed = False
         if name != route.name:
             # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
@@ -325,7 +330,9 @@ class Gateway:
                 sent_at = time.perf_counter()
                 try:
                     response = await self._session.post(
-                        upstream.base + target, data=body, headers={"Content-Type": "application/json"}
+                        upstream.base + target,
+                        data=body,
+                        headers={"Content-Type": "application/json", "X-Request-Id": metrics.request_id(scope)},
                     )
                 except aiohttp.SocketTimeoutError:
                     # The replica has the request and may be working on it: another would do it twice.
@@ -339,6 +346,7 @@ class Gateway:
                 except aiohttp.ClientConnectionError as error:
                     # Nothing came back from this one, so the request can go to another.
                     self.cooling[replica] = time.monotonic() + COOLDOWN_S
+                    self.observer.failover(scope)
                     failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
                     continue
                 self.cooling.pop(replica, None)
@@ -349,6 +357,7 @@ class Gateway:
                     response.close()
                 prompt, completion = tokens_in(tail) or (0, 0)
                 self.usage.add(key.id, route.name, prompt, completion)
+                self.observer.answered(scope, replica, gateway_s, prompt, completion)
                 return
             finally:
                 self.in_flight[replica] -= 1
