@@ -23,16 +23,28 @@ OTHERS = "other models"
 
 
 def last_30_days() -> dict:
+    """Three grouped reads whatever the number of models: which are the busiest, their days, and every day's total."""
     today = timezone.localdate()
     days = [today - timedelta(days=n) for n in range(29, -1, -1)]
-    rows = (
-        Usage.objects.filter(day__gte=days[0])
-        .values_list("day", "model_name")
-        .annotate(requests=Sum("requests"), prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
-        .order_by()
+    recent = Usage.objects.filter(day__gte=days[0]).order_by()
+    tokens = Sum("prompt_tokens") + Sum("completion_tokens")
+    busiest = list(
+        recent.values("model_name")
+        .annotate(t=tokens, r=Sum("requests"))
+        .order_by("-t", "-r", "model_name")
+        .values_list("model_name", flat=True)[: MODELS_DRAWN + 1]
     )
-    cells = {(day.isoformat(), model): (r, p + c) for day, model, r, p, c in rows}
-    return chart([d.isoformat() for d in days], [d.strftime("%b %d") for d in days], cells)
+    drawn = busiest if len(busiest) <= MODELS_DRAWN else busiest[:MODELS_DRAWN]
+    cells: dict[tuple[str, str], tuple[int, int]] = {}
+    for day, model, requests, used in (
+        recent.filter(model_name__in=drawn).values_list("day", "model_name").annotate(r=Sum("requests"), t=tokens)
+    ):
+        cells[(day.isoformat(), model)] = (requests, used)
+    if len(busiest) > MODELS_DRAWN:
+        for day, requests, used in recent.values_list("day").annotate(r=Sum("requests"), t=tokens):
+            mine = [cells.get((day.isoformat(), model), (0, 0)) for model in drawn]
+            cells[(day.isoformat(), OTHERS)] = (requests - sum(r for r, _ in mine), used - sum(t for _, t in mine))
+    return chart([d.isoformat() for d in days], [d.strftime("%b %d") for d in days], cells, order=drawn)
 
 
 def last_24_hours() -> dict:
@@ -58,18 +70,27 @@ def last_24_hours() -> dict:
     return chart(keys, [h.strftime("%H:00") for h in hours], cells)
 
 
-def chart(slots: list[str], labels: list[str], cells: dict[tuple[str, str], tuple[int, int]]) -> dict:
-    """Chart.js datasets of requests and tokens per model: the busiest MODELS_DRAWN, the rest together."""
+def chart(
+    slots: list[str], labels: list[str], cells: dict[tuple[str, str], tuple[int, int]], order: list[str] | None = None
+) -> dict:
+    """Chart.js datasets of requests and tokens per model: the busiest MODELS_DRAWN, the rest together.
+
+    `order` is the busiest models when the caller has ranked them already (and put the rest under OTHERS).
+    """
     tokens_by_model: dict[str, int] = {}
     for (_, model), (_, tokens) in cells.items():
         tokens_by_model[model] = tokens_by_model.get(model, 0) + tokens
     requests_by_model: dict[str, int] = {}
     for (_, model), (requests, _) in cells.items():
         requests_by_model[model] = requests_by_model.get(model, 0) + requests
-    ranked = sorted(tokens_by_model, key=lambda m: (-tokens_by_model[m], -requests_by_model[m], m))
+    ranked = (
+        order
+        if order is not None
+        else sorted(tokens_by_model, key=lambda m: (-tokens_by_model[m], -requests_by_model[m], m))
+    )
     drawn = ranked[:MODELS_DRAWN]
     series = {model: ([0] * len(slots), [0] * len(slots)) for model in drawn}
-    if len(ranked) > MODELS_DRAWN:
+    if len(ranked) > MODELS_DRAWN or OTHERS in tokens_by_model:
         series[OTHERS] = ([0] * len(slots), [0] * len(slots))
     index = {slot: i for i, slot in enumerate(slots)}
     for (slot, model), (requests, tokens) in cells.items():
