@@ -76,8 +76,8 @@ def test_the_front_page_draws_the_fleet_and_its_usage_and_follows_a_fetch(live_s
         )
         assert charts == [["llama"], ["llama"], ["llama", "qwen"], ["llama", "qwen"]]
         assert page.evaluate("document.getElementById('chart-requests-month').height") > 100
-        assert page.get_attribute("[data-source='%s']" % SOURCE, "data-percent") == "25.0"
+        assert page.get_attribute(f"[data-source='{SOURCE}']", "data-percent") == "25.0"
         publish(redis_client, 75)
-        page.wait_for_selector("[data-source='%s'][data-percent='75.0']" % SOURCE, timeout=5000)
+        page.wait_for_selector(f"[data-source='{SOURCE}'][data-percent='75.0']", timeout=5000)
         screenshot(page, "overview")
         assert errors == []
