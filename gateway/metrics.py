@@ -126,6 +126,7 @@ class Observer:
         self._hours: dict[tuple[str, str], list[int]] = {}
         self._hours_lock = threading.Lock()
         self._hours_flushed = time.monotonic()
+        self._hours_failing = False
 
     def begin(self, scope, send, started: float):
         """The exchange for this request, and a `send` that notes its status and stamps X-Request-Id."""
@@ -221,8 +222,11 @@ class Observer:
                 pipe.hincrby(key, f"{model}\tcompletion", completion)
                 pipe.expire(key, HOUR_KEEP_S)
             pipe.execute()
+            self._hours_failing = False
         except Exception as error:
-            log.warning("hourly usage not written to Redis this time (%s); kept for the next try", error)
+            if not self._hours_failing:  # once, not every second while Redis is away
+                log.warning("hourly usage not written to Redis (%s); kept until it can be", error)
+            self._hours_failing = True
             with self._hours_lock:
                 for where, (requests, prompt, completion) in counts.items():
                     mine = self._hours.setdefault(where, [0, 0, 0])
