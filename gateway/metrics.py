@@ -3,8 +3,9 @@
 The gateway's code calls four hooks (`begin`, `routed`, `failover`, `answered`)
 and this module keeps the rest out of its way. Everything here runs on the event
 loop for every request, so it does in-memory arithmetic and nothing else: the
-counters are prometheus_client's (a lock and an add), the access log line is one
-write, and the hourly counts the overview draws go to Redis from a thread.
+counts are plain numbers that a prometheus_client collector reads at scrape time,
+the access log line is one write, and the hourly counts the overview draws go to
+Redis from a thread.
 
 Labels stay bounded: a model label is a catalog name (a name the client made up
 is counted as ""), a key label is a key's name and only with LLMGW_METRICS_KEY_LABELS,
@@ -21,11 +22,14 @@ import re
 import sys
 import threading
 import time
-from logging.handlers import WatchedFileHandler
+from bisect import bisect_left
 
 from django.conf import settings
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from common import metrics
 from fleet.live import redis_client
 
 log = logging.getLogger("llmgw.gateway")
@@ -39,40 +43,130 @@ KINDS = {
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
-REQUESTS = Counter("llmgw_gateway_requests", "Requests the gateway answered.", ["model", "kind", "stream", "status"])
-DURATION = Histogram(
-    "llmgw_gateway_request_duration_seconds",
-    "From a request's arrival to the end of its answer.",
-    ["model", "kind"],
-    buckets=DURATION_BUCKETS,
-)
-FIRST_TOKEN = Histogram(
-    "llmgw_gateway_time_to_first_token_seconds",
-    "Streamed answers: from the request's arrival to the first event passed on.",
-    ["model"],
-    buckets=DURATION_BUCKETS,
-)
-ADDED = Histogram(
-    "llmgw_gateway_added_seconds",
-    "The gateway's own time: from a request's arrival to sending it on to a replica.",
-    buckets=ADDED_BUCKETS,
-)
-PROMPT_TOKENS = Counter("llmgw_gateway_prompt_tokens", "Prompt tokens, as the engines counted them.", ["model"])
-COMPLETION_TOKENS = Counter(
-    "llmgw_gateway_completion_tokens", "Completion tokens, as the engines counted them.", ["model"]
-)
-IN_FLIGHT = Gauge("llmgw_gateway_in_flight", "Requests being answered now.", ["model"], multiprocess_mode="livesum")
-FAILOVERS = Counter(
-    "llmgw_gateway_failovers", "Requests sent on to another replica after one could not be reached.", ["model"]
-)
-KEY_REQUESTS = Counter(
-    "llmgw_gateway_key_requests", "Requests by API key name (only with LLMGW_METRICS_KEY_LABELS).", ["key", "model"]
-)
-KEY_TOKENS = Counter(
-    "llmgw_gateway_key_tokens",
-    "Prompt and completion tokens by API key name (only with LLMGW_METRICS_KEY_LABELS).",
-    ["key", "model"],
-)
+
+class Tallies:
+    """The gateway's counts, as plain numbers updated on the event loop; read at scrape time.
+
+    prometheus_client's Counter and Histogram take a lock (and, in multiprocess mode,
+    write to a file) on every update: ten of them a request cost more than the rest of
+    the gateway's own work. Here an update is a dict lookup and an add, and only the
+    event loop's thread writes; a scrape (in a Django thread) copies the dicts, which
+    CPython does without letting another thread in. They are the admin server's own,
+    the process that answers /metrics.
+    """
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str, str, str], int] = {}
+        self.duration: dict[tuple[str, str], list] = {}  # (model, kind) -> [bucket counts..., sum]
+        self.first_token: dict[tuple[str], list] = {}
+        self.added: dict[tuple, list] = {}
+        self.prompt: dict[tuple[str], int] = {}
+        self.completion: dict[tuple[str], int] = {}
+        self.in_flight: dict[tuple[str], int] = {}
+        self.failovers: dict[tuple[str], int] = {}
+        self.key_requests: dict[tuple[str, str], int] = {}
+        self.key_tokens: dict[tuple[str, str], int] = {}
+
+
+def add(into: dict, labels: tuple, n: int = 1) -> None:
+    into[labels] = into.get(labels, 0) + n
+
+
+def observe(into: dict, labels: tuple, buckets: tuple[float, ...], seconds: float) -> None:
+    counts = into.get(labels)
+    if counts is None:
+        counts = into[labels] = [0] * (len(buckets) + 1) + [0.0]
+    counts[bisect_left(buckets, seconds)] += 1  # the first bucket whose bound is >= seconds; past all: +Inf
+    counts[-1] += seconds
+
+
+TALLIES = Tallies()
+
+
+class GatewayCollector(Collector):
+    def __init__(self, tallies: Tallies) -> None:
+        self.tallies = tallies
+
+    def collect(self):
+        t = self.tallies
+        yield counter(
+            "llmgw_gateway_requests",
+            "Requests the gateway answered.",
+            ["model", "kind", "stream", "status"],
+            t.requests,
+        )
+        yield histogram(
+            "llmgw_gateway_request_duration_seconds",
+            "From a request's arrival to the end of its answer.",
+            ["model", "kind"],
+            DURATION_BUCKETS,
+            t.duration,
+        )
+        yield histogram(
+            "llmgw_gateway_time_to_first_token_seconds",
+            "Streamed answers: from the request's arrival to the first event passed on.",
+            ["model"],
+            DURATION_BUCKETS,
+            t.first_token,
+        )
+        yield histogram(
+            "llmgw_gateway_added_seconds",
+            "The gateway's own time: from a request's arrival to sending it on to a replica.",
+            [],
+            ADDED_BUCKETS,
+            t.added,
+        )
+        yield counter("llmgw_gateway_prompt_tokens", "Prompt tokens, as the engines counted them.", ["model"], t.prompt)
+        yield counter(
+            "llmgw_gateway_completion_tokens",
+            "Completion tokens, as the engines counted them.",
+            ["model"],
+            t.completion,
+        )
+        in_flight = GaugeMetricFamily("llmgw_gateway_in_flight", "Requests being answered now.", labels=["model"])
+        for labels, n in list(t.in_flight.items()):
+            in_flight.add_metric(labels, n)
+        yield in_flight
+        yield counter(
+            "llmgw_gateway_failovers",
+            "Replicas that could not be reached, each sending the request on to the next (or to a 502).",
+            ["model"],
+            t.failovers,
+        )
+        yield counter(
+            "llmgw_gateway_key_requests",
+            "Requests by API key name (only with LLMGW_METRICS_KEY_LABELS).",
+            ["key", "model"],
+            t.key_requests,
+        )
+        yield counter(
+            "llmgw_gateway_key_tokens",
+            "Prompt and completion tokens by API key name (only with LLMGW_METRICS_KEY_LABELS).",
+            ["key", "model"],
+            t.key_tokens,
+        )
+
+
+def counter(name: str, documentation: str, labels: list[str], values: dict) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for key, n in list(values.items()):
+        family.add_metric(key, n)
+    return family
+
+
+def histogram(name: str, documentation: str, labels: list[str], bounds: tuple, values: dict) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=labels)
+    for key, counts in list(values.items()):
+        counts = list(counts)
+        cumulative, buckets = 0, []
+        for bound, n in zip((*[floatToGoString(b) for b in bounds], "+Inf"), counts[:-1], strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        family.add_metric(list(key), buckets, counts[-1])
+    return family
+
+
+metrics.register(GatewayCollector(TALLIES))
 
 # A client's own request id is passed on only when it is short and plain: it goes into
 # headers and log lines, where anything else could forge a second header or line.
@@ -122,11 +216,12 @@ class Observer:
     def __init__(self) -> None:
         self.metrics = settings.GATEWAY_METRICS
         self.key_labels = settings.METRICS_KEY_LABELS
-        self.access = access_logger(settings.GATEWAY_ACCESS_LOG)
+        self.access = AccessLog(settings.GATEWAY_ACCESS_LOG) if settings.GATEWAY_ACCESS_LOG else None
         self._hours: dict[tuple[str, str], list[int]] = {}
         self._hours_lock = threading.Lock()
         self._hours_flushed = time.monotonic()
         self._hours_failing = False
+        self._hour, self._hour_ends = "", 0.0
 
     def begin(self, scope, send, started: float):
         """The exchange for this request, and a `send` that notes its status and stamps X-Request-Id."""
@@ -154,27 +249,24 @@ class Observer:
         status = exchange.status or 499  # nothing was sent: the client left first
         model = exchange.model
         if self.metrics:
+            t = TALLIES
+            add(t.requests, (model, exchange.kind, "true" if exchange.stream else "false", str(status)))
             if model:
-                IN_FLIGHT.labels(model).dec()
-            REQUESTS.labels(model, exchange.kind, "true" if exchange.stream else "false", str(status)).inc()
-            if model:
-                DURATION.labels(model, exchange.kind).observe(now - exchange.started)
+                add(t.in_flight, (model,), -1)
+                observe(t.duration, (model, exchange.kind), DURATION_BUCKETS, now - exchange.started)
                 if exchange.replica:
-                    ADDED.observe(exchange.added)
-                    if exchange.prompt:
-                        PROMPT_TOKENS.labels(model).inc(exchange.prompt)
-                    if exchange.completion:
-                        COMPLETION_TOKENS.labels(model).inc(exchange.completion)
+                    observe(t.added, (), ADDED_BUCKETS, exchange.added)
+                    add(t.prompt, (model,), exchange.prompt)
+                    add(t.completion, (model,), exchange.completion)
                 if exchange.stream and exchange.first_byte and status == 200:
-                    FIRST_TOKEN.labels(model).observe(exchange.first_byte - exchange.started)
+                    observe(t.first_token, (model,), DURATION_BUCKETS, exchange.first_byte - exchange.started)
                 if self.key_labels and exchange.key:
-                    KEY_REQUESTS.labels(exchange.key, model).inc()
-                    if exchange.prompt or exchange.completion:
-                        KEY_TOKENS.labels(exchange.key, model).inc(exchange.prompt + exchange.completion)
+                    add(t.key_requests, (exchange.key, model))
+                    add(t.key_tokens, (exchange.key, model), exchange.prompt + exchange.completion)
         if model and exchange.replica:
             self._count_hour(model, exchange.prompt, exchange.completion)
         if self.access is not None:
-            self.access.info(access_line(exchange, status, now))
+            self.access.write(access_line(exchange, status, now))
 
     # --- hooks the gateway calls -------------------------------------------------
 
@@ -184,11 +276,11 @@ class Observer:
         exchange.stream = request.get("stream") is True
         exchange.key = key_name
         if self.metrics:
-            IN_FLIGHT.labels(model).inc()
+            add(TALLIES.in_flight, (model,))
 
     def failover(self, scope) -> None:
         if self.metrics:
-            FAILOVERS.labels(scope[SCOPE_KEY].model).inc()
+            add(TALLIES.failovers, (scope[SCOPE_KEY].model,))
 
     def answered(self, scope, replica: int, added_s: float, prompt: int, completion: int) -> None:
         exchange = scope[SCOPE_KEY]
@@ -197,7 +289,11 @@ class Observer:
     # --- the overview's hourly counts ---------------------------------------------
 
     def _count_hour(self, model: str, prompt: int, completion: int) -> None:
-        hour = time.strftime("%Y%m%d%H", time.gmtime())
+        now = time.time()
+        if now >= self._hour_ends:
+            self._hour = time.strftime("%Y%m%d%H", time.gmtime(now))
+            self._hour_ends = (now // 3600 + 1) * 3600
+        hour = self._hour
         with self._hours_lock:
             counts = self._hours.setdefault((hour, model), [0, 0, 0])
             counts[0] += 1
@@ -235,21 +331,43 @@ class Observer:
                     mine[2] += completion
 
 
-def access_logger(where: str) -> logging.Logger | None:
-    """The access log: off when unset, stdout for "-", else a file (reopened when rotated away)."""
-    if not where:
-        return None
-    logger = logging.getLogger("llmgw.access")
-    logger.propagate = False
-    logger.setLevel(logging.INFO)
-    if not logger.handlers:
-        if where == "-":
-            handler = logging.StreamHandler(sys.stdout)
-        else:
-            handler = WatchedFileHandler(where)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-    return logger
+class AccessLog:
+    """JSON lines, one write each: to stdout for "-", else to a file, reopened when rotated away.
+
+    Not the logging module: its records, handlers and locks cost more per line than
+    the rest of the gateway's own work, and a line a request is the hot path.
+    """
+
+    # How often the file is checked for having been moved away (logrotate), in seconds.
+    CHECK_S = 1.0
+
+    def __init__(self, where: str) -> None:
+        self.path = None if where == "-" else where
+        self._checked = time.monotonic()
+        self._file = sys.stdout if self.path is None else self._open()
+
+    def _open(self):
+        return open(self.path, "a", buffering=1, encoding="utf-8")  # line-buffered: one write(2) a line
+
+    def write(self, line: str) -> None:
+        if self.path is not None and time.monotonic() - self._checked > self.CHECK_S:
+            self._checked = time.monotonic()
+            self._reopen_if_moved()
+        try:
+            self._file.write(line + "\n")
+            if self.path is None:
+                self._file.flush()
+        except OSError as error:
+            log.warning("the access log could not be written: %s", error)
+
+    def _reopen_if_moved(self) -> None:
+        try:
+            moved = os.stat(self.path).st_ino != os.fstat(self._file.fileno()).st_ino
+        except OSError:
+            moved = True
+        if moved:
+            self._file.close()
+            self._file = self._open()
 
 
 def access_line(exchange: Exchange, status: int, now: float) -> str:
