@@ -221,9 +221,13 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
 
     print(f"{args.clients} concurrent: {args.duration:g} s each, best of {args.repeat}", flush=True)
     loaded = {}
-    for t in targets:
-        runs = [await concurrent(t, args.clients, args.duration) for _ in range(args.repeat)]
-        loaded[t.name] = max(runs, key=lambda r: r.requests_per_second)
+    # Round by round, every target in turn: on a shared machine the load from elsewhere
+    # changes over a minute, and a target measured all at once would take it all.
+    for _ in range(args.repeat):
+        for t in targets:
+            run = await concurrent(t, args.clients, args.duration)
+            if t.name not in loaded or run.requests_per_second > loaded[t.name].requests_per_second:
+                loaded[t.name] = run
 
     print(f"open streams: up to {args.streams} each", flush=True)
     held = {}
