@@ -332,7 +332,7 @@ class Gateway:
                     response = await self._session.post(
                         upstream.base + target,
                         data=body,
-                        headers={"Content-Type": "application/json", "X-Request-Id": metrics.request_id(scope)},
+                        headers={"Content-Type": "application/json", "X-Request-Id": metrics.engine_request_id(scope)},
                     )
                 except aiohttp.SocketTimeoutError:
                     # The replica has the request and may be working on it: another would do it twice.

@@ -22,6 +22,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from bisect import bisect_left
 
 from django.conf import settings
@@ -185,6 +186,7 @@ class Exchange:
     __slots__ = (
         "started",
         "request_id",
+        "engine_id",
         "kind",
         "model",
         "stream",
@@ -197,9 +199,10 @@ class Exchange:
         "added",
     )
 
-    def __init__(self, started: float, request_id: bytes, kind: str) -> None:
+    def __init__(self, started: float, request_id: bytes, engine_id: bytes, kind: str) -> None:
         self.started = started
         self.request_id = request_id
+        self.engine_id = engine_id
         self.kind = kind
         self.model = ""
         self.stream = False
@@ -219,7 +222,7 @@ class Observer:
         self.access = AccessLog(settings.GATEWAY_ACCESS_LOG) if settings.GATEWAY_ACCESS_LOG else None
         self._hours: dict[tuple[str, str], list[int]] = {}
         self._hours_lock = threading.Lock()
-        self._hours_flushed = time.monotonic()
+        self._hours_flush_due = False
         self._hours_failing = False
         self._hour, self._hour_ends = "", 0.0
 
@@ -230,8 +233,12 @@ class Observer:
             if header == b"x-request-id":
                 given = value
                 break
-        request_id = given if given and REQUEST_ID.fullmatch(given) else os.urandom(12).hex().encode()
-        exchange = Exchange(started, request_id, KINDS.get(scope["path"], "other"))
+        if given and REQUEST_ID.fullmatch(given):
+            request_id = given
+            engine_id = given if is_uuid(given) else os.urandom(16).hex().encode()
+        else:
+            request_id = engine_id = os.urandom(16).hex().encode()
+        exchange = Exchange(started, request_id, engine_id, KINDS.get(scope["path"], "other"))
         scope[SCOPE_KEY] = exchange
 
         async def observed_send(message) -> None:
@@ -299,14 +306,17 @@ class Observer:
             counts[0] += 1
             counts[1] += prompt
             counts[2] += completion
-        if time.monotonic() - self._hours_flushed >= HOURS_FLUSH_S:
-            self._hours_flushed = time.monotonic()
-            asyncio.get_running_loop().run_in_executor(None, self.flush_hours)
+        if not self._hours_flush_due:
+            # Written a second later, from a thread, with whatever else came in meanwhile.
+            self._hours_flush_due = True
+            loop = asyncio.get_running_loop()
+            loop.call_later(HOURS_FLUSH_S, loop.run_in_executor, None, self.flush_hours)
 
     def flush_hours(self) -> None:
         """Write the hourly counts to Redis; kept for the next try when Redis is away."""
         with self._hours_lock:
             counts, self._hours = self._hours, {}
+            self._hours_flush_due = False
         if not counts:
             return
         try:
@@ -375,6 +385,7 @@ def access_line(exchange: Exchange, status: int, now: float) -> str:
         {
             "ts": round(time.time(), 3),
             "request_id": exchange.request_id.decode(),
+            "engine_request_id": exchange.engine_id.decode() if exchange.engine_id != exchange.request_id else None,
             "kind": exchange.kind,
             "model": exchange.model,
             "key": exchange.key,
@@ -391,5 +402,19 @@ def access_line(exchange: Exchange, status: int, now: float) -> str:
     )
 
 
-def request_id(scope) -> str:
-    return scope[SCOPE_KEY].request_id.decode()
+def engine_request_id(scope) -> str:
+    """The id the engine is given: the request's own, unless the engine could not take it (see is_uuid)."""
+    return scope[SCOPE_KEY].engine_id.decode()
+
+
+def is_uuid(given: bytes) -> bool:
+    """PyPI's llama.cpp server (starlette-context) answers a bare 400 to an X-Request-Id that is not a UUID.
+
+    So a client's id of another shape is kept for the answer and the log, and the
+    engine is given a new UUID, which the log line records beside it.
+    """
+    try:
+        uuid.UUID(given.decode())
+    except ValueError:
+        return False
+    return True

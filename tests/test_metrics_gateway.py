@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from types import SimpleNamespace
 
 import pytest
 import requests
 
 from gateway.keys import create_key
+from gateway.metrics import HOUR_PREFIX
 
 from .fake_replica import FakeReplica
 from .processes import start_admin_server, wait_until
@@ -147,11 +150,17 @@ def test_every_answer_carries_a_request_id_that_reaches_the_engine_and_the_acces
         headers={"X-Request-Id": "trace-42.abc"},
     )
     assert answer.headers["x-request-id"] == "trace-42.abc"
-    assert replica.headers[-1]["X-Request-Id"] == "trace-42.abc"
+    # PyPI's llama.cpp server refuses an X-Request-Id that is not a UUID: the engine gets one of its own.
+    engine_id = replica.headers[-1]["X-Request-Id"]
+    assert uuid.UUID(engine_id) and engine_id != "trace-42.abc"
+
+    mine = str(uuid.uuid4())
+    passed = session.post(observed.url + "/v1/chat/completions", json={"model": "chat"}, headers={"X-Request-Id": mine})
+    assert passed.headers["x-request-id"] == mine and replica.headers[-1]["X-Request-Id"] == mine
 
     made = chat(session, observed.url)
     new_id = made.headers["x-request-id"]
-    assert len(new_id) == 24 and new_id != "trace-42.abc"
+    assert len(new_id) == 32 and uuid.UUID(new_id) and new_id not in ("trace-42.abc", mine)
     assert replica.headers[-1]["X-Request-Id"] == new_id
     # A header that could forge a log line is replaced, not passed on.
     forged = session.post(
@@ -161,13 +170,32 @@ def test_every_answer_carries_a_request_id_that_reaches_the_engine_and_the_acces
     refused = requests.post(observed.url + "/v1/chat/completions", json={"model": "chat"})
     assert refused.status_code == 401 and refused.headers["x-request-id"]
 
-    wait_until(lambda: len(access_lines(observed.log)) >= 4, what="the access log lines")
+    wait_until(lambda: len(access_lines(observed.log)) >= 5, what="the access log lines")
     lines = {line["request_id"]: line for line in access_lines(observed.log)}
     line = lines["trace-42.abc"]
     assert line["model"] == "chat" and line["key"] == "team-b" and line["status"] == 200
+    assert line["engine_request_id"] == engine_id and lines[mine]["engine_request_id"] is None
     assert line["replica"] == int(answer.headers["x-llmgw-replica"])
     assert line["prompt_tokens"] == 11 and line["completion_tokens"] == 3
     assert line["duration_ms"] > 0 and line["gateway_ms"] >= 0 and line["kind"] == "chat"
     assert lines[refused.headers["x-request-id"]]["status"] == 401
     # Never the request's content.
     assert "messages" not in observed.log.read_text() and "content" not in observed.log.read_text()
+
+
+def test_answers_are_counted_per_hour_in_redis_for_the_overviews_last_24_hours(observed, replicas, redis_client):
+    add_model()
+    add_replica("chat", replicas().base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, observed.url)
+    for _ in range(3):
+        assert chat(session, observed.url).status_code == 200
+    hour = HOUR_PREFIX + time.strftime("%Y%m%d%H", time.gmtime())
+
+    def counted():
+        return redis_client.hgetall(hour)
+
+    # Written within a second of the last answer, with no further request to carry it.
+    found = wait_until(lambda: counted().get(b"chat\trequests") == b"3" and counted(), timeout=5, what="the hour")
+    assert found[b"chat\tprompt"] == b"33" and found[b"chat\tcompletion"] == b"9"
