@@ -159,14 +159,19 @@ for name in ("stub", "stub-hold"):
 """
 
 
-def start_llmgw(stub_port: int, work: Path) -> tuple[subprocess.Popen, Target] | None:
+def start_llmgw(
+    stub_port: int, work: Path, name: str = "llmgw", **settings: str
+) -> tuple[subprocess.Popen, Target] | None:
     port = free_port()
+    work = work / name
+    work.mkdir()
     env = dict(
         os.environ,
         LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
         LLMGW_VAR=str(work / "var"),
         DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
         REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens: it must not matter here
+        **settings,
     )
     manage = [sys.executable, str(ROOT / "manage.py")]
     commands = subprocess.run(manage + ["help", "--commands"], env=env, cwd=ROOT, capture_output=True, text=True)
@@ -186,7 +191,7 @@ def start_llmgw(stub_port: int, work: Path) -> tuple[subprocess.Popen, Target] |
     )
     key = created.stdout.strip().splitlines()[-1].strip()
     process = quiet_popen(manage + ["admin_server"], env, work / "llmgw.log")
-    return process, Target("llmgw", port, key=key, pid=process.pid)
+    return process, Target(name, port, key=key, pid=process.pid)
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -216,9 +221,13 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
 
     print(f"{args.clients} concurrent: {args.duration:g} s each, best of {args.repeat}", flush=True)
     loaded = {}
-    for t in targets:
-        runs = [await concurrent(t, args.clients, args.duration) for _ in range(args.repeat)]
-        loaded[t.name] = max(runs, key=lambda r: r.requests_per_second)
+    # Round by round, every target in turn: on a shared machine the load from elsewhere
+    # changes over a minute, and a target measured all at once would take it all.
+    for _ in range(args.repeat):
+        for t in targets:
+            run = await concurrent(t, args.clients, args.duration)
+            if t.name not in loaded or run.requests_per_second > loaded[t.name].requests_per_second:
+                loaded[t.name] = run
 
     print(f"open streams: up to {args.streams} each", flush=True)
     held = {}
@@ -303,6 +312,16 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
             )
         for goal, met in goals:
             print(f"{'met    ' if met else 'NOT met'}  {goal}")
+    for variant in (n for n in names if n.startswith("llmgw+")):
+        # Issue 16: metrics (and the access log) within 5 % of the gateway without them.
+        base = "llmgw"
+        p50 = ms(pct(loaded[variant].seconds, 50) - pct(d_load, 50)) / ms(
+            pct(loaded[base].seconds, 50) - pct(d_load, 50)
+        )
+        print(
+            f"{variant} / {base}: one at a time added p50 {added50[variant] - added50[base]:+.3f} ms; "
+            f"{args.clients} concurrent added p50 {p50:.3f} ×, requests/s {rps[variant] / rps[base]:.3f} ×"
+        )
 
 
 def main() -> None:
@@ -314,6 +333,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="concurrent runs each target; the best counts")
     parser.add_argument("--streams", type=int, default=OPEN_STREAMS)
     parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument(
+        "--observability",
+        action="store_true",
+        help="llmgw without metrics beside llmgw with them (llmgw+metrics) and with the access log too (llmgw+log)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory and its logs")
     args = parser.parse_args()
     if args.quick:
@@ -335,10 +359,21 @@ def main() -> None:
         processes.append(stub)
         direct = Target("direct", stub_port, pid=stub.pid)
         proxies = []
-        started = start_llmgw(stub_port, work)
-        if started:
-            processes.append(started[0])
-            proxies.append(started[1])
+        variants = {"llmgw": {}}
+        if args.observability:
+            # As `make run` runs it: counters in a multiprocess directory, /metrics adding them up.
+            metrics = {"LLMGW_GATEWAY_METRICS": "true", "PROMETHEUS_MULTIPROC_DIR": str(work / "metrics")}
+            (work / "metrics").mkdir()
+            variants = {
+                "llmgw": {"LLMGW_GATEWAY_METRICS": "false"},
+                "llmgw+metrics": metrics,
+                "llmgw+log": {**metrics, "LLMGW_GATEWAY_ACCESS_LOG": str(work / "access.jsonl")},
+            }
+        for name, settings in variants.items():
+            started = start_llmgw(stub_port, work, name, **settings)
+            if started:
+                processes.append(started[0])
+                proxies.append(started[1])
         litellm = None if args.no_litellm else ensure_litellm()
         if litellm:
             process, target = start_litellm(litellm, stub_port, work)

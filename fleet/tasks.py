@@ -10,6 +10,7 @@ from contracts import tasks
 from . import enrolment
 from . import reconcile as reconciling
 from .live import redis_client
+from .metrics import RECONCILE
 from .models import Fetch
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ def heartbeat(token: str, facts: tasks.Facts) -> None:
 @shared_task(name=tasks.RECONCILE, ignore_result=True)
 def reconcile() -> None:
     """Keep every catalog model at its replica count; on a beat and after each catalog change."""
-    reconciling.reconcile()
+    with RECONCILE.time():
+        reconciling.reconcile()
 
 
 @shared_task(name=tasks.REPLICA_REPORT, ignore_result=True)

@@ -22,7 +22,7 @@ import aiohttp
 from django.conf import settings
 from django.db import connection
 
-from . import routes
+from . import metrics, routes
 from .anthropic_messages import AnthropicRefusal, Messages
 from .errors import ClientGone, Refusal
 from .intake import check_limits, parse_request, read_body, sentence_of
@@ -67,6 +67,7 @@ class Gateway:
         self._refreshing: asyncio.Future | None = None
         self._last_refresh_start = 0.0
         self._turn = 0
+        self.observer = metrics.Observer()
 
     # --- life -----------------------------------------------------------------
 
@@ -168,6 +169,7 @@ class Gateway:
         started = time.perf_counter()
         if self._session is None:
             await self.start()
+        exchange, send = self.observer.begin(scope, send, started)
         try:
             await self.handle(scope, receive, send, started)
         except Refusal as refusal:
@@ -188,6 +190,8 @@ class Gateway:
                 await self.refuse(send, failure, started)
             except Exception:
                 pass  # the answer had begun: uvicorn ends the connection
+        finally:
+            self.observer.end(exchange)
 
     async def refuse(self, send, refusal: Refusal, started: float) -> None:
         body = refusal.body()
@@ -239,6 +243,7 @@ class Gateway:
             )
         # A translated request is a chat completion from here on, and is checked as one.
         check_limits(path if translation is None else CHAT, request, route, len(body))
+        self.observer.routed(scope, route.name, request, key.name)
         changed = translation is not None
         if name != route.name:
             # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
@@ -355,7 +360,9 @@ class Gateway:
                 sent_at = time.perf_counter()
                 try:
                     response = await self._session.post(
-                        upstream.base + target, data=body, headers={"Content-Type": "application/json"}
+                        upstream.base + target,
+                        data=body,
+                        headers={"Content-Type": "application/json", "X-Request-Id": metrics.engine_request_id(scope)},
                     )
                 except aiohttp.SocketTimeoutError:
                     # The replica has the request and may be working on it: another would do it twice.
@@ -369,6 +376,7 @@ class Gateway:
                 except aiohttp.ClientConnectionError as error:
                     # Nothing came back from this one, so the request can go to another.
                     self.cooling[replica] = time.monotonic() + COOLDOWN_S
+                    self.observer.failover(scope)
                     failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
                     continue
                 self.cooling.pop(replica, None)
@@ -383,7 +391,9 @@ class Gateway:
                     response.close()
                     # Counted however the answer ended: a stream cut short, by either side, is billed for
                     # what was relayed, since its usage chunk (the last) never came.
-                    self.usage.add(key.id, route.name, *answer.tokens(request))
+                    prompt, completion = answer.tokens(request)
+                    self.usage.add(key.id, route.name, prompt, completion)
+                    self.observer.answered(scope, replica, gateway_s, prompt, completion)
                 return
             finally:
                 self.in_flight[replica] -= 1

@@ -1,6 +1,10 @@
-"""The admin as llmgw's own: its name in the header, and apps in the order work flows."""
+"""The admin as llmgw's own: its name in the header, the overview as its front page, apps in the order work flows."""
 
 from django.contrib import admin
+from django.shortcuts import render
+
+from fleet import overview as fleet_overview
+from gateway import overview as usage_overview
 
 # Mirror → catalog → fleet → gateway: a version is mirrored, served, placed and asked.
 APP_ORDER = ["mirror", "catalog", "fleet", "gateway", "auth"]
@@ -10,6 +14,22 @@ class LlmgwAdminSite(admin.AdminSite):
     site_header = "llmgw"
     site_title = "llmgw"
     index_title = "Mirror, catalog, fleet and gateway"
+    index_template = "overview/index.html"
+
+    def index(self, request, extra_context=None):
+        """The fleet at a glance above the apps; its fetches under way refresh themselves (htmx)."""
+        fetches = fleet_overview.fetches_under_way()
+        if request.htmx:
+            return render(request, "overview/partials/fetches.html", {"fetches": fetches})
+        context = {
+            "nodes": fleet_overview.nodes(),
+            "replicas": fleet_overview.replicas(),
+            "fetches": fetches,
+            "usage_day": usage_overview.last_24_hours(),
+            "usage_month": usage_overview.last_30_days(),
+            **(extra_context or {}),
+        }
+        return super().index(request, context)
 
     def get_app_list(self, request, app_label=None):
         apps = super().get_app_list(request)

@@ -80,6 +80,14 @@ GATEWAY_UPSTREAM_TIMEOUT_S = env_int("LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S", 600, mi
 GATEWAY_MAX_BODY = env_int("LLMGW_GATEWAY_MAX_BODY", 32 * 1024 * 1024, minimum=1024)
 # Threads that run Django's own pages (admin, API) beside the gateway in the admin server.
 ADMIN_THREADS = env_int("LLMGW_ADMIN_THREADS", 16, minimum=1)
+# Observability (docs/observability.md): who may scrape /metrics, what the gateway counts and logs.
+METRICS_TOKEN = env_str("LLMGW_METRICS_TOKEN", "")
+METRICS_ALLOW = [a.strip() for a in env_str("LLMGW_METRICS_ALLOW", "").split(",") if a.strip()]
+GATEWAY_METRICS = env_bool("LLMGW_GATEWAY_METRICS", True)
+METRICS_KEY_LABELS = env_bool("LLMGW_METRICS_KEY_LABELS", False)
+GATEWAY_ACCESS_LOG = env_str("LLMGW_GATEWAY_ACCESS_LOG", "")
+AGENT_METRICS_ADDR = env_str("LLMGW_AGENT_METRICS_ADDR", "")
+AGENT_METRICS_TOKEN = env_str("LLMGW_AGENT_METRICS_TOKEN", "")
 
 # --- applications -------------------------------------------------------------
 

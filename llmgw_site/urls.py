@@ -5,6 +5,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from common.metrics import metrics_view
 from fleet.api.progress import ProgressView
 from serving.urls import api_urlpatterns as serving_api
 
@@ -22,6 +23,7 @@ api_patterns = [
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
+    path("metrics", metrics_view, name="metrics"),
     path("api/", include(api_patterns)),
     path("fleet/", include("fleet.urls")),
     path("", include("serving.urls")),

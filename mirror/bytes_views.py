@@ -18,6 +18,7 @@ from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.utils.cache import get_conditional_response
 
 from . import disk
+from .metrics import BYTES_SERVED, FILES_SERVED
 from .scan import known_hashes
 
 
@@ -251,6 +252,8 @@ def file(request: HttpRequest, model: str, version: str, name: str) -> HttpRespo
         response = FileResponse(body, status=status, content_type="application/octet-stream")
         # Without this Django would read the file in 4 KiB blocks where there is no sendfile.
         response.block_size = 1 << 20
+        BYTES_SERVED.inc(length)
+        FILES_SERVED.labels(str(status)).inc()
     response["Content-Length"] = str(length)
     if status == 206:
         response["Content-Range"] = f"bytes {start}-{start + length - 1}/{size}"

@@ -27,6 +27,7 @@ class FakeReplica:
         self.open_streams = 0
         self.hung_up = 0  # streams whose client went away before the end
         self.release = threading.Event()  # lets held streams finish
+        self.headers: list = []  # each request's headers (case-insensitive), as the engine saw them
         self.usage = {"prompt_tokens": 11, "completion_tokens": 3}
         self.chunks = 3
         # Steering: answer with this status and an OpenAI error instead (429: a replica out of room),
@@ -46,6 +47,7 @@ class FakeReplica:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        self.headers.append(request.headers.copy())
         self.paths.append(request.path)
         if body.get("delay"):
             await asyncio.sleep(body["delay"])

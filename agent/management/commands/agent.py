@@ -6,7 +6,7 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from agent import engine_state, engines, facts, runtime, supervisor, worker
+from agent import engine_state, engines, facts, metrics, runtime, supervisor, worker
 from contracts.names import node_name_problem
 from contracts.tasks import node_queue
 from llmgw_site.celery import app
@@ -56,6 +56,8 @@ class Command(BaseCommand):
                 f"run `manage.py node_token {node}` on the control plane and set LLMGW_NODE_TOKEN to what it prints."
             )
         self.check_broker()
+        if problem := metrics.problem():
+            raise CommandError(problem)
 
         # Where the tasks (and the pool's children, and the engine tasks) read who they are.
         os.environ[runtime.NODE_NAME] = node
@@ -64,6 +66,8 @@ class Command(BaseCommand):
         os.environ["LLMGW_NODE_LABELS"] = json.dumps(parsed_labels)
 
         supervisor.start()
+        if metrics.serve(node, cache):
+            self.stdout.write(f"The node's metrics: http://{settings.AGENT_METRICS_ADDR}/metrics")
         worker.install(app)
         restored = worker.take_back_unacknowledged(app, node_queue(node))
         if restored:

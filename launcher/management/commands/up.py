@@ -7,6 +7,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+from common.metrics import fresh_multiprocess_dir
 from fleet.enrolment import issue_token
 from launcher import services
 
@@ -44,6 +45,8 @@ class Command(BaseCommand):
             raise CommandError(str(error)) from None
 
         py = sys.executable
+        # The control plane's processes count into one directory that /metrics adds up (docs/observability.md).
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(fresh_multiprocess_dir(settings.VAR_DIR / "metrics"))
         admin_host, admin_port = settings.ADMIN_ADDR
         processes.start("admin server", [py, "manage.py", "admin_server"])
         processes.start("byte listener", [py, "manage.py", "byte_listener"])
@@ -71,6 +74,7 @@ class Command(BaseCommand):
         )
         # This host enrols itself: a fresh token each start, handed straight to its agent.
         agent_env = dict(os.environ, LLMGW_NODE_TOKEN=issue_token(node), LLMGW_NODE_NAME=node)
+        agent_env.pop("PROMETHEUS_MULTIPROC_DIR")  # a node serves its own
         processes.start("agent", [py, "manage.py", "agent", "--node", node], env=agent_env)
 
         self.stdout.write("")

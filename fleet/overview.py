@@ -1,0 +1,100 @@
+"""The fleet on the admin's front page: nodes, memory as placed, replicas, fetches under way.
+
+A few grouped queries whatever the size of the fleet: the page is the first thing
+staff see, and it has to answer as fast with a thousand nodes as with one.
+"""
+
+from __future__ import annotations
+
+import json
+
+from django.db.models import Count, Q, Sum
+
+from contracts import progress
+
+from .live import redis_client
+from .models import Node, Replica, heartbeat_deadline
+
+# Bars beyond these would make the page a list of a thousand nodes: the fullest are shown.
+NODES_SHOWN = 24
+LIVE_STATES = ("queued", "fetching", "verifying")
+# Progress keys looked at for fetches under way: the newest sources, as the fetch page does.
+SOURCES_LOOKED_AT = 200
+
+
+def nodes() -> dict:
+    deadline = heartbeat_deadline()
+    counts = Node.objects.aggregate(
+        n_all=Count("pk"),
+        n_draining=Count("pk", filter=Q(draining=True)),
+        n_ready=Count("pk", filter=Q(draining=False, last_heartbeat__gte=deadline)),
+        memory=Sum("memory_gb"),
+    )
+    # Placement books every replica on its node, whatever its state.
+    used = dict(
+        Replica.objects.filter(node__isnull=False).values_list("node_id").annotate(gb=Sum("memory_gb")).order_by()
+    )
+    bars = []
+    for pk, name, total, last_heartbeat, draining in Node.objects.values_list(
+        "pk", "name", "memory_gb", "last_heartbeat", "draining"
+    ):
+        placed = used.get(pk) or 0
+        bars.append(
+            {
+                "name": name,
+                "total": total,
+                "placed": placed,
+                "percent": min(100, round(100 * placed / total)) if total else 0,
+                "ready": not draining and last_heartbeat is not None and last_heartbeat >= deadline,
+            }
+        )
+    bars.sort(key=lambda b: (-b["percent"], b["name"]))
+    return {
+        "ready": counts["n_ready"],
+        "draining": counts["n_draining"],
+        "not_ready": counts["n_all"] - counts["n_ready"] - counts["n_draining"],
+        "total": counts["n_all"],
+        "memory_gb": counts["memory"] or 0,
+        "memory_placed_gb": sum(used.values()),
+        "bars": bars[:NODES_SHOWN],
+        "bars_hidden": max(0, len(bars) - NODES_SHOWN),
+    }
+
+
+def replicas() -> list[dict]:
+    counts = dict(Replica.objects.values_list("state").annotate(n=Count("pk")).order_by())
+    return [{"state": state, "count": counts.get(state, 0)} for state in Replica.State.values]
+
+
+def fetches_under_way() -> list[dict]:
+    """Fetches a node is working on now, from the progress keys; Redis away means none shown."""
+    try:
+        client = redis_client()
+        sources = progress.recent_sources(client, SOURCES_LOOKED_AT)
+        pipe = client.pipeline(transaction=False)
+        for source in sources:
+            pipe.hgetall(progress.progress_key(source))
+        answers = pipe.execute()
+    except Exception:
+        return []
+    rows = []
+    for source, raw in zip(sources, answers, strict=True):
+        for node, value in sorted(raw.items()):
+            try:
+                snapshot = json.loads(value)
+            except ValueError:
+                continue
+            if snapshot.get("state") not in LIVE_STATES:
+                continue
+            rows.append(
+                {
+                    "node": node.decode() if isinstance(node, bytes) else node,
+                    "source": source,
+                    "state": snapshot["state"],
+                    "percent": progress.percent(snapshot),
+                    "bytes_done": snapshot.get("bytes_done") or 0,
+                    "bytes_total": snapshot.get("bytes_total") or 0,
+                    "rate": snapshot.get("rate") or 0,
+                }
+            )
+    return rows
