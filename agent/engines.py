@@ -84,10 +84,24 @@ SERVED_NAME_FLAGS = {
 }
 
 
+# llama-server's switches that PyPI's server takes as a setting with a value.
+LLAMA_CPP_PYTHON_SWITCHES = {"--embedding": "--embedding", "--embeddings": "--embedding"}
+RERANK_FLAGS = ("--reranking", "--rerank")
+
+
 def for_llama_cpp_python(args: list[str]) -> list[str]:
     """Profile args in llama-server's spelling, translated for PyPI's `llama_cpp.server`."""
     translated = []
     for arg in args:
+        if arg in LLAMA_CPP_PYTHON_SWITCHES:
+            translated += [LLAMA_CPP_PYTHON_SWITCHES[arg], "true"]
+            continue
+        if arg in RERANK_FLAGS:
+            # Its server has no rerank endpoint: said before the engine is started, not after.
+            raise EngineError(
+                "this node's llama.cpp is PyPI's llama-cpp-python, whose server cannot rerank; "
+                "a rerank model needs llama.cpp's own llama-server on the node's PATH"
+            )
         flag, eq, value = arg.partition("=")
         if flag in LLAMA_CPP_PYTHON_FLAGS:
             flag = LLAMA_CPP_PYTHON_FLAGS[flag]

@@ -24,8 +24,9 @@ from django.db import connection
 
 from . import routes
 from .errors import ClientGone, Refusal
-from .intake import check_limits, parse_request, read_body, sentence_of
+from .intake import check_kind, check_limits, parse_request, read_body, sentence_of
 from .keys import hash_key
+from .limits import Limiter
 from .relay import TAIL_BYTES, EventFilter
 from .usage import Recorder, tokens_in
 
@@ -36,6 +37,7 @@ ENDPOINTS = {
     "/v1/chat/completions": "/chat/completions",
     "/v1/completions": "/completions",
     "/v1/embeddings": "/embeddings",
+    "/v1/rerank": "/rerank",
 }
 # A replica that refused a connection is tried last for this long, so one dead
 # engine costs one failed connect, not one per request, until the table says so.
@@ -51,6 +53,7 @@ class Gateway:
         self.in_flight: dict[int, int] = {}
         self.cooling: dict[int, float] = {}
         self.usage = Recorder()
+        self.limiter = Limiter()
         self._reader = routes.TableReader()
         self.refresh_s = settings.GATEWAY_REFRESH_MS / 1000
         self._db = ThreadPoolExecutor(1, thread_name_prefix="gateway-db")
@@ -85,6 +88,7 @@ class Gateway:
         if self._session:
             await self._session.close()
             self._session = None
+        await self.limiter.close()
         await asyncio.get_running_loop().run_in_executor(self._db, self._flush_usage)
 
     async def lifespan(self, receive, send) -> None:
@@ -197,7 +201,7 @@ class Gateway:
             raise Refusal(
                 404,
                 f"There is nothing at {path}. The gateway answers /v1/models, /v1/chat/completions, "
-                "/v1/completions and /v1/embeddings.",
+                "/v1/completions, /v1/embeddings and /v1/rerank.",
                 code="unknown_url",
             )
         if method != "POST":
@@ -221,13 +225,14 @@ class Gateway:
                 kind="permission_error",
                 code="model_not_allowed",
             )
+        check_kind(path, route)
         check_limits(path, request, route)
         changed = False
         if name != route.name:
             # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
             request["model"], changed = route.name, True
         client_wants_usage = True
-        if request.get("stream") is True and path != "/v1/embeddings":
+        if request.get("stream") is True and route.kind == "chat":
             options = request.get("stream_options")
             client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
             if not client_wants_usage:
@@ -239,7 +244,14 @@ class Gateway:
             raise Refusal(
                 503, reason, kind="service_unavailable", code="no_ready_replica", headers=[(b"retry-after", b"5")]
             )
-        await self.forward(scope, receive, send, key, route, target, body, client_wants_usage, started)
+        # One Redis round trip for a key with limits, none for a key without (gateway/limits.py).
+        ticket = await self.limiter.admit(key.tag, key.limits) if key.limits else None
+        tokens = 0
+        try:
+            tokens = await self.forward(scope, receive, send, key, route, target, body, client_wants_usage, started)
+        finally:
+            if ticket is not None:
+                self.limiter.settle(ticket, tokens)
 
     async def authorize(self, scope) -> routes.Key:
         given = b""
@@ -277,6 +289,7 @@ class Gateway:
                     "aliases": list(route.aliases),
                     "context_length": route.context_length,
                     "max_output": route.max_output or None,
+                    "kind": route.kind,
                 }
             )
             entries.extend({"id": alias, **common, "alias_of": route.name} for alias in route.aliases)
@@ -313,7 +326,8 @@ class Gateway:
                 best, best_score = upstream, score
         return best
 
-    async def forward(self, scope, receive, send, key, route, target, body, client_wants_usage, started) -> None:
+    async def forward(self, scope, receive, send, key, route, target, body, client_wants_usage, started) -> int:
+        """Pass the request to a replica and its answer back; returns the answer's tokens."""
         tried: set[int] = set()
         failures = []
         while True:
@@ -356,7 +370,7 @@ class Gateway:
                     response.close()
                 prompt, completion = tokens_in(tail) or (0, 0)
                 self.usage.add(key.id, route.name, prompt, completion)
-                return
+                return prompt + completion
             finally:
                 self.in_flight[replica] -= 1
 
