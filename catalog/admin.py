@@ -29,7 +29,10 @@ class ModelAdmin(admin.ModelAdmin):
     readonly_fields = ["declared", "added_by", "added_at"]
     fieldsets = [
         (None, {"fields": ["name", "description", "aliases", "source"]}),
-        ("Serving", {"fields": [("context_length", "max_output"), "kind", "routing_profile", ("scaling_min", "scaling_max")]}),
+        (
+            "Serving",
+            {"fields": [("context_length", "max_output"), "kind", "routing_profile", ("scaling_min", "scaling_max")]},
+        ),
         ("Where it came from", {"fields": ["declared", "added_by", "added_at"]}),
     ]
     inlines = [ProfileInline]

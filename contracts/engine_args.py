@@ -77,6 +77,7 @@ def kind_args(engine: str, kind: str, args: list[str] | tuple[str, ...] = ()) ->
     given = {arg.split("=", 1)[0] for arg in args}
     return [] if wanted and wanted[0] in given else list(wanted)
 
+
 # A value given as its own argument may start with "-" only as a negative number
 # (`-ngl -1`): anything else there is a flag smuggled in as a value.
 _NEGATIVE_NUMBER = re.compile(r"-\d[\d.]*")

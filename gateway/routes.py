@@ -212,7 +212,9 @@ def _key_rows(queryset) -> list[tuple]:
 
 
 def _model_rows(queryset) -> list[tuple]:
-    return list(queryset.order_by().values_list("pk", "name", "aliases", "context_length", "max_output", "added_at", "kind"))
+    return list(
+        queryset.order_by().values_list("pk", "name", "aliases", "context_length", "max_output", "added_at", "kind")
+    )
 
 
 def _profile_rows(queryset) -> list[tuple]:

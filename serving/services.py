@@ -43,7 +43,11 @@ def plan_for(mirror_version: MirrorVersion) -> ServePlan:
     """The serve plan of one mirror version, from the database as it is now."""
     files = [FileFacts(name, size) for name, size in mirror_version.files.values_list("name", "bytes")]
     ggufs = sorted(name for name, _ in ((f.name, f.bytes) for f in files) if name.lower().endswith(".gguf"))
-    kind = header_kind(Path(settings.MIRROR_ROOT) / mirror_version.model / mirror_version.version / ggufs[0]) if ggufs else ""
+    kind = (
+        header_kind(Path(settings.MIRROR_ROOT) / mirror_version.model / mirror_version.version / ggufs[0])
+        if ggufs
+        else ""
+    )
     return plan_serve(
         mirror_version.model,
         mirror_version.version,
@@ -65,6 +69,7 @@ def header_kind(path: Path) -> str:
     "" when the file is not on this disk or cannot be read: the serve page then offers chat.
     """
     try:
+        # Optional here: the control plane's requirements leave gguf out (a node's have it).
         from gguf import GGUFReader
     except ImportError:
         return ""
