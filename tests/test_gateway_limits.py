@@ -176,3 +176,29 @@ def test_limits_are_set_and_read_through_the_api(live_server):
     changed = api.patch(live_server.url + f"/api/gateway/keys/{made.json()['id']}/", json={"requests_per_minute": 30})
     assert changed.status_code == 200, changed.text
     assert ApiKey.objects.get(name="auto").limits() == (30, 5000, 0, 0, 0)
+
+
+def test_a_limit_set_on_a_running_key_is_enforced_within_a_second(gateway, replicas, redis_client):
+    add_model()
+    add_replica("chat", replicas().base)
+    key, secret = create_key("tightened")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    clear_of_minute_boundary(10)
+    assert chat(session, gateway.url).status_code == 200
+    # A queryset update sends no signal: the change log's trigger is what the gateway hears.
+    ApiKey.objects.filter(pk=key.pk).update(requests_per_minute=2)
+    wait_until(lambda: chat(session, gateway.url).status_code == 429, timeout=5, what="the new limit to refuse")
+
+
+def test_the_keys_admin_page_shows_what_it_used_against_its_limits(admin_client, redis_client):
+    from gateway.limits import Windows, tag_of
+
+    key, _ = create_key("watched", limits={"requests_per_minute": 60, "tokens_per_day": 1000})
+    windows = Windows.at(tag_of(key.key_hash), time.time())
+    redis_client.set(windows.keys[0], 7)
+    redis_client.set(windows.keys[2], 420)
+    page = admin_client.get(f"/admin/gateway/apikey/{key.pk}/change/").content.decode()
+    assert "requests per minute: 7 of 60" in page
+    assert "tokens per day: 420 of 1000" in page
+    assert "tokens per minute: 0 (no limit)" in page
