@@ -25,6 +25,7 @@ from .processes import wait_until
 from .services import free_port
 from .test_gateway import add_model, add_replica, client, until_routed
 from .test_reconcile import node, sent
+from .test_replicas_live import agent_n1  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -215,3 +216,79 @@ def test_post_api_serve_takes_the_kind(live_server, mirror_root, settings):
     )
     assert served.status_code == 201, served.text
     assert Model.objects.get(name="bge").kind == "embedding"
+
+
+@pytest.mark.engine
+def test_an_embedding_model_served_through_the_api_is_started_by_the_agent_with_the_switch_and_answers_vectors(
+    settings,
+    tmp_path,
+    mirror_root,
+    byte_listener,
+    control_worker,
+    agent_n1,  # noqa: F811  (the fixture imported above)
+    live_server,
+    gateway,
+):
+    from fleet.models import Node
+    from mirror import scan
+
+    from .conftest import put
+    from .staff_api import token_session
+
+    agent, _ = agent_n1
+    settings.BYTES_URL = byte_listener
+    (weights,) = write_tiny_llama(tmp_path / "gguf", name="embed", files=1)
+    put(mirror_root, "embed", "v1", {weights.name: weights.read_bytes()})
+    scan.scan_mirror()
+
+    def enrolled():
+        node = Node.objects.filter(name="n1").first()
+        return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
+
+    wait_until(
+        enrolled,
+        timeout=60,
+        interval=0.5,
+        what=f"n1's heartbeat\n{agent.output()[-3000:]}",
+    )
+    api = token_session()
+    plan = api.get(live_server.url + "/api/serve/plan/?model=embed&version=v1").json()
+    assert plan["kind"] == "chat"  # a llama-shaped header names no pooling: the page offers chat
+    served = api.post(
+        live_server.url + "/api/serve/",
+        json={
+            "name": "embed",
+            "kind": "embedding",
+            "source": plan["source"],
+            "engine": "llamacpp",
+            "profile": "cpu",
+            "context_length": 256,
+            "ctx_size": 256,
+            "replicas": 1,
+        },
+    )
+    assert served.status_code == 201, served.text
+    replica = wait_until(
+        lambda: Replica.objects.filter(model_name="embed", state="ready").first(),
+        timeout=240,
+        interval=0.5,
+        what=f"a ready replica: {list(Replica.objects.values('state', 'reason'))}\n{agent.output()[-3000:]}",
+    )
+    _, secret = create_key("e2e-vectors")
+    until_routed(client(secret), gateway.url, "embed")
+    answer = openai.OpenAI(base_url=gateway.url + "/v1", api_key=secret, max_retries=0).embeddings.create(
+        model="embed", input="hello"
+    )
+    assert len(answer.data) == 1 and len(answer.data[0].embedding) > 1
+    assert answer.usage.prompt_tokens > 0
+    row = wait_until(
+        lambda: Usage.objects.filter(key__name="e2e-vectors", model_name="embed", requests=1).first(),
+        timeout=10,
+        what="the usage to be written",
+    )
+    assert row.prompt_tokens == answer.usage.prompt_tokens
+    # The agent started the engine with the switch the control plane sent, in the signed arguments.
+    from agent import engine_state
+
+    _, cache = agent_n1
+    assert engine_state.read_state(cache)["replicas"][str(replica.pk)]["args"] == ["--ctx-size", "256", "--embedding"]
