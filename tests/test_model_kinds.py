@@ -292,3 +292,19 @@ def test_an_embedding_model_served_through_the_api_is_started_by_the_agent_with_
 
     _, cache = agent_n1
     assert engine_state.read_state(cache)["replicas"][str(replica.pk)]["args"] == ["--ctx-size", "256", "--embedding"]
+
+
+def test_the_serve_plan_of_a_mirrored_gguf_with_a_pooling_type_offers_embedding(live_server, mirror_root, admin_client):
+    from mirror import scan
+
+    from .conftest import put
+    from .staff_api import token_session
+
+    write_header_only(mirror_root / "bge.gguf", "bert", 2)
+    put(mirror_root, "bge", "v1", {"bge.gguf": (mirror_root / "bge.gguf").read_bytes()})
+    (mirror_root / "bge.gguf").unlink()
+    scan.scan_mirror()
+    plan = token_session().get(live_server.url + "/api/serve/plan/?model=bge&version=v1").json()
+    assert plan["kind"] == "embedding"
+    page = admin_client.get("/serve/bge/v1/").content.decode()
+    assert '<option value="embedding" selected>' in page
