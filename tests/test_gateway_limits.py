@@ -202,3 +202,21 @@ def test_the_keys_admin_page_shows_what_it_used_against_its_limits(admin_client,
     assert "requests per minute: 7 of 60" in page
     assert "tokens per day: 420 of 1000" in page
     assert "tokens per minute: 0 (no limit)" in page
+
+
+def test_with_redis_away_a_limited_key_goes_on_unchecked_and_the_log_says_so(caplog):
+    import asyncio
+
+    from gateway.limits import Limiter, Limits
+    from tests.services import free_port
+
+    async def ask():
+        limiter = Limiter(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+        started = time.monotonic()
+        ticket = await limiter.admit("abc", Limits(requests_per_minute=1))
+        await limiter.close()
+        return ticket, time.monotonic() - started
+
+    ticket, took = asyncio.run(ask())
+    assert ticket is None and took < 1
+    assert "per-key limits are not enforced while Redis cannot be reached" in caplog.text
