@@ -84,10 +84,24 @@ SERVED_NAME_FLAGS = {
 }
 
 
+# llama-server's switches that PyPI's server takes as a setting with a value.
+LLAMA_CPP_PYTHON_SWITCHES = {"--embedding": "--embedding", "--embeddings": "--embedding"}
+RERANK_FLAGS = ("--reranking", "--rerank")
+
+
 def for_llama_cpp_python(args: list[str]) -> list[str]:
     """Profile args in llama-server's spelling, translated for PyPI's `llama_cpp.server`."""
     translated = []
     for arg in args:
+        if arg in LLAMA_CPP_PYTHON_SWITCHES:
+            translated += [LLAMA_CPP_PYTHON_SWITCHES[arg], "true"]
+            continue
+        if arg in RERANK_FLAGS:
+            # Its server has no rerank endpoint: said before the engine is started, not after.
+            raise EngineError(
+                "this node's llama.cpp is PyPI's llama-cpp-python, whose server cannot rerank; "
+                "a rerank model needs llama.cpp's own llama-server on the node's PATH"
+            )
         flag, eq, value = arg.partition("=")
         if flag in LLAMA_CPP_PYTHON_FLAGS:
             flag = LLAMA_CPP_PYTHON_FLAGS[flag]
@@ -120,6 +134,33 @@ def whole_answers_args(args: list[str]) -> list[str]:
     return ["--interrupt_requests", "false"]
 
 
+EMBEDDING_SWITCHES = ("--embedding", "--embeddings")
+
+
+def pooling_args(weights: Path, args: list[str]) -> list[str]:
+    """Mean pooling for an embedding engine on weights whose header names no pooling of its own.
+
+    A chat model's GGUF (llama-shaped) pools nothing, so its engine would answer one
+    vector per token, which no OpenAI client reads; a real embedding model (BERT and
+    kin) names its pooling, and keeps it. A profile's own --pooling wins.
+    """
+    if not any(arg in EMBEDDING_SWITCHES for arg in args) or any(arg.split("=", 1)[0] == "--pooling" for arg in args):
+        return []
+    return [] if header_has_pooling(weights) else ["--pooling", "mean"]
+
+
+def header_has_pooling(weights: Path) -> bool:
+    try:
+        from gguf import GGUFReader  # in requirements/node.txt; the tests' and a node's environment have it
+    except ImportError:
+        return False
+    try:
+        fields = GGUFReader(weights, "r").fields
+    except Exception:  # gguf's reader fails a short or foreign file with whatever it trips on
+        return False
+    return any(name.endswith(".pooling_type") for name in fields)
+
+
 def command(
     engine: str,
     weights: Path,
@@ -141,6 +182,7 @@ def command(
     target = str(weights_argument(engine, weights))
     named = served_name_args(engine, model, args)
     if engine == "llamacpp":
+        args = [*args, *pooling_args(Path(target), args)]
         server = which("llama-server")
         # The native server when installed; PyPI's llama-cpp-python otherwise, through
         # the shim that gives its streamed answers the usage the gateway counts.

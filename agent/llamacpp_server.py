@@ -107,10 +107,42 @@ def install() -> bool:
     return True
 
 
+POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+
+
+def take_pooling(argv: list[str]) -> tuple[list[str], int | None]:
+    """llama-server's `--pooling TYPE`, which PyPI's server has no setting for: taken out of argv."""
+    if "--pooling" not in argv:
+        return argv, None
+    at = argv.index("--pooling")
+    if at + 1 >= len(argv) or argv[at + 1] not in POOLING:
+        raise SystemExit(f"--pooling takes one of {', '.join(POOLING)}")
+    return argv[:at] + argv[at + 2 :], POOLING[argv[at + 1]]
+
+
+def use_pooling(pooling: int) -> None:
+    """Every Llama the server makes pools this way (an embedding model's vectors, one per input)."""
+    from llama_cpp import llama
+
+    made = llama.Llama.__init__
+
+    @functools.wraps(made)
+    def init(self, *args, **kwargs):
+        kwargs.setdefault("pooling_type", pooling)
+        made(self, *args, **kwargs)
+
+    llama.Llama.__init__ = init
+
+
 def main() -> None:
+    import sys
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     from llama_cpp.server.__main__ import main as serve
 
+    sys.argv, pooling = take_pooling(sys.argv)
+    if pooling is not None:
+        use_pooling(pooling)
     install()
     serve()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """llmgw's gateway vs LiteLLM's proxy: the same requests to one stub upstream, measured in one run.
 
-    .venv/bin/python bench/gateway.py [--quick] [--rounds 2000] [--duration 10] [--streams 1000]
+    .venv/bin/python bench/gateway.py [--quick] [--rounds 2000] [--duration 10] [--streams 1000] [--limits]
 
 Starts bench/stub_upstream.py (answers at once; streams 20 chunks), llmgw's admin
 server (`manage.py admin_server`: one uvicorn process, Django and the /v1/ gateway,
@@ -18,6 +18,10 @@ directly to the stub and through each proxy, from this process (bench/httpload.p
   open streams      --streams streams that the stub holds open after their first
                     event: how many each one holds, whether it still answers a plain
                     request meanwhile, and its memory; then all are let go
+
+With --limits, also through a second key of the same server with every per-key limit
+set (and never reached), against a Redis of the run's own: what the limiter's one
+round trip adds.
 
 Prints a table, the ratios against LiteLLM, and whether each of the issue's goals is
 met. The stub, the proxies and this load generator share the machine's cores; nothing
@@ -51,6 +55,7 @@ ADDED_P50_MS = 2.0
 FIRST_CHUNK_ADDED_MS = 2.0
 TIMES_LITELLM_RPS = 10
 OPEN_STREAMS = 1000
+LIMITS_ADDED_P50_MS = 1.0
 
 
 def quiet_popen(argv: list[str], env: dict, log: Path, cwd: Path = ROOT) -> subprocess.Popen:
@@ -159,9 +164,16 @@ for name in ("stub", "stub-hold"):
 """
 
 
+def start_redis(work: Path) -> tuple[subprocess.Popen, int]:
+    """A Redis of the run's own, for per-key limits (which count in Redis)."""
+    port = free_port()
+    argv = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(work)]
+    return quiet_popen(argv, dict(os.environ), work / "redis.log"), port
+
+
 def start_llmgw(
-    stub_port: int, work: Path, name: str = "llmgw", **settings: str
-) -> tuple[subprocess.Popen, Target] | None:
+    stub_port: int, work: Path, name: str = "llmgw", redis_port: int | None = None, **settings: str
+) -> tuple[subprocess.Popen, list[Target]] | None:
     port = free_port()
     work = work / name
     work.mkdir()
@@ -170,7 +182,8 @@ def start_llmgw(
         LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
         LLMGW_VAR=str(work / "var"),
         DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
-        REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens: it must not matter here
+        # Without --limits nothing listens there, and it must not matter: a key without limits never asks Redis.
+        REDIS_URL=f"redis://127.0.0.1:{redis_port or free_port()}/0",
         **settings,
     )
     manage = [sys.executable, str(ROOT / "manage.py")]
@@ -191,7 +204,22 @@ def start_llmgw(
     )
     key = created.stdout.strip().splitlines()[-1].strip()
     process = quiet_popen(manage + ["admin_server"], env, work / "llmgw.log")
-    return process, Target(name, port, key=key, pid=process.pid)
+    targets = [Target(name, port, key=key, pid=process.pid)]
+    if redis_port:
+        # Limits set on every window and never reached: the request pays the check, not a refusal.
+        limited = subprocess.run(
+            manage
+            + ["api_key", "create", "bench-limited", "--rpm", "1000000000", "--tpm", "1000000000"]
+            + ["--tpd", "1000000000", "--tokens-per-month", "1000000000", "--in-flight", "100000"],
+            env=env,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        secret = limited.stdout.strip().splitlines()[-1].strip()
+        targets.append(Target("llmgw+limits", port, key=secret, pid=process.pid))
+    return process, targets
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -310,6 +338,12 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
             goals.append(
                 (f"requests/s ≥ {TIMES_LITELLM_RPS} × LiteLLM's", rps[llmgw] >= TIMES_LITELLM_RPS * rps[litellm])
             )
+        if "llmgw+limits" in names:
+            by_limits = added50["llmgw+limits"] - added50[llmgw]
+            print(f"per-key limits: added p50 {added50['llmgw+limits']:.2f} ms, {by_limits:+.2f} ms over a key without")
+            goals.append(
+                (f"added p50 with limits ≤ {LIMITS_ADDED_P50_MS:g} ms", added50["llmgw+limits"] <= LIMITS_ADDED_P50_MS)
+            )
         for goal, met in goals:
             print(f"{'met    ' if met else 'NOT met'}  {goal}")
     for variant in (n for n in names if n.startswith("llmgw+")):
@@ -339,6 +373,9 @@ def main() -> None:
         help="llmgw without metrics beside llmgw with them (llmgw+metrics) and with the access log too (llmgw+log)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory and its logs")
+    parser.add_argument(
+        "--limits", action="store_true", help="also through a key with per-key limits set (a Redis of its own)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.duration, args.repeat = 300, 3, 1
@@ -359,6 +396,10 @@ def main() -> None:
         processes.append(stub)
         direct = Target("direct", stub_port, pid=stub.pid)
         proxies = []
+        redis_port = None
+        if args.limits:
+            redis_process, redis_port = start_redis(work)
+            processes.append(redis_process)
         variants = {"llmgw": {}}
         if args.observability:
             # As `make run` runs it: counters in a multiprocess directory, /metrics adding them up.
@@ -370,10 +411,10 @@ def main() -> None:
                 "llmgw+log": {**metrics, "LLMGW_GATEWAY_ACCESS_LOG": str(work / "access.jsonl")},
             }
         for name, settings in variants.items():
-            started = start_llmgw(stub_port, work, name, **settings)
+            started = start_llmgw(stub_port, work, name, redis_port if name == "llmgw" else None, **settings)
             if started:
                 processes.append(started[0])
-                proxies.append(started[1])
+                proxies.extend(started[1])
         litellm = None if args.no_litellm else ensure_litellm()
         if litellm:
             process, target = start_litellm(litellm, stub_port, work)

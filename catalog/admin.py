@@ -23,13 +23,16 @@ class ProfileInline(admin.StackedInline):
 
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
-    list_display = ["name", "alias_list", "engines", "replicas", "context_length", "declared", "added_by"]
-    list_filter = ["declared", "routing_profile"]
+    list_display = ["name", "kind", "alias_list", "engines", "replicas", "context_length", "declared", "added_by"]
+    list_filter = ["declared", "kind", "routing_profile"]
     search_fields = ["name", "description", "source"]
     readonly_fields = ["declared", "added_by", "added_at"]
     fieldsets = [
         (None, {"fields": ["name", "description", "aliases", "source"]}),
-        ("Serving", {"fields": [("context_length", "max_output"), "routing_profile", ("scaling_min", "scaling_max")]}),
+        (
+            "Serving",
+            {"fields": [("context_length", "max_output"), "kind", "routing_profile", ("scaling_min", "scaling_max")]},
+        ),
         ("Where it came from", {"fields": ["declared", "added_by", "added_at"]}),
     ]
     inlines = [ProfileInline]

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 from django.db import transaction
 
-from .models import Engine, Model, Profile
+from .models import Engine, Kind, Model, Profile
 from .rules import alias_problem, args_problem, name_problem, scaling_problem, selector_problem
 
 MODEL_KEYS = {
@@ -23,6 +23,7 @@ MODEL_KEYS = {
     "source",
     "context_length",
     "max_output",
+    "kind",
     "routing_profile",
     "scaling",
     "profiles",
@@ -114,6 +115,7 @@ def _model(path, index: int, entry) -> dict:
         "source": source,
         "context_length": _whole(where, "context_length", entry.get("context_length"), minimum=1),
         "max_output": _whole(where, "max_output", entry.get("max_output"), 0),
+        "kind": _kind(where, entry.get("kind")),
         "routing_profile": str(entry.get("routing_profile") or "chat"),
         "scaling_min": scaling_min,
         "scaling_max": scaling_max,
@@ -123,6 +125,14 @@ def _model(path, index: int, entry) -> dict:
     if len(set(profile_names)) != len(profile_names):
         raise CatalogFileError(f"{where}: two profiles have the same name")
     return model
+
+
+def _kind(where: str, value) -> str:
+    if value is None:
+        return Kind.CHAT.value
+    if value not in Kind.values:
+        raise CatalogFileError(f"{where}: kind must be one of {', '.join(Kind.values)}, not {value!r}")
+    return value
 
 
 def _profile(model_where: str, index: int, entry) -> dict:

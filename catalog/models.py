@@ -24,6 +24,14 @@ class Engine(models.TextChoices):
     VLLM = "vllm", "vLLM"
 
 
+class Kind(models.TextChoices):
+    """What a model answers: the gateway sends each address only to models of its kind."""
+
+    CHAT = "chat", "chat"
+    EMBEDDING = "embedding", "embedding"
+    RERANK = "rerank", "rerank"
+
+
 class Model(models.Model):
     name = models.CharField(max_length=200, unique=True, help_text="What clients ask for in the gateway.")
     description = models.TextField(
@@ -35,6 +43,13 @@ class Model(models.Model):
     context_length = models.PositiveIntegerField(help_text="The most tokens one request may use.")
     max_output = models.PositiveIntegerField(
         "output limit", default=0, help_text="The most tokens one reply may have; 0 for no limit."
+    )
+    kind = models.CharField(
+        max_length=20,
+        choices=Kind.choices,
+        default=Kind.CHAT,
+        help_text="chat answers /v1/chat/completions and /v1/completions; embedding /v1/embeddings; "
+        "rerank /v1/rerank. The engine is started for it.",
     )
     routing_profile = models.CharField(max_length=50, default="chat")
     scaling_min = models.PositiveIntegerField("fewest replicas", default=1)

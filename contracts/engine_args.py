@@ -33,7 +33,7 @@ LLAMACPP: dict[str, bool] = {
     **dict.fromkeys(["--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n"], True),
     **dict.fromkeys(["--cont-batching", "-cb", "--no-cont-batching", "-nocb", "--mlock", "--no-mmap"], False),
     **dict.fromkeys(["--jinja", "--embedding", "--embeddings", "--metrics", "--no-warmup", "--swa-full"], False),
-    **dict.fromkeys(["--no-kv-offload", "-nkvo", "--no-webui", "--verbose", "-v"], False),
+    **dict.fromkeys(["--no-kv-offload", "-nkvo", "--no-webui", "--verbose", "-v", "--reranking", "--rerank"], False),
     # PyPI's llama-cpp-python server, which the agent translates the spellings above into
     **dict.fromkeys(["--n_ctx", "--n_gpu_layers", "--n_threads", "--n_threads_batch", "--n_batch"], True),
     **dict.fromkeys(["--n_ubatch", "--chat_format", "--model_alias", "--flash_attn", "--use_mlock"], True),
@@ -51,6 +51,7 @@ VLLM: dict[str, bool] = {
     **dict.fromkeys(["--reasoning-parser", "--tokenizer-mode", "--rope-theta", "--max-seq-len-to-capture"], True),
     **dict.fromkeys(["--distributed-executor-backend", "--uvicorn-log-level", "--guided-decoding-backend"], True),
     **dict.fromkeys(["--limit-mm-per-prompt", "--rope-scaling", "--compilation-config", "-O"], True),
+    **dict.fromkeys(["--task", "--runner", "--convert"], True),
     **dict.fromkeys(["--enforce-eager", "--enable-prefix-caching", "--no-enable-prefix-caching"], False),
     **dict.fromkeys(["--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enable-auto-tool-choice"], False),
     **dict.fromkeys(["--disable-log-requests", "--disable-log-stats", "--disable-custom-all-reduce"], False),
@@ -60,6 +61,22 @@ VLLM: dict[str, bool] = {
 }
 
 ALLOWED: dict[str, dict[str, bool]] = {"llamacpp": LLAMACPP, "vllm": VLLM}
+
+# The arguments that start an engine for a model's kind (chat needs none), added by the
+# control plane to the profile's when it sends a start, and so signed with the rest.
+# vLLM: `--task` is what 0.9-0.10 read; from 0.11 `--runner pooling` replaces it (docs/engines.md).
+KIND_ARGS: dict[str, dict[str, list[str]]] = {
+    "llamacpp": {"embedding": ["--embedding"], "rerank": ["--reranking"]},
+    "vllm": {"embedding": ["--task", "embed"], "rerank": ["--task", "score"]},
+}
+
+
+def kind_args(engine: str, kind: str, args: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """What to add to a profile's `args` to start `engine` for a model of `kind`; none it already has."""
+    wanted = KIND_ARGS.get(engine, {}).get(kind, [])
+    given = {arg.split("=", 1)[0] for arg in args}
+    return [] if wanted and wanted[0] in given else list(wanted)
+
 
 # A value given as its own argument may start with "-" only as a negative number
 # (`-ngl -1`): anything else there is a flag smuggled in as a value.

@@ -17,7 +17,9 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from catalog.models import Model
 from contracts import signing, tasks
+from contracts.engine_args import kind_args
 
 from .live import redis_client
 from .models import Fetch, Node, Replica, heard_from_lately
@@ -69,10 +71,6 @@ def node_views(nodes: list[Node], replicas: list[Replica], now: datetime) -> lis
 
 
 def model_views() -> list[ModelView]:
-    # Imported here: the catalog app depends on the fleet (its serve page reads
-    # nodes), and the fleet only needs the catalog while reconciling.
-    from catalog.models import Model
-
     return [
         ModelView(
             name=m.name,
@@ -116,7 +114,11 @@ def replica_views(replicas: list[Replica], node_names: dict[int, str]) -> list[R
 
 def send_start(replica: Replica) -> None:
     node = replica.node
-    args = [replica.pk, replica.source, replica.engine, list(replica.args)]
+    # The model's kind travels as engine arguments (an embedding model is started with
+    # llama.cpp's --embedding): inside the signed arguments, and checked by the node's allow-list.
+    kind = Model.objects.filter(name=replica.model_name).values_list("kind", flat=True).first() or "chat"
+    engine_args = list(replica.args) + kind_args(replica.engine, kind, replica.args)
+    args = [replica.pk, replica.source, replica.engine, engine_args]
     # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
     kwargs = signing.with_proof(node.token_hash, tasks.START_REPLICA, node.name, args, {"model": replica.model_name})
     current_app.send_task(tasks.START_REPLICA, args=args, kwargs=kwargs, queue=tasks.node_queue(node.name))

@@ -1,10 +1,13 @@
+import redis
 from django.contrib import admin, messages
 from django.http import HttpRequest
 
 from common.admin import RecordAdmin
+from fleet.live import redis_client
 
 from .keys import give_secret
-from .models import ApiKey, Usage
+from .limits import used_now
+from .models import LIMIT_FIELDS, ApiKey, Usage
 
 
 class UsageInline(admin.TabularInline):
@@ -23,9 +26,38 @@ class ApiKeyAdmin(admin.ModelAdmin):
     list_display = ("name", "prefix", "active", "scope", "created", "last_used")
     list_filter = ("active",)
     search_fields = ("name", "prefix")
-    readonly_fields = ("prefix", "created", "created_by", "last_used")
+    readonly_fields = ("prefix", "created", "created_by", "last_used", "used_against_limits")
+    fieldsets = (
+        (None, {"fields": ("name", "prefix", "model_names", "active", "created", "created_by", "last_used")}),
+        (
+            "Limits (blank for none; enforced by every admin server together)",
+            {
+                "fields": (
+                    ("requests_per_minute", "max_in_flight"),
+                    ("tokens_per_minute", "tokens_per_day", "tokens_per_month"),
+                )
+            },
+        ),
+        ("Used now", {"fields": ("used_against_limits",)}),
+    )
     inlines = [UsageInline]
     actions = ["turn_off", "make_new_secret"]
+
+    @admin.display(description="against its limits")
+    def used_against_limits(self, obj: ApiKey) -> str:
+        """What the key has used in its current windows, as the gateways count it in Redis."""
+        if not obj.pk or not any(obj.limits()):
+            return "This key has no limits, so nothing is counted against them."
+        try:
+            used = used_now(redis_client(), obj.key_hash)
+        except redis.RedisError as error:
+            return f"Redis could not be read: {error}"
+        lines = []
+        for field in LIMIT_FIELDS:
+            label = ApiKey._meta.get_field(field).verbose_name
+            limit = getattr(obj, field)
+            lines.append(f"{label}: {used[field]} of {limit}" if limit else f"{label}: {used[field]} (no limit)")
+        return "; ".join(lines) + "."
 
     @admin.display(description="models")
     def scope(self, obj: ApiKey) -> str:

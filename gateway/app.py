@@ -25,8 +25,9 @@ from django.db import connection
 from . import metrics, routes
 from .anthropic_messages import AnthropicRefusal, Messages
 from .errors import ClientGone, Refusal
-from .intake import check_limits, parse_request, read_body, sentence_of
+from .intake import check_kind, check_limits, parse_request, read_body, sentence_of
 from .keys import hash_key
+from .limits import Limiter
 from .openai_responses import Responses
 from .relay import EventFilter
 from .translation import relay_translated
@@ -39,6 +40,7 @@ ENDPOINTS = {
     "/v1/chat/completions": "/chat/completions",
     "/v1/completions": "/completions",
     "/v1/embeddings": "/embeddings",
+    "/v1/rerank": "/rerank",
     "/v1/messages": "/chat/completions",
     "/v1/responses": "/chat/completions",
 }
@@ -59,6 +61,7 @@ class Gateway:
         self.in_flight: dict[int, int] = {}
         self.cooling: dict[int, float] = {}
         self.usage = Recorder()
+        self.limiter = Limiter()
         self._reader = routes.TableReader()
         self.refresh_s = settings.GATEWAY_REFRESH_MS / 1000
         self._db = ThreadPoolExecutor(1, thread_name_prefix="gateway-db")
@@ -94,6 +97,7 @@ class Gateway:
         if self._session:
             await self._session.close()
             self._session = None
+        await self.limiter.close()
         await asyncio.get_running_loop().run_in_executor(self._db, self._flush_usage)
 
     async def lifespan(self, receive, send) -> None:
@@ -213,7 +217,7 @@ class Gateway:
             raise Refusal(
                 404,
                 f"There is nothing at {path}. The gateway answers /v1/models, /v1/chat/completions, "
-                "/v1/completions, /v1/embeddings, /v1/messages and /v1/responses.",
+                "/v1/completions, /v1/embeddings, /v1/rerank, /v1/messages and /v1/responses.",
                 code="unknown_url",
             )
         if method != "POST":
@@ -242,14 +246,16 @@ class Gateway:
                 code="model_not_allowed",
             )
         # A translated request is a chat completion from here on, and is checked as one.
-        check_limits(path if translation is None else CHAT, request, route, len(body))
+        checked_as = path if translation is None else CHAT
+        check_kind(checked_as, route)
+        check_limits(checked_as, request, route, len(body))
         self.observer.routed(scope, route.name, request, key.name)
         changed = translation is not None
         if name != route.name:
             # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
             request["model"], changed = route.name, True
         client_wants_usage = True
-        if request.get("stream") is True and path != "/v1/embeddings":
+        if request.get("stream") is True and route.kind == "chat":
             options = request.get("stream_options")
             client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
             if not client_wants_usage:
@@ -261,9 +267,16 @@ class Gateway:
             raise Refusal(
                 503, reason, kind="service_unavailable", code="no_ready_replica", headers=[(b"retry-after", b"5")]
             )
-        await self.forward(
-            scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation
-        )
+        # One Redis round trip for a key with limits, none for a key without (gateway/limits.py).
+        ticket = await self.limiter.admit(key.tag, key.limits) if key.limits else None
+        tokens = 0
+        try:
+            tokens = await self.forward(
+                scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation
+            )
+        finally:
+            if ticket is not None:
+                self.limiter.settle(ticket, tokens)
 
     async def authorize(self, scope) -> routes.Key:
         given = b""
@@ -303,6 +316,7 @@ class Gateway:
                     "aliases": list(route.aliases),
                     "context_length": route.context_length,
                     "max_output": route.max_output or None,
+                    "kind": route.kind,
                 }
             )
             entries.extend({"id": alias, **common, "alias_of": route.name} for alias in route.aliases)
@@ -341,7 +355,8 @@ class Gateway:
 
     async def forward(
         self, scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation=None
-    ) -> None:
+    ) -> int:
+        """Pass the request to a replica and its answer back; returns the answer's tokens."""
         tried: set[int] = set()
         failures = []
         while True:
@@ -394,7 +409,7 @@ class Gateway:
                     prompt, completion = answer.tokens(request)
                     self.usage.add(key.id, route.name, prompt, completion)
                     self.observer.answered(scope, replica, gateway_s, prompt, completion)
-                return
+                return prompt + completion
             finally:
                 self.in_flight[replica] -= 1
 

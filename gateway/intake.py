@@ -56,6 +56,34 @@ def parse_request(body: bytes) -> dict:
     return request
 
 
+# The kind of model each address is for; a model answers only its kind's addresses.
+KIND_OF_PATH = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "chat",
+    "/v1/embeddings": "embedding",
+    "/v1/rerank": "rerank",
+}
+WHAT_KIND_ANSWERS = {
+    "chat": "/v1/chat/completions and /v1/completions",
+    "embedding": "/v1/embeddings",
+    "rerank": "/v1/rerank",
+}
+
+
+def check_kind(path: str, route: routes.Route) -> None:
+    """Refuse an address the model's kind does not answer: its engine was not started for it."""
+    wanted = KIND_OF_PATH.get(path)
+    if wanted is None or wanted == route.kind:
+        return
+    raise Refusal(
+        400,
+        f"{route.name} is a {route.kind} model: it answers {WHAT_KIND_ANSWERS.get(route.kind, 'nothing here')}, "
+        f"not {path}, which is for {wanted} models.",
+        param="model",
+        code="wrong_model_kind",
+    )
+
+
 def prompt_texts(path: str, request: dict) -> Iterator[str]:
     """The text a request asks the model to read: chat messages' contents, a completion's prompt.
 
@@ -116,7 +144,7 @@ def check_limits(path: str, request: dict, route: routes.Route, body_bytes: int)
     A prompt that may fit by its length but not in tokens is refused by the engine
     itself, the one that knows its tokenizer; its 400 is passed on as it is.
     """
-    if path == "/v1/embeddings":
+    if route.kind != "chat":
         return
     check_prompt_length(path, request, route, body_bytes)
     field = "max_completion_tokens" if request.get("max_completion_tokens") is not None else "max_tokens"

@@ -27,9 +27,16 @@ def give_secret(key: ApiKey) -> str:
     return secret
 
 
-def create_key(name: str, models: list[str] | None = None, created_by: str = "") -> tuple[ApiKey, str]:
-    """A new key: the record, and the key itself, which is shown once and never stored."""
+def create_key(
+    name: str, models: list[str] | None = None, created_by: str = "", limits: dict | None = None
+) -> tuple[ApiKey, str]:
+    """A new key: the record, and the key itself, which is shown once and never stored.
+
+    `limits` maps names of LIMIT_FIELDS to a number, or None/0 for no limit.
+    """
     key = ApiKey(name=name.strip(), model_names=list(models or []), created_by=created_by)
+    for field, value in (limits or {}).items():
+        setattr(key, field, value or None)
     secret = give_secret(key)
     key.full_clean()
     key.save()

@@ -7,6 +7,9 @@ from django.db import models
 MAX_MODELS = 1000
 
 
+LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "tokens_per_month", "max_in_flight")
+
+
 class ApiKey(models.Model):
     name = models.CharField(max_length=100, unique=True, help_text="Who or what uses this key.")
     # The key's first characters, so staff can tell keys apart; the rest is never stored.
@@ -20,6 +23,14 @@ class ApiKey(models.Model):
         help_text='Catalog model names this key may use, as a list like ["llama-3"]; empty for every model.',
     )
     active = models.BooleanField(default=True, help_text="Clear to refuse this key without losing its usage.")
+    # Limits, each blank (or 0) for none; enforced across every admin server through Redis (gateway/limits.py).
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Blank for no limit.")
+    tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True, help_text="Blank for no limit.")
+    tokens_per_day = models.PositiveBigIntegerField(null=True, blank=True, help_text="Blank for no limit.")
+    tokens_per_month = models.PositiveBigIntegerField(null=True, blank=True, help_text="Blank for no limit.")
+    max_in_flight = models.PositiveIntegerField(
+        "requests in flight", null=True, blank=True, help_text="Requests answered at once; blank for no limit."
+    )
     created = models.DateTimeField(auto_now_add=True)
     created_by = models.CharField(max_length=150, blank=True)
     last_used = models.DateTimeField(null=True, blank=True, editable=False)
@@ -30,6 +41,10 @@ class ApiKey(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def limits(self) -> tuple[int, int, int, int, int]:
+        """The limits in LIMIT_FIELDS' order, 0 for none."""
+        return tuple(getattr(self, name) or 0 for name in LIMIT_FIELDS)
 
     def clean(self) -> None:
         if not isinstance(self.model_names, list) or not all(

@@ -18,7 +18,9 @@ from contracts import progress
 from fleet.live import redis_client
 from fleet.models import Replica
 
-from .models import ApiKey, TableChange
+from .limits import Limits, tag_of
+from .limits import of as limits_of
+from .models import LIMIT_FIELDS, ApiKey, TableChange
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Route:
     max_output: int  # 0: no limit of its own
     created: int
     upstreams: tuple[Upstream, ...]
+    kind: str = "chat"  # chat, embedding or rerank: which addresses it answers
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class Key:
     id: int
     name: str
     models: frozenset[str] | None  # None: every model
+    limits: Limits | None = None  # None: no limits, and no Redis on its requests
+    tag: str = ""  # what its counters in Redis are filed under
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -85,7 +90,7 @@ class TableReader:
         self.applied: set[int] = set()  # change ids within the window already applied
         self.pruned_at = None
         self.keys: dict[int, tuple[str, Key]] = {}  # id -> (hash, key), active keys only
-        self.models: dict[int, tuple] = {}  # id -> (name, aliases, context_length, max_output, added_at)
+        self.models: dict[int, tuple] = {}  # id -> (name, aliases, context_length, max_output, added_at, kind)
         self.profiles: dict[int, tuple[int, str, int]] = {}  # id -> (model id, name, weight)
         self.replicas: dict[int, tuple[str, str, str]] = {}  # id -> (model name, profile, endpoint), ready ones
         self.full_reads = 0
@@ -173,7 +178,7 @@ class TableReader:
             ready.setdefault(model_name, []).append((replica_id, profile_name, endpoint))
         routes: dict[str, Route] = {}
         models: list[Route] = []
-        for model_id, (name, aliases, context_length, max_output, added_at) in sorted(
+        for model_id, (name, aliases, context_length, max_output, added_at, kind) in sorted(
             self.models.items(), key=lambda item: item[1][0]
         ):
             upstreams = tuple(
@@ -188,6 +193,7 @@ class TableReader:
                 max_output=max_output,
                 created=int(added_at.timestamp()),
                 upstreams=upstreams,
+                kind=kind,
             )
             models.append(route)
             for alias in aliases:
@@ -197,16 +203,18 @@ class TableReader:
 
 
 def key_of(row: tuple) -> tuple[str, Key]:
-    pk, name, key_hash, model_names = row
-    return key_hash, Key(pk, name, frozenset(model_names) if model_names else None)
+    pk, name, key_hash, model_names, *limits = row
+    return key_hash, Key(pk, name, frozenset(model_names) if model_names else None, limits_of(limits), tag_of(key_hash))
 
 
 def _key_rows(queryset) -> list[tuple]:
-    return list(queryset.order_by().values_list("pk", "name", "key_hash", "model_names"))
+    return list(queryset.order_by().values_list("pk", "name", "key_hash", "model_names", *LIMIT_FIELDS))
 
 
 def _model_rows(queryset) -> list[tuple]:
-    return list(queryset.order_by().values_list("pk", "name", "aliases", "context_length", "max_output", "added_at"))
+    return list(
+        queryset.order_by().values_list("pk", "name", "aliases", "context_length", "max_output", "added_at", "kind")
+    )
 
 
 def _profile_rows(queryset) -> list[tuple]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from django import forms
 
-from catalog.models import Engine, Model
+from catalog.models import Engine, Kind, Model
 
 from . import services
 from .planning import ServeError, ServePlan, build_model
@@ -35,6 +35,12 @@ class ServeForm(forms.Form):
     description = text("Description", wide=True)
     aliases = text("Aliases", "Other names clients may use, comma-separated.")
     source = text("Source", "On the byte listener; a trailing / names the whole version.", wide=True)
+    kind = TextField(
+        label="Kind",
+        required=False,
+        help_text="What it answers: chat, embeddings (/v1/embeddings) or reranking (/v1/rerank).",
+        widget=forms.Select(choices=[(k.value, k.label) for k in Kind]),
+    )
     context_length = text("Context length", "The most tokens one request may use.")
     max_output = text("Output limit", "The most tokens one reply may have; blank for no limit.")
     replicas = text("Replicas", "How many copies to keep running.")
@@ -52,7 +58,7 @@ class ServeForm(forms.Form):
     selector_value = text("Node selector value", "Its value, e.g. large.")
 
     FIELDSETS = (
-        ("The catalog entry", ("name", "description", "aliases", "source")),
+        ("The catalog entry", ("name", "description", "aliases", "source", "kind")),
         ("What clients get", ("context_length", "max_output", "replicas")),
         ("Where and how it runs", ("engine", "profile", "ctx_size", "min_memory_gb", "selector_key", "selector_value")),
     )
@@ -69,6 +75,7 @@ class ServeForm(forms.Form):
         initial = {
             "name": plan.model,
             "source": plan.source,
+            "kind": plan.kind,
             "engine": plan.engine,
             "profile": plan.profile,
             "min_memory_gb": str(plan.min_memory_gb or ""),

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from urllib.parse import quote
 
-from catalog.models import Engine, Model, Profile
+from catalog.models import Engine, Kind, Model, Profile
 from catalog.rules import source_problem
 
 
@@ -58,6 +58,8 @@ class ServePlan:
     engine: str = ""
     # Named for the hardware rather than the model, because a profile is about where a model runs.
     profile: str = "cpu"
+    # chat, embedding or rerank: chat unless the weights' header says otherwise.
+    kind: str = Kind.CHAT.value
     # How many files the version holds when it is a set of more than one; 0 for a single file.
     files: int = 0
     bytes_total: int = 0
@@ -99,10 +101,17 @@ def plan_serve(
     byte_base: str,
     fleet: Sequence[NodeFacts] | None,
     catalog: CatalogFacts | None,
+    header_kind: str = "",
 ) -> ServePlan:
-    """Work out what serving this version would mean."""
+    """Work out what serving this version would mean.
+
+    `header_kind` is the kind the weights' header says (a GGUF with a pooling type
+    is an embedding or rerank model), "" when nobody read one.
+    """
     files = sorted(files, key=lambda f: f.name)
     plan = ServePlan(model=model, version=version, file_names=[f.name for f in files])
+    if header_kind in Kind.values:
+        plan.kind = header_kind
     version_url = f"{byte_base}{quote(model)}/{quote(version)}/"
     if not files:
         plan.source = version_url
@@ -245,7 +254,10 @@ def build_model(form: Mapping[str, str], byte_base: str) -> tuple[Model, Profile
         description=get("description"),
         source=get("source"),
         routing_profile="chat",
+        kind=get("kind") or Kind.CHAT.value,
     )
+    if model.kind not in Kind.values:
+        problems.append(("kind", f"the kind must be one of {', '.join(Kind.values)}, not {model.kind}"))
     if not model.name or not model.source:
         problems.append(("name" if not model.name else "source", "a model needs a name and a source"))
     elif problem := source_problem(model.source, byte_base):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
-from catalog.models import Model, Profile
+from catalog.models import Kind, Model, Profile
 from fleet.models import Node
 from mirror.models import MirrorVersion
 
@@ -40,9 +42,46 @@ def fleet_facts() -> list[NodeFacts]:
 def plan_for(mirror_version: MirrorVersion) -> ServePlan:
     """The serve plan of one mirror version, from the database as it is now."""
     files = [FileFacts(name, size) for name, size in mirror_version.files.values_list("name", "bytes")]
-    return plan_serve(
-        mirror_version.model, mirror_version.version, files, settings.BYTES_URL, fleet_facts(), catalog_facts()
+    ggufs = sorted(name for name, _ in ((f.name, f.bytes) for f in files) if name.lower().endswith(".gguf"))
+    kind = (
+        header_kind(Path(settings.MIRROR_ROOT) / mirror_version.model / mirror_version.version / ggufs[0])
+        if ggufs
+        else ""
     )
+    return plan_serve(
+        mirror_version.model,
+        mirror_version.version,
+        files,
+        settings.BYTES_URL,
+        fleet_facts(),
+        catalog_facts(),
+        header_kind=kind,
+    )
+
+
+# llama.cpp's pooling type that means a reranker (LLAMA_POOLING_TYPE_RANK); any other means embeddings.
+POOLING_RANK = 4
+
+
+def header_kind(path: Path) -> str:
+    """The kind a GGUF's header says: `<arch>.pooling_type` makes it an embedding (or rerank) model.
+
+    "" when the file is not on this disk or cannot be read: the serve page then offers chat.
+    """
+    try:
+        # Optional here: the control plane's requirements leave gguf out (a node's have it).
+        from gguf import GGUFReader
+    except ImportError:
+        return ""
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception:  # gguf's reader fails a short or foreign file with whatever it trips on
+        return ""
+    for name, field in reader.fields.items():
+        if name.endswith(".pooling_type") and field.data:
+            value = int(field.parts[field.data[0]][0])
+            return Kind.RERANK.value if value == POOLING_RANK else Kind.EMBEDDING.value
+    return ""
 
 
 def add_model(model: Model, profiles: list[Profile], added_by: str) -> Model:

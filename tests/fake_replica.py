@@ -139,7 +139,7 @@ class FakeReplica:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank"):
             app.router.add_post(path, self._answer)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, handle_signals=False)

@@ -260,3 +260,12 @@ def test_a_name_may_not_hold_a_slash():
     with pytest.raises(ValidationError) as caught:
         Model(name="meta-llama/x", source=settings.BYTES_URL + "m/v/", context_length=1).full_clean()
     assert "may hold only letters, digits" in caught.value.message_dict["name"][0]
+
+
+@pytest.mark.django_db
+def test_a_declared_model_has_the_kind_its_file_says_and_chat_when_it_says_none(tmp_path):
+    config.load(write(tmp_path, VALID.replace("  - name: big\n", "  - name: big\n    kind: embedding\n")))
+    assert Model.objects.get(name="big").kind == "embedding"
+    assert Model.objects.get(name="small").kind == "chat"
+    with pytest.raises(config.CatalogFileError, match="model small: kind must be one of chat, embedding, rerank"):
+        config.load(write(tmp_path, VALID.replace("    aliases: [tiny]\n", "    aliases: [tiny]\n    kind: vision\n")))

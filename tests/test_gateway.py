@@ -312,13 +312,15 @@ def test_a_malformed_request_is_a_400_with_a_sentence(gateway, body, says):
 
 def test_completions_and_embeddings_reach_the_same_addresses_on_the_replica(gateway, replicas):
     add_model()
+    Model.objects.filter(pk=add_model("embed").pk).update(kind="embedding")
     replica = replicas()
     add_replica("chat", replica.base)
+    add_replica("embed", replica.base)
     _, secret = create_key("k")
     session = client(secret)
-    until_routed(session, gateway.url)
-    for path in ("/v1/completions", "/v1/embeddings", "/v1/chat/completions"):
-        assert session.post(gateway.url + path, json={"model": "chat", "input": "x"}).status_code == 200
+    until_routed(session, gateway.url, "embed")
+    for path, model in (("/v1/completions", "chat"), ("/v1/embeddings", "embed"), ("/v1/chat/completions", "chat")):
+        assert session.post(gateway.url + path, json={"model": model, "input": "x"}).status_code == 200
     assert replica.paths == ["/v1/completions", "/v1/embeddings", "/v1/chat/completions"]
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
+from catalog.models import Model
 from gateway.keys import create_key
 from gateway.metrics import HOUR_PREFIX
 
@@ -67,8 +68,11 @@ def test_metrics_are_closed_to_anonymous_and_wrong_tokens(observed):
 
 def test_requests_are_counted_by_model_kind_stream_and_status_with_their_tokens(observed, replicas):
     add_model()
+    add_model("emb")
+    Model.objects.filter(name="emb").update(kind="embedding")
     replica = replicas()
     add_replica("chat", replica.base)
+    add_replica("emb", replica.base)
     _, secret = create_key("team-a")
     session = client(secret)
     until_routed(session, observed.url)
@@ -79,7 +83,7 @@ def test_requests_are_counted_by_model_kind_stream_and_status_with_their_tokens(
     streamed = chat(session, observed.url, stream=True)
     assert streamed.status_code == 200 and "[DONE]" in streamed.text
     assert session.post(observed.url + "/v1/completions", json={"model": "chat", "prompt": "x"}).status_code == 200
-    assert session.post(observed.url + "/v1/embeddings", json={"model": "chat", "input": "x"}).status_code == 200
+    assert session.post(observed.url + "/v1/embeddings", json={"model": "emb", "input": "x"}).status_code == 200
     assert chat(session, observed.url, model="no-such-model").status_code == 404
 
     found = scrape(observed.url)
@@ -90,21 +94,24 @@ def test_requests_are_counted_by_model_kind_stream_and_status_with_their_tokens(
     assert grew("llmgw_gateway_requests_total", model="chat", kind="chat", stream="false", status="200") == 2
     assert grew("llmgw_gateway_requests_total", model="chat", kind="chat", stream="true", status="200") == 1
     assert grew("llmgw_gateway_requests_total", model="chat", kind="completion", status="200") == 1
-    assert grew("llmgw_gateway_requests_total", model="chat", kind="embedding", status="200") == 1
+    assert grew("llmgw_gateway_requests_total", model="emb", kind="embedding", status="200") == 1
     # A name the client made up is never a label: it is counted under "".
     assert grew("llmgw_gateway_requests_total", model="", kind="chat", status="404") == 1
     assert not any("no-such-model" in str(labels) for _, labels in found)
     # The fake replica counts 11 prompt and 3 completion tokens an answer.
-    assert grew("llmgw_gateway_prompt_tokens_total", model="chat") == 5 * 11
-    assert grew("llmgw_gateway_completion_tokens_total", model="chat") == 5 * 3
-    assert grew("llmgw_gateway_request_duration_seconds_count", model="chat") == 5
+    assert grew("llmgw_gateway_prompt_tokens_total", model="chat") == 4 * 11
+    assert grew("llmgw_gateway_completion_tokens_total", model="chat") == 4 * 3
+    assert grew("llmgw_gateway_prompt_tokens_total", model="emb") == 11
+    assert grew("llmgw_gateway_request_duration_seconds_count", model="chat") == 4
+    assert grew("llmgw_gateway_request_duration_seconds_count", model="emb") == 1
     assert grew("llmgw_gateway_time_to_first_token_seconds_count", model="chat") == 1
     assert grew("llmgw_gateway_added_seconds_count") == 5
     assert value(found, "llmgw_gateway_added_seconds_bucket", le="0.1") == value(
         found, "llmgw_gateway_added_seconds_count"
     )
-    assert grew("llmgw_gateway_key_requests_total", key="team-a", model="chat") == 5
-    assert grew("llmgw_gateway_key_tokens_total", key="team-a", model="chat") == 5 * 14
+    assert grew("llmgw_gateway_key_requests_total", key="team-a", model="chat") == 4
+    assert grew("llmgw_gateway_key_requests_total", key="team-a", model="emb") == 1
+    assert grew("llmgw_gateway_key_tokens_total", key="team-a", model="chat") == 4 * 14
 
 
 def test_requests_in_flight_are_counted_while_they_stream(observed, replicas):

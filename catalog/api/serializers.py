@@ -28,6 +28,7 @@ class ModelSerializer(serializers.ModelSerializer):
             "source",
             "context_length",
             "max_output",
+            "kind",
             "routing_profile",
             "scaling_min",
             "scaling_max",

@@ -1,6 +1,6 @@
 from rest_framework import serializers
 
-from ..models import ApiKey, Usage
+from ..models import LIMIT_FIELDS, ApiKey, Usage
 
 
 class ApiKeySerializer(serializers.ModelSerializer):
@@ -13,7 +13,7 @@ class ApiKeySerializer(serializers.ModelSerializer):
 
     class Meta:
         model = ApiKey
-        fields = ["id", "name", "prefix", "models", "active", "created", "created_by", "last_used"]
+        fields = ["id", "name", "prefix", "models", "active", *LIMIT_FIELDS, "created", "created_by", "last_used"]
         read_only_fields = ["prefix", "created", "created_by", "last_used"]
 
 

@@ -5,12 +5,15 @@ from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.response import Response
 
 from ..keys import create_key, describe_problem
-from ..models import ApiKey, Usage
+from ..models import LIMIT_FIELDS, ApiKey, Usage
 from .serializers import ApiKeySerializer, NewApiKeySerializer, UsageSerializer
 
 
 class ApiKeyViewSet(mixins.CreateModelMixin, mixins.UpdateModelMixin, viewsets.ReadOnlyModelViewSet):
-    """The gateway's API keys. POST makes one and answers the key once; PATCH sets `active` or `models`.
+    """The gateway's API keys. POST makes one and answers the key once; PATCH sets `active`, `models` or limits.
+
+    Limits (`requests_per_minute`, `tokens_per_minute`, `tokens_per_day`, `tokens_per_month`,
+    `max_in_flight`) are null or 0 for none.
 
     There is no DELETE: a key is turned off (`active: false`) so its usage stays on the books.
     """
@@ -26,7 +29,10 @@ class ApiKeyViewSet(mixins.CreateModelMixin, mixins.UpdateModelMixin, viewsets.R
         name = incoming.validated_data["name"]
         try:
             key, secret = create_key(
-                name, incoming.validated_data.get("model_names", []), created_by=request.user.get_username()
+                name,
+                incoming.validated_data.get("model_names", []),
+                created_by=request.user.get_username(),
+                limits={f: incoming.validated_data.get(f) for f in LIMIT_FIELDS},
             )
         except ValidationError as error:
             raise serializers.ValidationError(describe_problem(error)) from None

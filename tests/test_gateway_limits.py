@@ -1,0 +1,222 @@
+"""Per-key limits as clients see them: real admin servers (two, sharing one Redis) in front of a steerable replica."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+from django.core.management import call_command
+
+from gateway.keys import create_key
+from gateway.limits import used_now
+from gateway.models import ApiKey
+
+from .fake_replica import FakeReplica
+from .processes import start_admin_server, wait_until
+from .staff_api import token_session
+from .test_gateway import (  # noqa: F401
+    add_model,
+    add_replica,
+    chat,
+    client,
+    error_of,
+    held_stream,
+    until_routed,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def replicas():
+    made = []
+
+    def make(name: str = "fake") -> FakeReplica:
+        made.append(FakeReplica(name))
+        return made[-1]
+
+    yield make
+    for replica in made:
+        replica.stop()
+
+
+@pytest.fixture
+def second_gateway(transactional_db, tmp_path):
+    (tmp_path / "second").mkdir()
+    process, url = start_admin_server(tmp_path / "second")
+    yield url
+    process.stop()
+
+
+def clear_of_minute_boundary(needed_s: float = 20) -> None:
+    """Fixed windows: a burst that straddles a new minute is counted in two. Start it early in a minute."""
+    into = time.time() % 60
+    if into > 60 - needed_s:
+        time.sleep(60 - into + 0.2)
+
+
+def test_a_key_at_60_requests_a_minute_sending_100_gets_60_answered_and_40_refused_across_two_admin_servers(
+    gateway, second_gateway, replicas, redis_client
+):
+    add_model()
+    add_replica("chat", replicas().base)
+    _, secret = create_key("sixty", limits={"requests_per_minute": 60})
+    session = client(secret)
+    until_routed(session, gateway.url)
+    until_routed(session, second_gateway)
+    clear_of_minute_boundary()
+
+    def send(i: int) -> requests.Response:
+        url = (gateway.url, second_gateway)[i % 2]
+        return requests.post(
+            url + "/v1/chat/completions",
+            json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {secret}"},
+            timeout=30,
+        )
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(send, range(100)))
+    statuses = [a.status_code for a in answers]
+    assert statuses.count(200) == 60 and statuses.count(429) == 40, statuses
+    # Both processes answered some and refused some: the count is shared, not each one's own.
+    for i in (0, 1):
+        assert {a.status_code for a in answers[i::2]} == {200, 429}
+
+    refused = next(a for a in answers if a.status_code == 429)
+    error = error_of(refused)
+    assert error["message"].startswith("This API key is over its limit of 60 requests per minute")
+    assert error["code"] == "rate_limit_exceeded"
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    assert refused.headers["x-ratelimit-limit-requests"] == "60"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert refused.headers["x-ratelimit-reset-requests"].endswith("s")
+
+    # The official client raises its rate-limit error, with the sentence.
+    api = openai.OpenAI(base_url=gateway.url + "/v1", api_key=secret, max_retries=0)
+    with pytest.raises(openai.RateLimitError) as raised:
+        api.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
+    assert "60 requests per minute" in str(raised.value)
+    assert raised.value.response.headers["x-ratelimit-limit-requests"] == "60"
+
+
+def test_a_key_with_two_requests_in_flight_is_refused_a_third_until_one_ends(gateway, replicas, redis_client):
+    add_model()
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, secret = create_key("two-at-once", limits={"max_in_flight": 2})
+    until_routed(client(secret), gateway.url)
+    first, second = held_stream(gateway.url, secret), held_stream(gateway.url, secret)
+    assert first.status_code == second.status_code == 200
+    third = chat(client(secret), gateway.url)
+    assert third.status_code == 429
+    assert error_of(third)["message"] == "This API key may have 2 requests in flight at once, and has 2."
+    assert third.headers["retry-after"] == "1"
+    replica.release.set()
+    for held in (first, second):
+        assert held.content.endswith(b"data: [DONE]\n\n")
+    # The flights end when the answers do (written just after the client has them).
+    wait_until(lambda: chat(client(secret), gateway.url).status_code == 200, timeout=5, what="a request to go again")
+
+
+def test_a_key_over_its_tokens_per_minute_is_refused_once_the_answers_usage_is_counted(gateway, replicas, redis_client):
+    add_model()
+    replica = replicas()
+    replica.usage = {"prompt_tokens": 11, "completion_tokens": 3}  # 14 tokens an answer
+    add_replica("chat", replica.base)
+    key, secret = create_key("twenty-tokens", limits={"tokens_per_minute": 20})
+    session = client(secret)
+    until_routed(session, gateway.url)
+    clear_of_minute_boundary(10)
+    assert chat(session, gateway.url).status_code == 200
+    wait_until(lambda: used_now(redis_client, key.key_hash)["tokens_per_minute"] == 14, timeout=5, what="14 tokens")
+    # 14 of 20 used: this one may go, and its 14 take the minute to 28.
+    assert chat(session, gateway.url).status_code == 200
+    wait_until(lambda: used_now(redis_client, key.key_hash)["tokens_per_minute"] == 28, timeout=5, what="28 tokens")
+    refused = chat(session, gateway.url)
+    assert refused.status_code == 429
+    assert error_of(refused)["message"].startswith(
+        "This API key is over its limit of 20 tokens per minute: 28 tokens used in this window"
+    )
+    assert refused.headers["x-ratelimit-limit-tokens"] == "20"
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert "x-ratelimit-limit-requests" not in refused.headers
+    used = used_now(redis_client, key.key_hash)
+    assert used["tokens_per_day"] == used["tokens_per_month"] == 28 and used["requests_per_minute"] == 2
+
+
+def test_a_key_without_limits_costs_redis_nothing(gateway, replicas, redis_client):
+    add_model()
+    add_replica("chat", replicas().base)
+    _, secret = create_key("free")
+    until_routed(client(secret), gateway.url)
+    for _ in range(5):
+        assert chat(client(secret), gateway.url).status_code == 200
+    assert list(redis_client.scan_iter("llmgw:limit:*")) == []
+
+
+def test_limits_are_set_with_manage_py_api_key_and_the_api(capsys):
+    call_command("api_key", "create", "scripted", "--rpm", "60", "--tpd", "100000")
+    key = ApiKey.objects.get(name="scripted")
+    assert (key.requests_per_minute, key.tokens_per_day, key.tokens_per_minute) == (60, 100000, None)
+    call_command("api_key", "update", "scripted", "--rpm", "0", "--in-flight", "4")
+    key.refresh_from_db()
+    assert (key.requests_per_minute, key.max_in_flight) == (None, 4)
+    assert "4 requests in flight at once" in capsys.readouterr().out
+
+
+def test_limits_are_set_and_read_through_the_api(live_server):
+    api = token_session()
+    made = api.post(live_server.url + "/api/gateway/keys/", json={"name": "auto", "tokens_per_minute": 5000})
+    assert made.status_code == 201, made.text
+    assert made.json()["tokens_per_minute"] == 5000 and made.json()["requests_per_minute"] is None
+    changed = api.patch(live_server.url + f"/api/gateway/keys/{made.json()['id']}/", json={"requests_per_minute": 30})
+    assert changed.status_code == 200, changed.text
+    assert ApiKey.objects.get(name="auto").limits() == (30, 5000, 0, 0, 0)
+
+
+def test_a_limit_set_on_a_running_key_is_enforced_within_a_second(gateway, replicas, redis_client):
+    add_model()
+    add_replica("chat", replicas().base)
+    key, secret = create_key("tightened")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    clear_of_minute_boundary(10)
+    assert chat(session, gateway.url).status_code == 200
+    # A queryset update sends no signal: the change log's trigger is what the gateway hears.
+    ApiKey.objects.filter(pk=key.pk).update(requests_per_minute=2)
+    wait_until(lambda: chat(session, gateway.url).status_code == 429, timeout=5, what="the new limit to refuse")
+
+
+def test_the_keys_admin_page_shows_what_it_used_against_its_limits(admin_client, redis_client):
+    from gateway.limits import Windows, tag_of
+
+    key, _ = create_key("watched", limits={"requests_per_minute": 60, "tokens_per_day": 1000})
+    windows = Windows.at(tag_of(key.key_hash), time.time())
+    redis_client.set(windows.keys[0], 7)
+    redis_client.set(windows.keys[2], 420)
+    page = admin_client.get(f"/admin/gateway/apikey/{key.pk}/change/").content.decode()
+    assert "requests per minute: 7 of 60" in page
+    assert "tokens per day: 420 of 1000" in page
+    assert "tokens per minute: 0 (no limit)" in page
+
+
+def test_with_redis_away_a_limited_key_goes_on_unchecked_and_the_log_says_so(caplog):
+    import asyncio
+
+    from gateway.limits import Limiter, Limits
+    from tests.services import free_port
+
+    async def ask():
+        limiter = Limiter(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+        started = time.monotonic()
+        ticket = await limiter.admit("abc", Limits(requests_per_minute=1))
+        await limiter.close()
+        return ticket, time.monotonic() - started
+
+    ticket, took = asyncio.run(ask())
+    assert ticket is None and took < 1
+    assert "per-key limits are not enforced while Redis cannot be reached" in caplog.text
