@@ -29,7 +29,7 @@ from .intake import check_kind, check_limits, parse_request, read_body, sentence
 from .keys import hash_key
 from .limits import Limiter
 from .openai_responses import Responses
-from .relay import EventFilter
+from .relay import relay, timing
 from .translation import relay_translated
 from .usage import Answer, Recorder
 
@@ -399,7 +399,7 @@ class Gateway:
                 answer = Answer(scope["path"] if translation is None else CHAT)
                 try:
                     if translation is None:
-                        await self.relay(receive, send, response, replica, gateway_s, client_wants_usage, answer)
+                        await relay(receive, send, response, replica, gateway_s, client_wants_usage, answer)
                     else:
                         await relay_translated(translation, receive, send, response, replica, gateway_s, answer)
                 finally:
@@ -412,65 +412,3 @@ class Gateway:
                 return prompt + completion
             finally:
                 self.in_flight[replica] -= 1
-
-    async def relay(
-        self, receive, send, response, replica: int, gateway_s: float, client_wants_usage: bool, answer: Answer
-    ) -> None:
-        """Pass the replica's answer on as it comes, noting in `answer` what usage needs."""
-        answered_at = time.perf_counter()
-        content_type = response.headers.get("Content-Type", "application/json")
-        event_stream = content_type.startswith("text/event-stream")
-        answer.event_stream = event_stream
-        events = EventFilter() if event_stream and not client_wants_usage else None
-        headers = [(b"content-type", content_type.encode("latin-1"))]
-        if event_stream:
-            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        elif (length := response.headers.get("Content-Length")) is not None:
-            headers.append((b"content-length", length.encode("latin-1")))
-        headers.append((b"x-llmgw-replica", str(replica).encode()))
-        headers.append(timing(gateway_s + time.perf_counter() - answered_at))
-
-        # Watch for the client leaving while the answer streams, and stop then:
-        # closing the replica's connection is what makes the engine stop generating.
-        task = asyncio.current_task()
-        finished = False
-
-        async def watch() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    if not finished:
-                        task.cancel()
-                    return
-
-        watcher = asyncio.get_running_loop().create_task(watch())
-        try:
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
-            async for chunk in response.content.iter_any():
-                answer.feed(chunk)
-                if events is not None:
-                    chunk = events.feed(chunk)
-                    if not chunk:
-                        continue
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            last = events.rest() if events is not None else b""
-            finished = True
-            await send({"type": "http.response.body", "body": last})
-        except asyncio.CancelledError:
-            if finished or watcher.done() is False:
-                raise
-            # The client went away: the answer so far is counted, the replica's connection closed.
-            asyncio.current_task().uncancel()
-            return
-        except aiohttp.ClientError as error:
-            # The replica broke off or fell silent mid-answer: too late for another replica,
-            # so the client's connection is cut rather than ended as if the answer were whole.
-            log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))
-            raise ClientGone from None
-        finally:
-            watcher.cancel()
-
-
-def timing(seconds: float) -> tuple[bytes, bytes]:
-    """The Server-Timing header with the time the gateway itself added."""
-    return b"server-timing", f"gateway;dur={seconds * 1000:.3f}".encode()

@@ -23,7 +23,7 @@ import aiohttp
 
 from .errors import ClientGone, Refusal
 from .intake import sentence_of
-from .relay import complete_events
+from .relay import complete_events, timing
 from .usage import Answer
 
 log = logging.getLogger("llmgw.gateway")
@@ -191,13 +191,13 @@ async def relay_translated(
                 body = translation.error(status, raw)
             headers.append((b"content-type", b"application/json"))
             headers.append((b"content-length", str(len(body)).encode()))
-            headers.append(_timing(gateway_s + time.perf_counter() - answered_at))
+            headers.append(timing(gateway_s + time.perf_counter() - answered_at))
             finished = True
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
             return
         events = translation.stream()
-        headers.append(_timing(gateway_s + time.perf_counter() - answered_at))
+        headers.append(timing(gateway_s + time.perf_counter() - answered_at))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         async for chunk in response.content.iter_any():
             answer.feed(chunk)
@@ -217,7 +217,3 @@ async def relay_translated(
         raise ClientGone from None
     finally:
         watcher.cancel()
-
-
-def _timing(seconds: float) -> tuple[bytes, bytes]:
-    return b"server-timing", f"gateway;dur={seconds * 1000:.3f}".encode()
