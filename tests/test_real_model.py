@@ -19,7 +19,7 @@ import time
 import pytest
 import requests
 
-from agent import engines, supervisor
+from agent import engine_state, engines, supervisor
 from catalog.models import Model, Profile
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
@@ -62,7 +62,7 @@ def test_the_real_quantized_model_answers_through_the_agents_own_engine_start(tm
     cache = tmp_path / "cache"
     reports = Reports()
     sup = supervisor.Supervisor(cache, reports)
-    supervisor.want(cache, 1, "llamacpp", "http://mirror/smollm2-135m/instruct-q4_1/", weights, [], MODEL)
+    engine_state.want(cache, 1, "llamacpp", "http://mirror/smollm2-135m/instruct-q4_1/", weights, [], MODEL)
     try:
         wait_until(
             lambda: sup.step() or any(r[1] in ("ready", "failed") for r in reports),
@@ -81,7 +81,7 @@ def test_the_real_quantized_model_answers_through_the_agents_own_engine_start(tm
         assert "Paris" in text, text
         assert answer.json()["usage"]["completion_tokens"] > 0
     finally:
-        for entry in supervisor.read_state(cache)["replicas"].values():
+        for entry in engine_state.read_state(cache)["replicas"].values():
             if entry.get("pid"):
                 engines.stop_group(entry["pid"], grace=3)
 
@@ -197,14 +197,14 @@ def test_sixteen_clients_streaming_at_once_for_a_minute_each_get_their_whole_ans
 def agent_n1(tmp_path, mirror_root, byte_listener):
     token = issue_token("n1")
     cache = tmp_path / "cache-n1"
-    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1)
+    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
     env["DATABASE_URL"] = "postgres://nobody@127.0.0.1:1/none"  # a node has no database
     agent = Process(
         "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
     )
     yield agent, cache
     agent.stop()
-    for entry in supervisor.read_state(cache)["replicas"].values():
+    for entry in engine_state.read_state(cache)["replicas"].values():
         if entry.get("pid") and engines.group_alive(entry["pid"]):
             engines.stop_group(entry["pid"], grace=3)
 
