@@ -86,6 +86,14 @@ def node_pass():
 as_node = AsNode()
 
 
+def engine_secret(replica) -> dict[str, str]:
+    """The header the gateway presents to this replica's engine (contracts.credentials), as a test asks it directly."""
+    from contracts import credentials
+
+    key = replica.node.token_hash if replica.node_id else ""
+    return credentials.bearer(credentials.replica_secret(key, replica.pk, credentials.replica_nonce(replica.created)))
+
+
 class NoAuth(requests.auth.AuthBase):
     """No credentials, not even ~/.netrc's."""
 
