@@ -27,6 +27,7 @@ from .conftest import put
 from .processes import engine_secret, wait_until
 from .staff_api import token_session
 from .test_engines import Reports, engine_cleanup, step_until, vllm_stand_in  # noqa: F401
+from .test_gateway import replicas  # noqa: F401  (a fixture)
 from .test_replicas_live import agent_n1  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -214,3 +215,38 @@ def test_the_gateway_and_the_node_compute_the_same_secret_and_a_new_replica_of_a
     )
     ((_, _, _, _, again_secret),) = _replica_rows(Replica.objects.filter(pk=again.pk))
     assert again_secret != gateway_secret
+
+
+# --- the gateway's side ------------------------------------------------------------------------
+
+
+def test_the_gateway_presents_each_replicas_secret_and_an_engine_refusing_it_is_passed_over_not_blamed_on_the_client(
+    gateway,
+    replicas,  # noqa: F811
+):
+    from .test_gateway import add_model, client, until_routed
+
+    node = Node.objects.create(name="locked", token_hash=signing.token_hash("llmgw-node-locked"))
+    add_model("chat")
+    refusing, answering = replicas("refusing"), replicas("answering")
+    refusing.status = 401  # its engine knows another secret (its node re-enrolled and has not restarted it yet)
+    made = [
+        Replica.objects.create(model_name="chat", profile_name="cpu", node=node, state="ready", endpoint=r.base)
+        for r in (refusing, answering)
+    ]
+    _, key = create_key("gw")
+    session = client(key)
+    until_routed(session, gateway.url)
+    for _ in range(3):
+        answer = session.post(gateway.url + "/v1/chat/completions", json={"model": "chat", "messages": []}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-llmgw-replica"] == str(made[1].pk)
+    # Each engine was shown its own replica's secret, and nothing else.
+    for fake, replica in zip((refusing, answering), made, strict=True):
+        assert fake.headers, f"{fake.name} was never asked"
+        assert {h["Authorization"] for h in fake.headers} == {engine_secret(replica)["Authorization"]}
+
+    answering.status = 401
+    both = session.post(gateway.url + "/v1/chat/completions", json={"model": "chat", "messages": []}, timeout=30)
+    assert both.status_code == 502
+    assert "refused the gateway's replica secret" in both.json()["error"]["message"]
