@@ -250,3 +250,36 @@ def test_the_gateway_presents_each_replicas_secret_and_an_engine_refusing_it_is_
     both = session.post(gateway.url + "/v1/chat/completions", json={"model": "chat", "messages": []}, timeout=30)
     assert both.status_code == 502
     assert "refused the gateway's replica secret" in both.json()["error"]["message"]
+
+
+@pytest.mark.engine
+def test_an_engine_started_under_another_token_is_started_again_with_the_new_secret_when_adopted(
+    tmp_path,
+    vllm_stand_in,  # noqa: F811
+    engine_cleanup,  # noqa: F811
+):
+    """A node re-enrolled: the gateway now presents secrets made with its new token."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cache = tmp_path / "cache"
+    reports = Reports()
+    old = supervisor.Supervisor(cache, reports, token="llmgw-node-old")
+    engine_state.want(cache, 4, "vllm", "http://mirror/m/v1/", weights, [], "m", nonce="1")
+    step_until(old, lambda: "ready" in reports.states(4), 30, "the stand-in to answer")
+    old_pid = engine_state.read_state(cache)["replicas"]["4"]["pid"]
+
+    reports.clear()
+    new = supervisor.Supervisor(cache, reports, token="llmgw-node-new")
+    new.adopt()
+    step_until(new, lambda: "ready" in reports.states(4), 30, "the engine to be started again")
+    entry = engine_state.read_state(cache)["replicas"]["4"]
+    assert entry["pid"] != old_pid and not engines.group_alive(old_pid)
+    secret = credentials.replica_secret(signing.token_hash("llmgw-node-new"), 4, "1")
+    assert psutil.Process(entry["pid"]).environ()["VLLM_API_KEY"] == secret
+
+    # Adopted again under the same token: left running, not restarted.
+    reports.clear()
+    again = supervisor.Supervisor(cache, reports, token="llmgw-node-new")
+    again.adopt()
+    step_until(again, lambda: "ready" in reports.states(4), 30, "the adopted engine to be found ready")
+    assert engine_state.read_state(cache)["replicas"]["4"]["pid"] == entry["pid"]
