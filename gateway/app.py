@@ -400,9 +400,9 @@ class Gateway:
                     self.observer.failover(scope)
                     failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
                     continue
-                if response.status == 401 and upstream.secret:
-                    # The engine does not know this replica's secret (its node re-enrolled and has not restarted
-                    # it yet): its 401 is not the client's, and another replica may answer.
+                if response.status == 401:
+                    # The engine does not take this replica's secret (its node re-enrolled or was revoked, and it
+                    # runs on with the old one): its 401 is not the client's, and another replica may answer.
                     response.close()
                     self.cooling[replica] = time.monotonic() + COOLDOWN_S
                     log.warning("replica %s refused the gateway's replica secret (401)", replica)
