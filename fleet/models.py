@@ -141,6 +141,7 @@ class Scale(models.Model):
 
     class Meta:
         ordering = ["model_name"]
+        verbose_name = "replica count"
 
     def __str__(self) -> str:
         return f"{self.model_name}: {self.replicas}"

@@ -215,6 +215,10 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
     Replica.objects.filter(pk__in=plan.forget).delete()
     for replica_id in plan.stop:
         stop(by_id[replica_id], plan.stop_reasons.get(replica_id, ""))
+        if replica_id in plan.stop_reasons:
+            log.info(
+                "replica %s of %s stopped: %s", replica_id, by_id[replica_id].model_name, plan.stop_reasons[replica_id]
+            )
 
     for a in plan.assign:
         replica = by_id[a.replica] if a.replica is not None else Replica(model_name=a.model)

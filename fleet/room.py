@@ -60,10 +60,12 @@ def choose(
         if back != (0, 0) and fits(node, memory + back[0], gpus + back[1]):
             return Choice(node, ())
     order = sorted(candidates, key=lambda c: (c.priority, c.last_request, c.replica))
+    rank = {c.replica: i for i, c in enumerate(order)}
     by_node: dict[str, list[Candidate]] = defaultdict(list)
     for candidate in order:
         by_node[candidate.node].append(candidate)
     best: Choice | None = None
+    best_key: tuple[int, int] | None = None
     for node in sorted(by_node):
         if node not in free:
             continue
@@ -79,7 +81,9 @@ def choose(
             chosen.append(candidate)
             memory, gpus = memory + candidate.memory_gb, gpus + candidate.gpus
             if fits(node, memory, gpus):
-                if best is None or len(chosen) < len(best.stop):
-                    best = Choice(node, tuple(chosen))
+                # Fewest stopped; among equals, the set whose last victim comes earliest in the order.
+                key = (len(chosen), rank[chosen[-1].replica])
+                if best_key is None or key < best_key:
+                    best, best_key = Choice(node, tuple(chosen)), key
                 break
     return best
