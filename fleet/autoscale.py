@@ -30,6 +30,8 @@ from .models import Replica, Scale
 from .snapshots import READY, ModelView, Plan, Scaling
 
 WOKEN = "woken by a request"
+# How the count's `why` starts when it went down.
+LOWERED = ("quiet ", "idle ", "most lowered")
 # Fields of the load hash this old are removed: a gateway process that is gone for good.
 FORGET_AFTER_S = 600
 
@@ -63,15 +65,16 @@ def decide(
     last_request = max(state.last_request, float(load["last_request"]) if load else 0.0)
     count = min(max(state.replicas, scaling.fewest), scaling.most)
     why, changed = state.why, state.changed
+    stop_reason = ""
     if count != state.replicas:
-        why, changed = ("fewest" if count > state.replicas else "most"), now
+        why, changed = ("fewest" if count > state.replicas else f"most lowered to {count}"), now
+        stop_reason = "" if count > state.replicas else why
     need = math.ceil((in_flight + waiting) / max(scaling.target_load, 1))
     if waiting:
         need = max(need, 1)
     busy_at = state.busy_at
     if need >= count and need > 0:
         busy_at = now
-    stop_reason = ""
     if need > count and count < scaling.most:
         why = WOKEN if count == 0 else f"load: {in_flight} in flight, {waiting} waiting"
         count, changed = min(need, scaling.most), now
@@ -152,7 +155,8 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
                 replicas=after.replicas,
                 busy=busy,
                 cause=cause_of(after, model.scaling),
-                stop_reason=stop_reason or after.why,
+                # A replica kept past its pass (it had a request in flight) still says why when it goes.
+                stop_reason=stop_reason or (after.why if after.why.startswith(LOWERED) else ""),
                 make_room=bool(after.replicas) and not ready.get(model.name) and (waiting > 0 or after.why == WOKEN),
                 last_request=after.last_request,
             )
