@@ -25,7 +25,7 @@ from agent import engine_state, engines
 from agent.sources import cache_path
 from catalog.models import Model, Profile
 from contracts import demand, tasks
-from fleet import reconcile
+from fleet import autoscale, reconcile
 from fleet.enrolment import issue_token
 from fleet.live import redis_client
 from fleet.models import Node, Replica, Scale
@@ -42,7 +42,7 @@ GATEWAY = "test-gateway"
 
 @pytest.fixture(autouse=True)
 def nothing_queued_from_another_test():
-    redis_client().delete("unacked", "unacked_index", "node.n1", "node.n2", demand.LOAD_KEY)
+    redis_client().delete("unacked", "unacked_index", "node.n1", "node.n2", demand.LOAD_KEY, autoscale.TIMES_KEY)
 
 
 @pytest.fixture
