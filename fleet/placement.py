@@ -123,6 +123,10 @@ def _current_and_outdated(model: ModelView, held: list[ReplicaView]) -> tuple[li
     for replica in held:
         if replica.state == STOPPING:
             continue
+        if replica.node is None and not replica.profile:
+            # Never placed (pending, with the reason it fits nowhere): nothing runs to be outdated.
+            live.append(replica)
+            continue
         if replica.profile not in profiles or not replica.runs_as(model, profiles[replica.profile]):
             # Its profile was removed, or the catalog entry was edited (a new
             # --ctx-size, another version): an engine keeps what it was started
@@ -178,7 +182,9 @@ def _place_missing(
         assignment = _place_one(model, replica_id, usable_by_engine, on_node, per_profile)
         if assignment is None:
             unplaced += 1
-            plan.unplaced.append(Unplaced(replica_id, model.name, explain(model, rooms.values(), engines_known)))
+            plan.unplaced.append(
+                Unplaced(replica_id, model.name, explain(model, rooms.values(), engines_known), model.cause)
+            )
             continue
         room = rooms[assignment.node]
         room.memory_gb -= assignment.profile.min_memory_gb

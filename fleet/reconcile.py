@@ -230,7 +230,7 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
         replica.memory_gb = a.profile.min_memory_gb
         replica.gpus = a.profile.gpus
         replica.endpoint = ""
-        if a.replica is None:
+        if not replica.cause:
             replica.cause = a.cause
         replica.enter(Replica.State.PENDING)
         replica.save()
@@ -240,6 +240,7 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
         replica = by_id[u.replica] if u.replica is not None else Replica(model_name=u.model)
         replica.node = None
         replica.endpoint = ""
+        replica.cause = replica.cause or u.cause
         replica.enter(Replica.State.PENDING, u.reason)
         replica.save()
 

@@ -117,6 +117,7 @@ class Unplaced:
     replica: int | None
     model: str
     reason: str
+    cause: str = ""
 
 
 @dataclass

@@ -157,3 +157,15 @@ def test_decide_scales_up_at_once_down_after_quiet_one_at_a_time_and_to_zero_aft
     # A request waiting for a model at zero wakes it.
     woken, _ = autoscale.decide(scaling, zero, {"in_flight": 0, "waiting": 1, "last_request": 2000.0}, 0, 2000.0)
     assert (woken.replicas, woken.why) == (1, "woken by a request")
+
+
+def test_a_replica_that_fits_nowhere_keeps_its_row_its_id_and_since_across_passes():
+    node("a", memory_gb=7)
+    serve("big", memory_gb=8)
+    reconcile.reconcile()
+    first = Replica.objects.get()
+    for _ in range(3):
+        reconcile.reconcile()
+    again = Replica.objects.get()
+    assert (again.pk, again.since, again.cause) == (first.pk, first.since, "fewest")
+    assert again.reason == "a: 7 GB free, needs 8"

@@ -276,9 +276,10 @@ def test_making_room_stops_an_idle_model_and_says_so_but_never_a_busy_one(one_no
         assert (a.state, a.reason) == ("stopping", "stopped to make room for room-b")
         shown = staff.get(live_server.url + f"/api/fleet/replicas/{a.pk}/").json()
         assert shown["reason"] == "stopped to make room for room-b"
-        b = Replica.objects.get(model_name="room-b")
+        b.refresh_from_db()
         assert b.reason == "waiting for room on n1: stopping idle replicas of room-a"
-    (b,) = ready("room-b")
-    assert b.node.name == "n1"
+    (placed,) = ready("room-b")
+    # The row that waited for room is the one started: the same replica, added for the wake.
+    assert (placed.pk, placed.node.name, placed.cause) == (b.pk, "n1", "woken by a request")
     assert not Replica.objects.filter(model_name="room-a").exists()
     assert (Scale.objects.get(model_name="room-a").replicas, Scale.objects.get(model_name="room-b").replicas) == (0, 1)
