@@ -31,7 +31,7 @@ from fleet.live import redis_client
 from fleet.models import Node, Replica, Scale
 
 from . import real_model
-from .processes import CountingProxy, start_agent, wait_until
+from .processes import CountingProxy, engine_secret, start_agent, wait_until
 from .real_model import MODEL, ask
 from .staff_api import token_session
 
@@ -150,10 +150,13 @@ def ready(model: str, count: int = 1, timeout: float = 240) -> list[Replica]:
     )
 
 
-def first_token_seconds(endpoint: str) -> float:
+def first_token_seconds(replica: Replica) -> float:
+    endpoint = replica.endpoint
     started = time.monotonic()
     body = {"model": MODEL, **ask(max_tokens=8), "stream": True}
-    with requests.post(endpoint + "/chat/completions", json=body, stream=True, timeout=120) as response:
+    with requests.post(
+        endpoint + "/chat/completions", json=body, headers=engine_secret(replica), stream=True, timeout=120
+    ) as response:
         assert response.status_code == 200, response.text
         for line in response.iter_lines(decode_unicode=True):
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -195,7 +198,7 @@ def test_a_model_idle_past_its_time_goes_to_zero_keeps_its_cache_and_wakes_where
     (replica,) = ready(MODEL)
     assert replica.node.name == "n2"
     assert proxy.requests == [], f"the wake downloaded: {proxy.requests}"
-    assert first_token_seconds(replica.endpoint) < 60
+    assert first_token_seconds(replica) < 60
 
 
 def test_load_above_target_adds_replicas_up_to_most_and_quiet_removes_them_one_at_a_time_never_a_busy_one(
