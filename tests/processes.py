@@ -18,8 +18,11 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 
 
 def test_database_url() -> str:
-    name = settings.DATABASES["default"]["NAME"]
-    return f"sqlite:///{name}"
+    """The test database (not the one it was named after) as a DATABASE_URL for child processes."""
+    db = settings.DATABASES["default"]
+    if db["ENGINE"] == "django.db.backends.sqlite3":
+        return f"sqlite:///{db['NAME']}"
+    return f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
 
 
 def process_env(**extra: str) -> dict:
