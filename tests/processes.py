@@ -273,11 +273,12 @@ def children_of(pid: int) -> list[int]:
         return []
 
 
-def start_admin_server(log_dir: Path, **settings_env) -> tuple[Process, str]:
+def start_admin_server(log_dir: Path, workers: int = 1, **settings_env) -> tuple[Process, str]:
     """`manage.py admin_server` (uvicorn: Django and the /v1/ gateway) on a free port, on the test database."""
     port = free_port()
     env = process_env(LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}", LLMGW_GATEWAY_REFRESH_MS=100, **settings_env)
-    process = Process("admin-server", [sys.executable, "manage.py", "admin_server"], env, log_dir)
+    argv = [sys.executable, "manage.py", "admin_server"] + (["--workers", str(workers)] if workers != 1 else [])
+    process = Process("admin-server", argv, env, log_dir)
     url = f"http://127.0.0.1:{port}"
     wait_for_status(process, url + "/v1/models", 401, "the admin server")
     return process, url

@@ -7,8 +7,8 @@ somebody is using.
 
 LLMGW_TEST_DATABASE picks the database the suite runs on: `postgres` (the
 default, what a fleet runs) or `sqlite` (what `make run` uses on one machine).
-`make test` runs the whole suite on PostgreSQL and the SQLite-specific tests
-(marked `sqlite`) a second time on SQLite.
+`make test` runs the whole suite on PostgreSQL and the tests of what differs on
+SQLite (the Makefile's SQLITE_TESTS) a second time on SQLite.
 """
 
 import glob
