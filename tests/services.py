@@ -102,7 +102,18 @@ def start_postgres() -> str:
         run_as = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
     data = os.path.join(home, "data")
     initdb = subprocess.run(
-        [os.path.join(bindir, "initdb"), "-D", data, "-U", "llmgw", "--auth=trust", "-E", "UTF8", "--no-sync"],
+        [
+            os.path.join(bindir, "initdb"),
+            "-D",
+            data,
+            "-U",
+            "llmgw",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-locale",
+            "--no-sync",
+        ],
         capture_output=True,
         text=True,
         cwd=home,
