@@ -280,5 +280,9 @@ def start_admin_server(log_dir: Path, workers: int = 1, **settings_env) -> tuple
     argv = [sys.executable, "manage.py", "admin_server"] + (["--workers", str(workers)] if workers != 1 else [])
     process = Process("admin-server", argv, env, log_dir)
     url = f"http://127.0.0.1:{port}"
-    wait_for_status(process, url + "/v1/models", 401, "the admin server")
+    try:
+        wait_for_status(process, url + "/v1/models", 401, "the admin server")
+    except AssertionError:
+        process.stop()  # with --workers, a supervisor whose workers fail goes on starting them
+        raise
     return process, url
