@@ -58,7 +58,9 @@ class ReplicaAdmin(RecordAdmin):
     def replace(self, request, queryset) -> None:
         stopped = 0
         with transaction.atomic():
-            for replica in queryset.select_for_update().exclude(state=Replica.State.STOPPING):
+            # of=self: the changelist joins the node, which may be none, and PostgreSQL
+            # refuses to lock the nullable side of an outer join.
+            for replica in queryset.select_for_update(of=("self",)).exclude(state=Replica.State.STOPPING):
                 if replica.node_id is None:
                     replica.delete()
                     continue

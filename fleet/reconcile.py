@@ -36,6 +36,8 @@ STOP_RESEND_S = 60
 LOCK_NAME = "fleet:reconcile"
 # A pass takes well under a second; a lock older than this is a pass that died or hangs.
 LOCK_TIMEOUT_S = 60
+# pg_advisory_xact_lock's key for a pass ("llmgw" as digits): see reconcile_unlocked.
+PASS_LOCK_KEY = 0x6C6C6D6777
 
 
 def retry_delay(attempts: int) -> timedelta:
@@ -201,12 +203,21 @@ def _break_foreign_lock(client: redis.Redis) -> bool:
 
 @transaction.atomic
 def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> Plan:
+    if connection.vendor == "postgresql":
+        # The Redis lock can expire under a pass (one stalled longer than LOCK_TIMEOUT_S) or be
+        # deleted by anyone who reaches Redis; then two passes would both read "no replica yet"
+        # and both place one. The database's own lock, held to this transaction's end, keeps
+        # them in turn. (SQLite's IMMEDIATE transactions take its one write lock at BEGIN.)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [PASS_LOCK_KEY])
     if models is None:
         models = model_views()
     nodes = list(Node.objects.all())
     by_name = {n.name: n for n in nodes}
     node_names = {n.pk: n.name for n in nodes}
-    replicas = list(Replica.objects.select_related("node"))
+    # Locked to the pass's end: a node's report on one of them waits rather than being
+    # overwritten by a pass that read the row before it.
+    replicas = list(Replica.objects.select_related("node").select_for_update(of=("self",)))
     by_id = {r.pk: r for r in replicas}
     # Each model's count for this pass, between its fewest and most, from the gateway's load.
     models = autoscale.apply(models, replicas, now)
