@@ -22,8 +22,9 @@ import aiohttp
 from django.conf import settings
 from django.db import connection
 
-from . import metrics, routes
+from . import hold, metrics, prospects, routes
 from .anthropic_messages import AnthropicRefusal, Messages
+from .demand import Demand
 from .errors import ClientGone, Refusal
 from .intake import check_kind, check_limits, parse_request, read_body, sentence_of
 from .keys import hash_key
@@ -71,6 +72,8 @@ class Gateway:
         self._last_refresh_start = 0.0
         self._turn = 0
         self.observer = metrics.Observer()
+        self.demand = Demand(self.in_flight)
+        self.holding = hold.Holding(self.demand, settings.HOLD_S, settings.HOLD_QUEUE, lambda: self.table)
 
     # --- life -----------------------------------------------------------------
 
@@ -85,6 +88,7 @@ class Gateway:
         )
         await self.refresh()
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+        self.demand.start()
         # Everything loaded so far (Django, the admin, the apps) lives as long as the process.
         # Moved out of the collector's reach, it is not walked again by every full collection,
         # which otherwise stalls the event loop for tens of milliseconds at a time.
@@ -98,6 +102,7 @@ class Gateway:
             await self._session.close()
             self._session = None
         await self.limiter.close()
+        await self.demand.stop()
         await asyncio.get_running_loop().run_in_executor(self._db, self._flush_usage)
 
     async def lifespan(self, receive, send) -> None:
@@ -115,7 +120,8 @@ class Gateway:
 
     async def _refresh_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_s)
+            # Faster while requests wait for a replica: they go the moment the table has one.
+            await self.holding.sleep(self.refresh_s)
             await self.refresh()
 
     async def refresh(self) -> None:
@@ -127,7 +133,11 @@ class Gateway:
         self._refreshing = loop.create_future()
         self._last_refresh_start = time.monotonic()
         try:
-            self.table = await loop.run_in_executor(self._db, self._read_table)
+            table = await loop.run_in_executor(self._db, self._read_table)
+            for replica in hold.moved(self.table, table):
+                self.cooling.pop(replica, None)  # started again elsewhere: worth a try at once
+            self.table = table
+            self.holding.release(table, self.cooling)
         except Exception:
             # The old table keeps routing; the next refresh tries again.
             log.exception("the gateway could not read its routing table; keeping the previous one")
@@ -262,21 +272,75 @@ class Gateway:
                 request["stream_options"], changed = dict(options or {}, include_usage=True), True
         if changed:
             body = json.dumps(request).encode()
+        self.demand.arrived(route.name)
         if not route.upstreams:
-            reason = await asyncio.get_running_loop().run_in_executor(self._db, routes.why_not_ready, route.name)
-            raise Refusal(
-                503, reason, kind="service_unavailable", code="no_ready_replica", headers=[(b"retry-after", b"5")]
-            )
+            # Refused before the key's limits count it when no replica will come (gateway/hold.py).
+            prospect = await self.holding.prospect(route.name)
+            if prospect.state == prospects.CANNOT or not settings.HOLD_S:
+                raise hold.unavailable(prospect.reason + ".")
         # One Redis round trip for a key with limits, none for a key without (gateway/limits.py).
         ticket = await self.limiter.admit(key.tag, key.limits) if key.limits else None
         tokens = 0
+        streamed = request.get("stream") is True and route.kind == "chat"
+        held = hold.HeldStream(send, hold.stream_format(path)) if streamed else None
         try:
-            tokens = await self.forward(
-                scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation
+            tokens = await self.answer(
+                scope,
+                receive,
+                held or send,
+                held,
+                key,
+                route,
+                target,
+                body,
+                request,
+                translation,
+                client_wants_usage,
+                started,
             )
+        except Refusal as refusal:
+            if held is None or not held.started:
+                raise
+            # The client has a 200 and comments already: the refusal goes in the stream.
+            await held.fail(refusal.status, refusal.message, refusal.kind, refusal.code)
         finally:
             if ticket is not None:
                 self.limiter.settle(ticket, tokens)
+
+    async def answer(
+        self, scope, receive, send, held, key, route, target, body, request, translation, client_wants_usage, started
+    ) -> int:
+        """forward(), after waiting for a usable replica when there is none (gateway/hold.py)."""
+        deadline = None
+        unreachable = None
+        while True:
+            route = self.table.routes.get(route.name, route)
+            # The first try goes to a replica that refused a moment ago as well, as it always did.
+            if not route.upstreams or (
+                unreachable is not None and not hold.usable(route, self.cooling, time.monotonic())
+            ):
+                if not settings.HOLD_S and unreachable is not None:
+                    raise unreachable
+                prospect = await self.holding.prospect(route.name)
+                if prospect.state == prospects.CANNOT:
+                    raise unreachable or hold.unavailable(prospect.reason + ".")
+                if deadline is None:
+                    deadline = time.monotonic() + settings.HOLD_S
+                also = f"The last try: {unreachable.message}" if unreachable is not None else ""
+                await self.holding.wait(route.name, receive, held, deadline, prospect, also)
+                continue
+            self.demand.started(route.name)
+            try:
+                return await self.forward(
+                    scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation
+                )
+            except Refusal as refusal:
+                if refusal.code != "replica_unreachable":
+                    raise
+                # Every replica refused the connection (an engine killed, a node lost): wait for one as above.
+                unreachable = refusal
+            finally:
+                self.demand.finished(route.name)
 
     async def authorize(self, scope) -> routes.Key:
         given = b""
@@ -305,10 +369,18 @@ class Gateway:
 
     async def list_models(self, send, key: routes.Key, one: str, started: float) -> None:
         entries = []
-        for route in self.table.models:
-            if not key.may_use(route.name):
-                continue
-            common = {"object": "model", "created": route.created, "owned_by": "llmgw", "ready": bool(route.upstreams)}
+        allowed = [route for route in self.table.models if key.may_use(route.name)]
+        waking = await self.holding.prospects([route.name for route in allowed if not route.upstreams])
+        for route in allowed:
+            prospect = waking.get(route.name)
+            state = {"state": prospect.state, "reason": prospect.reason + "."} if prospect else {"state": "ready"}
+            common = {
+                "object": "model",
+                "created": route.created,
+                "owned_by": "llmgw",
+                "ready": bool(route.upstreams),
+                "llmgw": state,
+            }
             entries.append(
                 {
                     "id": route.name,
