@@ -25,10 +25,24 @@ from contracts import progress as contracts_progress
 from fleet.models import Replica
 from gateway.keys import create_key
 
+from .fake_replica import FakeReplica
 from .processes import start_admin_server, wait_until
-from .test_gateway import add_model, add_replica, client, error_of, replicas  # noqa: F401 (a fixture)
+from .test_gateway import add_model, add_replica, client, error_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def replicas():
+    made = []
+
+    def make(name: str = "fake") -> FakeReplica:
+        made.append(FakeReplica(name))
+        return made[-1]
+
+    yield make
+    for replica in made:
+        replica.stop()
 
 
 def start_gateway(tmp_path, **env):
@@ -99,6 +113,7 @@ def wakes_sent(redis_client) -> list[list]:
 
 def in_background(call):
     box = {}
+
     def run():
         try:
             box["result"] = call()
@@ -260,8 +275,9 @@ def test_models_say_whether_each_is_ready_can_wake_or_cannot_and_a_model_that_ca
     assert listed["asleep"] == {"state": "can wake", "reason": "asleep is scaled to zero and is being woken."}
     assert listed["off"] == {"state": "cannot", "reason": "off may run no replica (its most is 0)."}
     assert listed["broken"]["state"] == "cannot"
-    assert f"replica {broken.pk} on n1 failed 3 times in a row: the engine exited with code 132" in (
-        listed["broken"]["reason"]
+    assert (
+        f"replica {broken.pk} on n1 failed 3 times in a row: the engine exited with code 132"
+        in (listed["broken"]["reason"])
     )
     began = time.monotonic()
     refused = ask(gateway.url, secret, model="off")
