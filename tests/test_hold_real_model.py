@@ -61,7 +61,7 @@ def test_a_streamed_request_for_a_model_at_zero_waits_while_its_replica_is_fetch
     shutil.copyfile(weights, version / weights.name)
     scan.scan_mirror()
     wait_until(
-        lambda: Node.objects.filter(name="n1", engines__contains="llamacpp").exists(),
+        lambda: "llamacpp" in (Node.objects.filter(name="n1").values_list("engines", flat=True).first() or []),
         timeout=120,
         interval=0.5,
         what=f"n1's heartbeat\n{agent_n1.output()[-3000:]}",
