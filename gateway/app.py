@@ -22,7 +22,7 @@ import aiohttp
 from django.conf import settings
 from django.db import connection
 
-from . import hold, metrics, prospects, routes
+from . import hold, listing, metrics, prospects, routes
 from .anthropic_messages import AnthropicRefusal, Messages
 from .demand import Demand
 from .errors import ClientGone, Refusal
@@ -368,30 +368,8 @@ class Gateway:
         return key
 
     async def list_models(self, send, key: routes.Key, one: str, started: float) -> None:
-        entries = []
-        allowed = [route for route in self.table.models if key.may_use(route.name)]
-        waking = await self.holding.prospects([route.name for route in allowed if not route.upstreams])
-        for route in allowed:
-            prospect = waking.get(route.name)
-            state = {"state": prospect.state, "reason": prospect.reason + "."} if prospect else {"state": "ready"}
-            common = {
-                "object": "model",
-                "created": route.created,
-                "owned_by": "llmgw",
-                "ready": bool(route.upstreams),
-                "llmgw": state,
-            }
-            entries.append(
-                {
-                    "id": route.name,
-                    **common,
-                    "aliases": list(route.aliases),
-                    "context_length": route.context_length,
-                    "max_output": route.max_output or None,
-                    "kind": route.kind,
-                }
-            )
-            entries.extend({"id": alias, **common, "alias_of": route.name} for alias in route.aliases)
+        not_ready = [route.name for route in self.table.models if not route.upstreams and key.may_use(route.name)]
+        entries = listing.entries(self.table.models, key.may_use, await self.holding.prospects(not_ready))
         if one:
             found = [entry for entry in entries if entry["id"] == one]
             if not found:
