@@ -45,7 +45,7 @@ class ReplicaRow:
 class Prospect:
     state: str  # READY, CAN_WAKE or CANNOT
     status: str  # a few words for a waiting client: "fetching 43%", "scaled to zero, waking"
-    reason: str  # a sentence: what each replica is doing, or why none will come
+    reason: str  # a sentence without its full stop: what each replica is doing, or why none will come
 
 
 def _first_line(text: str) -> str:
@@ -84,9 +84,9 @@ def _said(replica: ReplicaRow, routed: bool) -> tuple[str, str, str]:
 def judge(name: str, fewest: int | None, most: int | None, replicas: list[ReplicaRow], routed: set[int]) -> Prospect:
     """Whether a request for `name`, which has no usable replica, should wait for one."""
     if most is None:
-        return Prospect(CANNOT, "not in the catalog", f"{name} is no longer in the catalog.")
+        return Prospect(CANNOT, "not in the catalog", f"{name} is no longer in the catalog")
     if most == 0:
-        return Prospect(CANNOT, "turned off", f"{name} may run no replica (its most is 0).")
+        return Prospect(CANNOT, "turned off", f"{name} may run no replica (its most is 0)")
     coming = []
     for replica in replicas:
         kind, status, clause = _said(replica, replica.id in routed)
