@@ -257,8 +257,9 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
     loaded = {}
     # Round by round, every target in turn: on a shared machine the load from elsewhere
     # changes over a minute, and a target measured all at once would take it all.
-    for _ in range(args.repeat):
-        for t in targets:
+    for round_ in range(args.repeat):
+        # Proxies in turn, and in reverse order every other round: none is always the one after direct.
+        for t in [direct] + (proxies if round_ % 2 == 0 else proxies[::-1]):
             run = await concurrent(t, args.clients, args.duration)
             if t.name not in loaded or run.requests_per_second > loaded[t.name].requests_per_second:
                 loaded[t.name] = run
