@@ -313,11 +313,15 @@ class Gateway:
         """forward(), after waiting for a usable replica when there is none (gateway/hold.py)."""
         deadline = None
         unreachable = None
+        waited = False
         while True:
             route = self.table.routes.get(route.name, route)
-            # The first try goes to a replica that refused a moment ago as well, as it always did.
-            if not route.upstreams or (
-                unreachable is not None and not hold.usable(route, self.cooling, time.monotonic())
+            # The first try goes to a replica that refused a moment ago as well, as it always did;
+            # a newcomer queues behind requests still being let go, first come first served.
+            if (
+                not route.upstreams
+                or (not waited and route.name in self.holding.queues)
+                or (unreachable is not None and not hold.usable(route, self.cooling, time.monotonic()))
             ):
                 if not settings.HOLD_S and unreachable is not None:
                     raise unreachable
@@ -328,6 +332,7 @@ class Gateway:
                     deadline = time.monotonic() + settings.HOLD_S
                 also = f"The last try: {unreachable.message}" if unreachable is not None else ""
                 await self.holding.wait(route.name, receive, held, deadline, prospect, also)
+                waited = True
                 continue
             self.demand.started(route.name)
             try:

@@ -48,6 +48,10 @@ STATUS_EVERY_S = 2.0
 # A model's prospect is read at most this often for requests that arrive (and for /v1/models).
 PROSPECT_TTL_S = 1.0
 RETRY_AFTER = (b"retry-after", b"5")
+# Waiting requests are let go one at a time, this far apart: each is on its way to the
+# replica (connected, its request written) before the next starts, so the replica takes
+# them in the order they came. 256 waiting requests are let go in half a second.
+RELEASE_GAP_S = 0.002
 
 
 def usable(route, cooling: dict[int, float], now: float) -> bool:
@@ -169,6 +173,7 @@ class Holding:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-hold")
         self._watcher: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._releasing: set[str] = set()
 
     # --- what a model can become ------------------------------------------------------
 
@@ -256,11 +261,28 @@ class Holding:
         if not self.waiting:
             return
         now = time.monotonic()
-        for name, queue in list(self.queues.items()):
+        for name in list(self.queues):
             route = table.routes.get(name)
-            if route is None or not usable(route, cooling, now):
+            if route is None or name in self._releasing or not usable(route, cooling, now):
                 continue
-            self._let_go(queue)
+            self._releasing.add(name)
+            task = asyncio.get_running_loop().create_task(self._let_go_in_order(name, cooling))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _let_go_in_order(self, name: str, cooling: dict[int, float]) -> None:
+        try:
+            while queue := self.queues.get(name):
+                route = self.table().routes.get(name)
+                if route is None or not usable(route, cooling, time.monotonic()):
+                    return  # the replica went again: the rest wait for the next
+                waiter = queue.popleft()
+                waiter.queued = False
+                if not waiter.future.done():
+                    waiter.future.set_result(None)
+                    await asyncio.sleep(RELEASE_GAP_S)
+        finally:
+            self._releasing.discard(name)
 
     def _let_go(self, queue: collections.deque[Waiter], refusal: Refusal | None = None) -> None:
         while queue:

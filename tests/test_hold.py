@@ -241,7 +241,7 @@ def test_a_client_that_hangs_up_while_waiting_leaves_the_queue(gateways, redis_c
     wait_until(lambda: waiting(redis_client) == 1, timeout=10, what="the request to wait")
     sock.settimeout(10)
     said = b""
-    while b"\n\n: waiting" not in said:
+    while b": waiting for a replica" not in said:
         said += sock.recv(4096)
     assert b": waiting for a replica of chat: scaled to zero, waking" in said
     sock.close()
