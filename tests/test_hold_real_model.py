@@ -22,6 +22,7 @@ import requests
 
 from agent import engine_state, engines
 from catalog.models import Model, Profile
+from contracts import demand
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from gateway.keys import create_key
@@ -101,6 +102,52 @@ def test_a_streamed_request_for_a_model_at_zero_waits_while_its_replica_is_fetch
     assert comments[0] == f": waiting for a replica of {MODEL}: scaled to zero, waking", comments
     text, usage, finish = streamed_whole([line[len("data: ") :] for line in lines if line.startswith("data: ")])
     assert "Paris" in text and usage["completion_tokens"] > 0, text
+
+
+def test_requests_waiting_for_a_model_are_answered_by_the_real_engine_in_the_order_they_came(
+    tmp_path, gateway, redis_client
+):
+    """PyPI's llama.cpp server answers one request at a time, in the order they reach it."""
+    process, endpoint, _ = real_model.start_engine(real_model.gguf(), tmp_path)
+    try:
+        model = Model.objects.create(name=MODEL, source="http://127.0.0.1:1/smollm2/", context_length=2048)
+        Model.objects.filter(pk=model.pk).update(scaling_min=0, scaling_max=1)
+        Profile.objects.create(model=model, name="cpu", engine="llamacpp")
+        _, secret = create_key("k")
+        finished: list[int] = []
+        statuses: dict[int, int] = {}
+
+        def one(n: int) -> None:
+            body = {"model": MODEL, **ask(f"Say the number {n}.", max_tokens=12)}
+            answer = requests.post(
+                gateway.url + "/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {secret}"},
+                timeout=120,
+            )
+            statuses[n] = answer.status_code
+            finished.append(n)
+
+        threads = []
+        for n in range(6):
+            threads.append(threading.Thread(target=one, args=(n,), daemon=True))
+            threads[-1].start()
+            wait_until(lambda n=n: waiting(redis_client) == n + 1, timeout=10, what=f"request {n} to wait")
+        Replica.objects.create(
+            model_name=MODEL, profile_name="cpu", node=Node.objects.create(name="n1"), state="ready", endpoint=endpoint
+        )
+        for thread in threads:
+            thread.join(120)
+        assert statuses == dict.fromkeys(range(6), 200)
+        assert finished == list(range(6))
+    finally:
+        engines.stop_group(process.pid, grace=3)
+        process.wait(timeout=10)
+
+
+def waiting(redis_client) -> int:
+    snapshots = [demand.decode(raw) for raw in redis_client.hgetall(demand.LOAD_KEY).values()]
+    return sum(s["models"].get(MODEL, {}).get("waiting", 0) for s in snapshots if s)
 
 
 # --- an engine killed mid-stream -----------------------------------------------------------
