@@ -18,12 +18,13 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from catalog.models import Model
-from contracts import signing, tasks
+from contracts import credentials, signing, tasks
 from contracts.engine_args import kind_args
 
+from . import autoscale
 from .live import redis_client
 from .models import Fetch, Node, Replica, heard_from_lately
-from .placement import HOLDING_WEIGHTS, ModelView, NodeView, Plan, ProfileView, ReplicaView, place
+from .placement import HOLDING_WEIGHTS, MAKING_ROOM, ModelView, NodeView, Plan, ProfileView, ReplicaView, Scaling, place
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def model_views() -> list[ModelView]:
             name=m.name,
             source=m.source,
             replicas=m.scaling_min,
+            scaling=Scaling(m.scaling_min, m.scaling_max, m.target_load, m.quiet_s, m.idle_s, m.priority),
             profiles=tuple(
                 ProfileView(
                     name=p.name,
@@ -120,7 +122,10 @@ def send_start(replica: Replica) -> None:
     engine_args = list(replica.args) + kind_args(replica.engine, kind, replica.args)
     args = [replica.pk, replica.source, replica.engine, engine_args]
     # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
-    kwargs = signing.with_proof(node.token_hash, tasks.START_REPLICA, node.name, args, {"model": replica.model_name})
+    # The nonce tells this replica's engine secret from an earlier replica's of the same id
+    # (contracts.credentials); not secret itself, the node's token is.
+    extra = {"model": replica.model_name, "nonce": credentials.replica_nonce(replica.created)}
+    kwargs = signing.with_proof(node.token_hash, tasks.START_REPLICA, node.name, args, extra)
     current_app.send_task(tasks.START_REPLICA, args=args, kwargs=kwargs, queue=tasks.node_queue(node.name))
 
 
@@ -203,13 +208,20 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
     node_names = {n.pk: n.name for n in nodes}
     replicas = list(Replica.objects.select_related("node"))
     by_id = {r.pk: r for r in replicas}
+    # Each model's count for this pass, between its fewest and most, from the gateway's load.
+    models = autoscale.apply(models, replicas, now)
     plan = place(node_views(nodes, replicas, now), models, replica_views(replicas, node_names))
+    autoscale.made_room(plan)
     ready_nodes = {n.name for n in nodes if heard_from_lately(n.last_heartbeat, now)}
     running = running_on(sorted(ready_nodes))
 
     Replica.objects.filter(pk__in=plan.forget).delete()
     for replica_id in plan.stop:
-        stop(by_id[replica_id])
+        stop(by_id[replica_id], plan.stop_reasons.get(replica_id, ""))
+        if replica_id in plan.stop_reasons:
+            log.info(
+                "replica %s of %s stopped: %s", replica_id, by_id[replica_id].model_name, plan.stop_reasons[replica_id]
+            )
 
     for a in plan.assign:
         replica = by_id[a.replica] if a.replica is not None else Replica(model_name=a.model)
@@ -221,6 +233,8 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
         replica.memory_gb = a.profile.min_memory_gb
         replica.gpus = a.profile.gpus
         replica.endpoint = ""
+        if not replica.cause:
+            replica.cause = a.cause
         replica.enter(Replica.State.PENDING)
         replica.save()
         transaction.on_commit(lambda r=replica: send_start(r))
@@ -229,6 +243,7 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
         replica = by_id[u.replica] if u.replica is not None else Replica(model_name=u.model)
         replica.node = None
         replica.endpoint = ""
+        replica.cause = replica.cause or u.cause
         replica.enter(Replica.State.PENDING, u.reason)
         replica.save()
 
@@ -346,6 +361,9 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
         if state == "stopped":
             if replica.state == Replica.State.STOPPING:
                 replica.delete()
+                if replica.reason.startswith(MAKING_ROOM):
+                    # A model waits for this room: placed now, not at the next beat.
+                    transaction.on_commit(lambda: current_app.send_task(tasks.RECONCILE, queue=tasks.CONTROL_QUEUE))
                 return "deleted: stopped as asked"
             replica.attempts += 1
             replica.enter(Replica.State.FAILED, reason or "the engine stopped without being asked to")

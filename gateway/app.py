@@ -22,6 +22,8 @@ import aiohttp
 from django.conf import settings
 from django.db import connection
 
+from contracts.credentials import bearer
+
 from . import hold, listing, metrics, prospects, routes
 from .anthropic_messages import AnthropicRefusal, Messages
 from .demand import Demand
@@ -340,7 +342,7 @@ class Gateway:
                     scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation
                 )
             except Refusal as refusal:
-                if refusal.code != "replica_unreachable":
+                if not getattr(refusal, "engine_down", False):
                     raise
                 # Every replica refused the connection (an engine killed, a node lost): wait for one as above.
                 unreachable = refusal
@@ -414,15 +416,20 @@ class Gateway:
         """Pass the request to a replica and its answer back; returns the answer's tokens."""
         tried: set[int] = set()
         failures = []
+        refused_secret = False
         while True:
             upstream = self.pick(route.upstreams, tried)
             if upstream is None:
-                raise Refusal(
+                unreachable = Refusal(
                     502,
                     f"No replica of {route.name} could be reached: " + "; ".join(failures) + ".",
                     kind="api_error",
                     code="replica_unreachable",
                 )
+                # Only engines that did not answer at all may be back in a moment (gateway/hold.py);
+                # one that refuses the replica secret is not waited for.
+                unreachable.engine_down = not refused_secret
+                raise unreachable
             tried.add(upstream.replica_id)
             replica = upstream.replica_id
             self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
@@ -432,7 +439,11 @@ class Gateway:
                     response = await self._session.post(
                         upstream.base + target,
                         data=body,
-                        headers={"Content-Type": "application/json", "X-Request-Id": metrics.engine_request_id(scope)},
+                        headers={
+                            "Content-Type": "application/json",
+                            "X-Request-Id": metrics.engine_request_id(scope),
+                            **bearer(upstream.secret),
+                        },
                     )
                 except aiohttp.SocketTimeoutError:
                     # The replica has the request and may be working on it: another would do it twice.
@@ -448,6 +459,15 @@ class Gateway:
                     self.cooling[replica] = time.monotonic() + COOLDOWN_S
                     self.observer.failover(scope)
                     failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
+                    continue
+                if response.status == 401:
+                    # The engine does not take this replica's secret (its node re-enrolled or was revoked, and it
+                    # runs on with the old one): its 401 is not the client's, and another replica may answer.
+                    response.close()
+                    self.cooling[replica] = time.monotonic() + COOLDOWN_S
+                    log.warning("replica %s refused the gateway's replica secret (401)", replica)
+                    failures.append(f"replica {replica} at {upstream.base} refused the gateway's replica secret")
+                    refused_secret = True
                     continue
                 self.cooling.pop(replica, None)
                 gateway_s = sent_at - started
