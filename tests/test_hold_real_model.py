@@ -52,7 +52,7 @@ def agent_n1(tmp_path, mirror_root, byte_listener):
             engines.stop_group(entry["pid"], grace=3)
 
 
-def test_a_streamed_request_for_a_model_at_zero_waits_while_its_replica_is_fetched_and_started_then_says_paris(
+def test_a_streamed_request_for_a_model_at_zero_wakes_it_and_waits_while_its_replica_is_fetched_and_started(
     settings, mirror_root, byte_listener, control_worker, agent_n1, gateway
 ):
     weights = real_model.gguf()
@@ -90,11 +90,8 @@ def test_a_streamed_request_for_a_model_at_zero_waits_while_its_replica_is_fetch
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
     wait_until(lambda: any(line.startswith(": waiting") for line in lines), timeout=10, what="a waiting comment")
-    assert not Replica.objects.filter(model_name=MODEL).exists()
-    # What the autoscaler does on the wake the request asked for (the other half of issue 14): one replica.
-    Model.objects.filter(pk=model.pk).update(scaling_min=1)
-    model.refresh_from_db()
-    model.save()  # the catalog's signal queues a reconcile
+    # The request asked for the wake (fleet.wake, on the control worker): the autoscaler places a
+    # replica, the agent fetches the weights and starts the engine, and the request goes to it.
     thread.join(300)
     assert not thread.is_alive(), f"no answer; replicas: {list(Replica.objects.values('state', 'reason'))}"
     assert box["status"] == 200
@@ -102,6 +99,7 @@ def test_a_streamed_request_for_a_model_at_zero_waits_while_its_replica_is_fetch
     assert comments[0] == f": waiting for a replica of {MODEL}: scaled to zero, waking", comments
     text, usage, finish = streamed_whole([line[len("data: ") :] for line in lines if line.startswith("data: ")])
     assert "Paris" in text and usage["completion_tokens"] > 0, text
+    assert Replica.objects.filter(model_name=MODEL, state="ready").count() == 1
 
 
 def test_requests_waiting_for_a_model_are_answered_by_the_real_engine_in_the_order_they_came(
