@@ -176,7 +176,13 @@ def start_redis(work: Path) -> tuple[subprocess.Popen, int]:
 
 
 def start_llmgw(
-    stub_port: int, work: Path, name: str = "llmgw", redis_port: int | None = None, **settings: str
+    stub_port: int,
+    work: Path,
+    name: str = "llmgw",
+    redis_port: int | None = None,
+    root: Path = ROOT,
+    limited: bool = True,
+    **settings: str,
 ) -> tuple[subprocess.Popen, list[Target]] | None:
     port = free_port()
     work = work / name
@@ -190,33 +196,33 @@ def start_llmgw(
         REDIS_URL=f"redis://127.0.0.1:{redis_port or free_port()}/0",
         **settings,
     )
-    manage = [sys.executable, str(ROOT / "manage.py")]
-    commands = subprocess.run(manage + ["help", "--commands"], env=env, cwd=ROOT, capture_output=True, text=True)
+    manage = [sys.executable, str(root / "manage.py")]
+    commands = subprocess.run(manage + ["help", "--commands"], env=env, cwd=root, capture_output=True, text=True)
     if "admin_server" not in commands.stdout.split():
         print("llmgw: this tree has no `manage.py admin_server` (the gateway): it is left out of this run.")
         return None
-    subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
+    subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=root, check=True)
     # Quietly: without Redis the catalog's signal warns that it could not queue a reconcile,
     # which does not matter here (the replicas are written ready).
     seeded = subprocess.run(
-        manage + ["shell", "-c", SEED.replace("{stub_port}", str(stub_port))], env=env, cwd=ROOT, capture_output=True
+        manage + ["shell", "-c", SEED.replace("{stub_port}", str(stub_port))], env=env, cwd=root, capture_output=True
     )
     if seeded.returncode:
         raise SystemExit(f"llmgw: the routes could not be written:\n{seeded.stderr.decode()[-2000:]}")
     created = subprocess.run(
-        manage + ["api_key", "create", "bench"], env=env, cwd=ROOT, check=True, capture_output=True, text=True
+        manage + ["api_key", "create", "bench"], env=env, cwd=root, check=True, capture_output=True, text=True
     )
     key = created.stdout.strip().splitlines()[-1].strip()
-    process = quiet_popen(manage + ["admin_server"], env, work / "llmgw.log")
+    process = quiet_popen(manage + ["admin_server"], env, work / "llmgw.log", cwd=root)
     targets = [Target(name, port, key=key, pid=process.pid)]
-    if redis_port:
+    if redis_port and limited:
         # Limits set on every window and never reached: the request pays the check, not a refusal.
         limited = subprocess.run(
             manage
             + ["api_key", "create", "bench-limited", "--rpm", "1000000000", "--tpm", "1000000000"]
             + ["--tpd", "1000000000", "--tokens-per-month", "1000000000", "--in-flight", "100000"],
             env=env,
-            cwd=ROOT,
+            cwd=root,
             check=True,
             capture_output=True,
             text=True,
@@ -255,8 +261,9 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
     loaded = {}
     # Round by round, every target in turn: on a shared machine the load from elsewhere
     # changes over a minute, and a target measured all at once would take it all.
-    for _ in range(args.repeat):
-        for t in targets:
+    for round_ in range(args.repeat):
+        # Proxies in turn, and in reverse order every other round: none is always the one after direct.
+        for t in [direct] + (proxies if round_ % 2 == 0 else proxies[::-1]):
             run = await concurrent(t, args.clients, args.duration)
             if t.name not in loaded or run.requests_per_second > loaded[t.name].requests_per_second:
                 loaded[t.name] = run
@@ -357,6 +364,17 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
             f"{ms(loaded['llmgw'].cpu_seconds / max(1, len(loaded['llmgw'].seconds))):.2f} and "
             f"{ms(loaded['llmgw-2w'].cpu_seconds / max(1, len(loaded['llmgw-2w'].seconds))):.2f} ms"
         )
+    if "baseline" in names and llmgw:
+        # Issue 14: this tree's gateway against another's, in one run, taking turns.
+        p50 = ms(pct(loaded[llmgw].seconds, 50) - pct(d_load, 50)) / ms(
+            pct(loaded["baseline"].seconds, 50) - pct(d_load, 50)
+        )
+        print(
+            f"llmgw / baseline: one at a time added p50 {added50[llmgw] - added50['baseline']:+.3f} ms; "
+            f"{args.clients} concurrent added p50 {p50:.3f} ×, requests/s {rps[llmgw] / rps['baseline']:.3f} ×, "
+            f"server CPU a request {loaded[llmgw].cpu_seconds / max(1, len(loaded[llmgw].seconds)) * 1e6:.0f} µs vs "
+            f"{loaded['baseline'].cpu_seconds / max(1, len(loaded['baseline'].seconds)) * 1e6:.0f} µs"
+        )
     for variant in (n for n in names if n.startswith("llmgw+")):
         # Issue 16: metrics (and the access log) within 5 % of the gateway without them.
         base = "llmgw"
@@ -385,6 +403,11 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory and its logs")
     parser.add_argument(
+        "--baseline",
+        metavar="TREE",
+        help="also llmgw from another checkout (say, main in a git worktree), measured beside this one as 'baseline'",
+    )
+    parser.add_argument(
         "--limits", action="store_true", help="also through a key with per-key limits set (a Redis of its own)"
     )
     parser.add_argument(
@@ -411,7 +434,8 @@ def main() -> None:
         direct = Target("direct", stub_port, pid=stub.pid)
         proxies = []
         redis_port = None
-        if args.limits:
+        if args.limits or args.baseline:
+            # --baseline: both gateways with a Redis, as they run: the new one writes its load there.
             redis_process, redis_port = start_redis(work)
             processes.append(redis_process)
         variants = {"llmgw": {}}
@@ -427,7 +451,14 @@ def main() -> None:
         if args.workers:
             variants["llmgw-2w"] = {**variants["llmgw"], "LLMGW_ADMIN_WORKERS": "2"}
         for name, settings in variants.items():
-            started = start_llmgw(stub_port, work, name, redis_port if name == "llmgw" else None, **settings)
+            started = start_llmgw(
+                stub_port, work, name, redis_port if name == "llmgw" else None, limited=args.limits, **settings
+            )
+            if started:
+                processes.append(started[0])
+                proxies.extend(started[1])
+        if args.baseline:
+            started = start_llmgw(stub_port, work, "baseline", redis_port, root=Path(args.baseline), limited=False)
             if started:
                 processes.append(started[0])
                 proxies.extend(started[1])

@@ -24,8 +24,9 @@ from django.db import connection
 
 from contracts.credentials import bearer
 
-from . import metrics, routes
+from . import hold, listing, metrics, prospects, routes
 from .anthropic_messages import AnthropicRefusal, Messages
+from .demand import Demand
 from .errors import ClientGone, Refusal
 from .intake import check_kind, check_limits, parse_request, read_body, sentence_of
 from .keys import hash_key
@@ -73,6 +74,8 @@ class Gateway:
         self._last_refresh_start = 0.0
         self._turn = 0
         self.observer = metrics.Observer()
+        self.demand = Demand(self.in_flight)
+        self.holding = hold.Holding(self.demand, settings.HOLD_S, settings.HOLD_QUEUE, lambda: self.table)
 
     # --- life -----------------------------------------------------------------
 
@@ -87,6 +90,7 @@ class Gateway:
         )
         await self.refresh()
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+        self.demand.start()
         # Everything loaded so far (Django, the admin, the apps) lives as long as the process.
         # Moved out of the collector's reach, it is not walked again by every full collection,
         # which otherwise stalls the event loop for tens of milliseconds at a time.
@@ -100,6 +104,7 @@ class Gateway:
             await self._session.close()
             self._session = None
         await self.limiter.close()
+        await self.demand.stop()
         await asyncio.get_running_loop().run_in_executor(self._db, self._flush_usage)
 
     async def lifespan(self, receive, send) -> None:
@@ -117,7 +122,8 @@ class Gateway:
 
     async def _refresh_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_s)
+            # Faster while requests wait for a replica: they go the moment the table has one.
+            await self.holding.sleep(self.refresh_s)
             await self.refresh()
 
     async def refresh(self) -> None:
@@ -129,7 +135,11 @@ class Gateway:
         self._refreshing = loop.create_future()
         self._last_refresh_start = time.monotonic()
         try:
-            self.table = await loop.run_in_executor(self._db, self._read_table)
+            table = await loop.run_in_executor(self._db, self._read_table)
+            for replica in hold.moved(self.table, table):
+                self.cooling.pop(replica, None)  # started again elsewhere: worth a try at once
+            self.table = table
+            self.holding.release(table, self.cooling)
         except Exception:
             # The old table keeps routing; the next refresh tries again.
             log.exception("the gateway could not read its routing table; keeping the previous one")
@@ -267,21 +277,80 @@ class Gateway:
                 request["stream_options"], changed = dict(options or {}, include_usage=True), True
         if changed:
             body = json.dumps(request).encode()
+        self.demand.arrived(route.name)
         if not route.upstreams:
-            reason = await asyncio.get_running_loop().run_in_executor(self._db, routes.why_not_ready, route.name)
-            raise Refusal(
-                503, reason, kind="service_unavailable", code="no_ready_replica", headers=[(b"retry-after", b"5")]
-            )
+            # Refused before the key's limits count it when no replica will come (gateway/hold.py).
+            prospect = await self.holding.prospect(route.name)
+            if prospect.state == prospects.CANNOT or not settings.HOLD_S:
+                raise hold.unavailable(prospect.reason + ".")
         # One Redis round trip for a key with limits, none for a key without (gateway/limits.py).
         ticket = await self.limiter.admit(key.tag, key.limits) if key.limits else None
         tokens = 0
+        streamed = request.get("stream") is True and route.kind == "chat"
+        held = hold.HeldStream(send, hold.stream_format(path)) if streamed else None
         try:
-            tokens = await self.forward(
-                scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation
+            tokens = await self.answer(
+                scope,
+                receive,
+                held or send,
+                held,
+                key,
+                route,
+                target,
+                body,
+                request,
+                translation,
+                client_wants_usage,
+                started,
             )
+        except Refusal as refusal:
+            if held is None or not held.started:
+                raise
+            # The client has a 200 and comments already: the refusal goes in the stream.
+            await held.fail(refusal.status, refusal.message, refusal.kind, refusal.code)
         finally:
             if ticket is not None:
                 self.limiter.settle(ticket, tokens)
+
+    async def answer(
+        self, scope, receive, send, held, key, route, target, body, request, translation, client_wants_usage, started
+    ) -> int:
+        """forward(), after waiting for a usable replica when there is none (gateway/hold.py)."""
+        deadline = None
+        unreachable = None
+        waited = False
+        while True:
+            route = self.table.routes.get(route.name, route)
+            # The first try goes to a replica that refused a moment ago as well, as it always did;
+            # a newcomer queues behind requests still being let go, first come first served.
+            if (
+                not route.upstreams
+                or (not waited and route.name in self.holding.queues)
+                or (unreachable is not None and not hold.usable(route, self.cooling, time.monotonic()))
+            ):
+                if not settings.HOLD_S and unreachable is not None:
+                    raise unreachable
+                prospect = await self.holding.prospect(route.name)
+                if prospect.state == prospects.CANNOT:
+                    raise unreachable or hold.unavailable(prospect.reason + ".")
+                if deadline is None:
+                    deadline = time.monotonic() + settings.HOLD_S
+                also = f"The last try: {unreachable.message}" if unreachable is not None else ""
+                await self.holding.wait(route.name, receive, held, deadline, prospect, also)
+                waited = True
+                continue
+            self.demand.started(route.name)
+            try:
+                return await self.forward(
+                    scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation
+                )
+            except Refusal as refusal:
+                if not getattr(refusal, "engine_down", False):
+                    raise
+                # Every replica refused the connection (an engine killed, a node lost): wait for one as above.
+                unreachable = refusal
+            finally:
+                self.demand.finished(route.name)
 
     async def authorize(self, scope) -> routes.Key:
         given = b""
@@ -309,22 +378,8 @@ class Gateway:
         return key
 
     async def list_models(self, send, key: routes.Key, one: str, started: float) -> None:
-        entries = []
-        for route in self.table.models:
-            if not key.may_use(route.name):
-                continue
-            common = {"object": "model", "created": route.created, "owned_by": "llmgw", "ready": bool(route.upstreams)}
-            entries.append(
-                {
-                    "id": route.name,
-                    **common,
-                    "aliases": list(route.aliases),
-                    "context_length": route.context_length,
-                    "max_output": route.max_output or None,
-                    "kind": route.kind,
-                }
-            )
-            entries.extend({"id": alias, **common, "alias_of": route.name} for alias in route.aliases)
+        not_ready = [route.name for route in self.table.models if not route.upstreams and key.may_use(route.name)]
+        entries = listing.entries(self.table.models, key.may_use, await self.holding.prospects(not_ready))
         if one:
             found = [entry for entry in entries if entry["id"] == one]
             if not found:
@@ -364,15 +419,20 @@ class Gateway:
         """Pass the request to a replica and its answer back; returns the answer's tokens."""
         tried: set[int] = set()
         failures = []
+        refused_secret = False
         while True:
             upstream = self.pick(route.upstreams, tried)
             if upstream is None:
-                raise Refusal(
+                unreachable = Refusal(
                     502,
                     f"No replica of {route.name} could be reached: " + "; ".join(failures) + ".",
                     kind="api_error",
                     code="replica_unreachable",
                 )
+                # Only engines that did not answer at all may be back in a moment (gateway/hold.py);
+                # one that refuses the replica secret is not waited for.
+                unreachable.engine_down = not refused_secret
+                raise unreachable
             tried.add(upstream.replica_id)
             replica = upstream.replica_id
             self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
@@ -410,6 +470,7 @@ class Gateway:
                     self.cooling[replica] = time.monotonic() + COOLDOWN_S
                     log.warning("replica %s refused the gateway's replica secret (401)", replica)
                     failures.append(f"replica {replica} at {upstream.base} refused the gateway's replica secret")
+                    refused_secret = True
                     continue
                 self.cooling.pop(replica, None)
                 gateway_s = sent_at - started

@@ -9,6 +9,7 @@ every chunk, and the usage-only chunk has no choices.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -54,10 +55,15 @@ def without_usage_only_events(events: bytes) -> bytes:
 
 
 class EventFilter:
-    """Splits a stream into whole events and drops usage-only ones; holds back a partial event."""
+    """Splits a stream into whole events and drops usage-only ones; holds back a partial event.
 
-    def __init__(self) -> None:
+    With drop_usage False it only splits: a stream the replica breaks off mid-event must
+    not leave half an event before the error event that ends it.
+    """
+
+    def __init__(self, drop_usage: bool = True) -> None:
         self.pending = b""
+        self.drop_usage = drop_usage
 
     def feed(self, chunk: bytes) -> bytes:
         self.pending += chunk
@@ -65,11 +71,11 @@ class EventFilter:
         if not end:
             return b""
         events, self.pending = self.pending[:end], self.pending[end:]
-        return without_usage_only_events(events)
+        return without_usage_only_events(events) if self.drop_usage else events
 
     def rest(self) -> bytes:
         rest, self.pending = self.pending, b""
-        return without_usage_only_events(rest)
+        return without_usage_only_events(rest) if self.drop_usage else rest
 
 
 async def relay(
@@ -80,7 +86,7 @@ async def relay(
     content_type = response.headers.get("Content-Type", "application/json")
     event_stream = content_type.startswith("text/event-stream")
     answer.event_stream = event_stream
-    events = EventFilter() if event_stream and not client_wants_usage else None
+    events = EventFilter(drop_usage=not client_wants_usage) if event_stream else None
     headers = [(b"content-type", content_type.encode("latin-1"))]
     if event_stream:
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -122,12 +128,26 @@ async def relay(
         asyncio.current_task().uncancel()
         return
     except aiohttp.ClientError as error:
-        # The replica broke off or fell silent mid-answer: too late for another replica,
-        # so the client's connection is cut rather than ended as if the answer were whole.
+        # The replica broke off or fell silent mid-answer: too late for another replica.
         log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))
-        raise ClientGone from None
+        if not event_stream:
+            # A body of a stated length cannot be ended as if whole: the connection is cut.
+            raise ClientGone from None
+        # An event stream ends with an error event and [DONE], the half event before it left out,
+        # so the client reads an error rather than a broken transfer.
+        finished = True
+        await send({"type": "http.response.body", "body": broke_off(replica, error)})
     finally:
         watcher.cancel()
+
+
+def broke_off(replica: int, error: Exception) -> bytes:
+    """The end of an OpenAI event stream whose replica stopped in the middle of it."""
+    message = (
+        f"Replica {replica} stopped in the middle of this answer ({sentence_of(error)}); the answer is incomplete."
+    )
+    error_object = {"message": message, "type": "api_error", "param": None, "code": "replica_broke_off"}
+    return b"data: " + json.dumps({"error": error_object}).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def timing(seconds: float) -> tuple[bytes, bytes]:

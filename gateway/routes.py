@@ -10,12 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-import redis
 from django.db import connection
 
 from catalog.models import Model, Profile
-from contracts import credentials, progress
-from fleet.live import redis_client
+from contracts import credentials
 from fleet.models import Replica
 
 from .limits import Limits, tag_of
@@ -256,33 +254,3 @@ def database_now() -> datetime:
             return datetime.fromisoformat(cursor.fetchone()[0]).replace(tzinfo=UTC)
         cursor.execute("SELECT clock_timestamp()")
         return cursor.fetchone()[0]
-
-
-def why_not_ready(model_name: str) -> str:
-    """Why no replica of this model can answer now, in a sentence. Runs in a thread."""
-    replicas = list(Replica.objects.filter(model_name=model_name).select_related("node"))
-    if not replicas:
-        return f"No replica of {model_name} is placed yet; placement runs every few seconds."
-    said = []
-    for replica in replicas:
-        where = f" on {replica.node.name}" if replica.node_id else ""
-        state = replica.state
-        if state == Replica.State.FETCHING:
-            state = f"fetching {fetched_percent(replica)}"
-        elif state == Replica.State.READY:
-            state = "ready, not yet routed"
-        elif replica.reason:
-            state = f"{state}: {replica.reason.rstrip('.')}"
-        said.append(f"replica {replica.pk}{where} is {state}")
-    return f"No replica of {model_name} is ready: " + "; ".join(said) + "."
-
-
-def fetched_percent(replica: Replica) -> str:
-    """How far the replica's node is with its weights, from the agent's progress in Redis."""
-    try:
-        snapshot = progress.read(redis_client(), replica.source).get(replica.node.name if replica.node_id else "")
-    except redis.RedisError:  # progress is a courtesy here; Redis away must not turn a 503 into a 500
-        snapshot = None
-    if not snapshot or not snapshot.get("bytes_total"):
-        return "(progress not reported yet)"
-    return f"{progress.percent(snapshot):.0f}%"

@@ -21,7 +21,7 @@ import time
 
 import aiohttp
 
-from .errors import ClientGone, Refusal
+from .errors import Refusal
 from .intake import sentence_of
 from .relay import complete_events, timing
 from .usage import Answer
@@ -214,6 +214,14 @@ async def relay_translated(
         return
     except aiohttp.ClientError as error:
         log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))
-        raise ClientGone from None
+        message = (
+            f"Replica {replica} stopped in the middle of this answer ({sentence_of(error)}); the answer is incomplete."
+        )
+        if not streaming:
+            # Nothing was sent yet: a 502 in the client's shape.
+            raise Refusal(502, message, kind="api_error", code="replica_broke_off") from None
+        # The stream ends with the error event of its own format, not a cut connection.
+        finished = True
+        await send({"type": "http.response.body", "body": events.failed({"error": {"message": message}})})
     finally:
         watcher.cancel()

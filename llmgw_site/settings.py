@@ -95,6 +95,11 @@ GATEWAY_REFRESH_MS = env_int("LLMGW_GATEWAY_REFRESH_MS", 1000, minimum=50)
 GATEWAY_UPSTREAM_TIMEOUT_S = env_int("LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S", 600, minimum=1)
 # The largest request body the gateway reads, in bytes.
 GATEWAY_MAX_BODY = env_int("LLMGW_GATEWAY_MAX_BODY", 32 * 1024 * 1024, minimum=1024)
+# Holding (docs/gateway.md): a request for a model with no ready replica, but one on its way,
+# waits this many seconds for it (0: refused at once, as before), in a queue of at most
+# LLMGW_HOLD_QUEUE requests per model and gateway process.
+HOLD_S = env_int("LLMGW_HOLD_S", 300, minimum=0)
+HOLD_QUEUE = env_int("LLMGW_HOLD_QUEUE", 256, minimum=1)
 # Threads that run Django's own pages (admin, API) beside the gateway in the admin server.
 ADMIN_THREADS = env_int("LLMGW_ADMIN_THREADS", 16, minimum=1)
 # Processes `manage.py admin_server` runs on the admin port (its --workers); each has its own threads.

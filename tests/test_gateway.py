@@ -147,6 +147,11 @@ def test_models_lists_names_and_aliases_with_whether_each_has_a_ready_replica(ga
     )
     assert listed["assistant"]["ready"] and listed["assistant"]["alias_of"] == "chat"
     assert listed["waiting"]["ready"] is False
+    assert listed["chat"]["llmgw"] == {"state": "ready"}
+    assert listed["waiting"]["llmgw"] == {
+        "state": "can wake",
+        "reason": "No replica of waiting is placed yet; placement runs every few seconds.",
+    }
     assert session.get(gateway.url + "/v1/models/assistant").json()["alias_of"] == "chat"
 
 
@@ -236,21 +241,37 @@ def test_a_replica_that_refuses_connections_is_passed_over_for_one_that_answers(
     assert len(alive.requests) == 5
 
 
-def test_when_no_replica_can_be_reached_the_client_is_told_which_and_why(gateway):
+@pytest.fixture
+def impatient_gateway(transactional_db, tmp_path):
+    """A gateway whose requests wait a second for a replica (LLMGW_HOLD_S=1), not five minutes."""
+    from types import SimpleNamespace
+
+    from .processes import start_admin_server
+
+    process, url = start_admin_server(tmp_path, LLMGW_HOLD_S=1)
+    yield SimpleNamespace(url=url, process=process)
+    process.stop()
+
+
+def test_when_no_replica_can_be_reached_the_client_is_told_which_and_why(impatient_gateway):
     add_model()
     dead = add_replica("chat", f"http://127.0.0.1:{free_port()}/v1")
     _, secret = create_key("k")
     session = client(secret)
-    until_routed(session, gateway.url)
-    answer = chat(session, gateway.url)
-    assert answer.status_code == 502
-    assert f"replica {dead.pk}" in error_of(answer)["message"]
+    until_routed(session, impatient_gateway.url)
+    # It waits for the replica to come back (gateway/hold.py), then says which did not answer and why.
+    answer = chat(session, impatient_gateway.url)
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
+    message = error_of(answer)["message"]
+    assert f"replica {dead.pk}" in message and "Waited 1 s" in message, message
+    assert "The last try: No replica of chat could be reached" in message, message
 
 
 # --- refusals -----------------------------------------------------------------------
 
 
-def test_no_ready_replica_is_a_503_that_says_why(gateway, redis_client):
+def test_no_ready_replica_is_a_503_that_says_why(impatient_gateway, redis_client):
+    gateway = impatient_gateway
     from contracts import progress as contracts_progress
 
     add_model("chat")

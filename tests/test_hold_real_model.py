@@ -1,0 +1,248 @@
+"""Holding and broken streams on the real engine: SmolLM2 on this host's llama.cpp, and the real agent.
+
+A request for a model whose replica is still on its way waits, with comments, and is
+answered by the replica the agent fetches and starts; a stream whose engine is killed
+(SIGKILL) mid-answer ends with an error event in its own format and a whole chunked
+response, and the official clients raise a clean error for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+
+import anthropic
+import openai
+import pytest
+import requests
+
+from agent import engine_state, engines
+from catalog.models import Model, Profile
+from contracts import demand
+from fleet.enrolment import issue_token
+from fleet.models import Node, Replica
+from gateway.keys import create_key
+from mirror import scan
+
+from . import real_model
+from .processes import Process, process_env, wait_until
+from .real_model import MODEL, ask, streamed_whole
+from .test_gateway import until_routed
+
+pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def agent_n1(tmp_path, mirror_root, byte_listener):
+    token = issue_token("n1")
+    cache = tmp_path / "cache-n1"
+    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
+    env["DATABASE_URL"] = "postgres://nobody@127.0.0.1:1/none"  # a node has no database
+    agent = Process(
+        "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
+    )
+    yield agent
+    agent.stop()
+    for entry in engine_state.read_state(cache)["replicas"].values():
+        if entry.get("pid") and engines.group_alive(entry["pid"]):
+            engines.stop_group(entry["pid"], grace=3)
+
+
+def test_a_streamed_request_for_a_model_at_zero_wakes_it_and_waits_while_its_replica_is_fetched_and_started(
+    settings, mirror_root, byte_listener, control_worker, agent_n1, gateway
+):
+    weights = real_model.gguf()
+    settings.BYTES_URL = byte_listener
+    version = mirror_root / MODEL / "instruct-q4_1"
+    version.mkdir(parents=True)
+    shutil.copyfile(weights, version / weights.name)
+    scan.scan_mirror()
+    wait_until(
+        lambda: "llamacpp" in (Node.objects.filter(name="n1").values_list("engines", flat=True).first() or []),
+        timeout=120,
+        interval=0.5,
+        what=f"n1's heartbeat\n{agent_n1.output()[-3000:]}",
+    )
+    source = f"{byte_listener}{MODEL}/instruct-q4_1/{weights.name}"
+    model = Model.objects.create(name=MODEL, source=source, context_length=2048, scaling_min=0, scaling_max=1)
+    Profile.objects.create(model=model, name="cpu", engine="llamacpp", args=["--ctx-size", "2048"])
+    _, secret = create_key("k")
+    lines: list[str] = []
+    box = {}
+
+    def client():
+        body = {"model": MODEL, **ask(), "stream": True}
+        with requests.post(
+            gateway.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {secret}"},
+            stream=True,
+            timeout=300,
+        ) as response:
+            box["status"] = response.status_code
+            for line in response.iter_lines(decode_unicode=True):
+                lines.append(line)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    wait_until(lambda: any(line.startswith(": waiting") for line in lines), timeout=10, what="a waiting comment")
+    # The request asked for the wake (fleet.wake, on the control worker): the autoscaler places a
+    # replica, the agent fetches the weights and starts the engine, and the request goes to it.
+    thread.join(300)
+    assert not thread.is_alive(), f"no answer; replicas: {list(Replica.objects.values('state', 'reason'))}"
+    assert box["status"] == 200
+    comments = [line for line in lines if line.startswith(":")]
+    assert comments[0] == f": waiting for a replica of {MODEL}: scaled to zero, waking", comments
+    text, usage, finish = streamed_whole([line[len("data: ") :] for line in lines if line.startswith("data: ")])
+    assert "Paris" in text and usage["completion_tokens"] > 0, text
+    assert Replica.objects.filter(model_name=MODEL, state="ready").count() == 1
+
+
+def test_requests_waiting_for_a_model_are_answered_by_the_real_engine_in_the_order_they_came(
+    tmp_path, gateway, redis_client
+):
+    """PyPI's llama.cpp server answers one request at a time, in the order they reach it."""
+    process, endpoint, _ = real_model.start_engine(real_model.gguf(), tmp_path)
+    try:
+        model = Model.objects.create(name=MODEL, source="http://127.0.0.1:1/smollm2/", context_length=2048)
+        Model.objects.filter(pk=model.pk).update(scaling_min=0, scaling_max=1)
+        Profile.objects.create(model=model, name="cpu", engine="llamacpp")
+        _, secret = create_key("k")
+        finished: list[int] = []
+        statuses: dict[int, int] = {}
+
+        def one(n: int) -> None:
+            body = {"model": MODEL, **ask(f"Say the number {n}.", max_tokens=12)}
+            answer = requests.post(
+                gateway.url + "/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {secret}"},
+                timeout=120,
+            )
+            statuses[n] = answer.status_code
+            finished.append(n)
+
+        threads = []
+        for n in range(6):
+            threads.append(threading.Thread(target=one, args=(n,), daemon=True))
+            threads[-1].start()
+            wait_until(lambda n=n: waiting(redis_client) == n + 1, timeout=10, what=f"request {n} to wait")
+        Replica.objects.create(
+            model_name=MODEL, profile_name="cpu", node=Node.objects.create(name="n1"), state="ready", endpoint=endpoint
+        )
+        for thread in threads:
+            thread.join(120)
+        assert statuses == dict.fromkeys(range(6), 200)
+        # In the order they came. They are let go 10 ms apart; on this machine under heavy load two
+        # neighbours were once in five runs answered the other way round, so a swap of neighbours is
+        # allowed here; anything further out of order (all let go at once, say) fails.
+        assert finished[0] == 0 and all(abs(at - n) <= 1 for at, n in enumerate(finished)), finished
+    finally:
+        engines.stop_group(process.pid, grace=3)
+        process.wait(timeout=10)
+
+
+def waiting(redis_client) -> int:
+    snapshots = [demand.decode(raw) for raw in redis_client.hgetall(demand.LOAD_KEY).values()]
+    return sum(s["models"].get(MODEL, {}).get("waiting", 0) for s in snapshots if s)
+
+
+# --- an engine killed mid-stream -----------------------------------------------------------
+
+
+@pytest.fixture
+def killable(tmp_path, gateway):
+    """A fresh real engine, the one ready replica of the model: (gateway url, key, the engine's process)."""
+    process, endpoint, _ = real_model.start_engine(real_model.gguf(), tmp_path)
+    model = Model.objects.create(name=MODEL, source="http://127.0.0.1:1/smollm2/", context_length=2048)
+    Profile.objects.create(model=model, name="cpu", engine="llamacpp")
+    node = Node.objects.create(name="n1")
+    Replica.objects.create(model_name=MODEL, profile_name="cpu", node=node, state="ready", endpoint=endpoint)
+    _, secret = create_key("k")
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {secret}"
+    until_routed(session, gateway.url, MODEL)
+    yield gateway.url, secret, process
+    if engines.group_alive(process.pid):
+        engines.stop_group(process.pid, grace=3)
+    process.wait(timeout=10)
+
+
+LONG = "Count from 1 to 500, one number a line."
+
+
+def kill(process) -> None:
+    os.killpg(process.pid, signal.SIGKILL)
+
+
+BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": LONG}], "max_tokens": 400},
+    "/v1/messages": {"messages": [{"role": "user", "content": LONG}], "max_tokens": 400},
+    "/v1/responses": {"input": LONG, "max_output_tokens": 400},
+}
+
+
+@pytest.mark.parametrize(
+    "path, error_line",
+    [("/v1/chat/completions", "data: [DONE]"), ("/v1/messages", "event: error"), ("/v1/responses", "event: error")],
+)
+def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error_event_and_a_whole_response(
+    killable, path, error_line
+):
+    url, secret, process = killable
+    body = {"model": MODEL, **BODIES[path], "stream": True, "temperature": 0}
+    lines = []
+    with requests.post(
+        url + path, json=body, headers={"Authorization": f"Bearer {secret}"}, stream=True, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        # iter_lines raises ChunkedEncodingError on a connection cut before the last chunk.
+        for line in response.iter_lines(decode_unicode=True):
+            lines.append(line)
+            if sum(1 for seen in lines if seen.startswith("data: ")) == 8:
+                kill(process)
+    assert error_line in lines, lines[-6:]
+    errors = [json.loads(line[6:]) for line in lines if line.startswith("data: {") and '"error"' in line]
+    assert errors, lines[-6:]
+    said = json.dumps(errors[-1])
+    assert "stopped in the middle of this answer" in said, said
+    if path == "/v1/chat/completions":
+        # The error event, then [DONE]: the end of an OpenAI stream.
+        assert [line for line in lines if line][-2:] == [lines[lines.index("data: [DONE]") - 2], "data: [DONE]"]
+        assert '"error"' in [line for line in lines if line][-2]
+
+
+def test_the_official_clients_raise_a_clean_api_error_when_the_engine_dies_mid_stream(killable):
+    url, secret, process = killable
+    gpt = openai.OpenAI(base_url=url + "/v1", api_key=secret, max_retries=0, timeout=120)
+    stream = gpt.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=400, stream=True, temperature=0
+    )
+    chunks = 0
+    with pytest.raises(openai.APIError) as raised:
+        for _ in stream:
+            chunks += 1
+            if chunks == 8:
+                kill(process)
+    # An error the server said, not a transport failure.
+    assert not isinstance(raised.value, openai.APIConnectionError)
+    assert "stopped in the middle of this answer" in raised.value.message
+
+
+def test_the_anthropic_client_raises_a_clean_api_error_when_the_engine_dies_mid_stream(killable):
+    url, secret, process = killable
+    claude = anthropic.Anthropic(base_url=url, api_key=secret, max_retries=0, timeout=120)
+    events = 0
+    with pytest.raises(anthropic.APIStatusError) as raised:
+        with claude.messages.stream(
+            model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=400
+        ) as stream:
+            for _ in stream:
+                events += 1
+                if events == 8:
+                    kill(process)
+    assert "stopped in the middle of this answer" in str(raised.value)
