@@ -26,9 +26,9 @@ from .services import free_port
 
 # Short, so that a lost node is found out in seconds: a heartbeat a second, lost after three missed.
 TIMING = {"LLMGW_HEARTBEAT_S": "1", "LLMGW_HEARTBEATS_MISSED": "3", "LLMGW_RECONCILE_INTERVAL_S": "1"}
-# A request in flight to a node that vanished (no reset comes back over a cut link)
-# gets its 504 after this long, rather than after the default ten minutes.
-UPSTREAM_TIMEOUT_S = "15"
+# A replica's host silent this long is gone to the gateway (gateway/upstream.py): a request
+# on its way to a node that was cut off goes to the other node after this long.
+UPSTREAM_LOST_S = "3"
 
 
 def free_port_on(address: str) -> int:
@@ -78,7 +78,7 @@ class ControlPlane:
             LLMGW_SCAN_INTERVAL_S=2,
             LLMGW_GATEWAY_REFRESH_MS=200,
             LLMGW_DEMO_MODEL="false",
-            LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S=UPSTREAM_TIMEOUT_S,
+            LLMGW_GATEWAY_UPSTREAM_LOST_S=UPSTREAM_LOST_S,
             **TIMING,
             **self.extra_env,
             **more,

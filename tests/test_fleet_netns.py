@@ -201,7 +201,7 @@ def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_g
         cut_at = time.monotonic()
         n1.host.cut()
         n1.kill_everything()
-        assert not n1.engines()
+        wait_for(lambda: not n1.engines(), 10, lambda: f"n1's engines to die: {n1.engines()}")
         assert not (target / ".complete").exists(), "n1's fetch had finished before it was cut off"
         control.proxy.rate = None  # n2's copy may finish now
 
@@ -213,13 +213,12 @@ def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_g
 
         wait_for(all_on_n2, 240, lambda: f"n1's replicas on n2: {state([n1, n2])}")
         time.sleep(2)
-    # A request n1's engine had when the link went down is lost with it (504 after the
-    # gateway's upstream timeout); every request made after the cut is answered.
+    # Every request answered: those sent to n1 after the cut (on a kept-alive connection,
+    # which no connect timeout guards) and the one n1 had when its link went down, too.
     after_cut = [o for o in asker.outcomes if o[0] >= cut_at]
     assert len(after_cut) > 10, asker.outcomes
-    failed = asker.failures(since=cut_at)
-    assert not failed, f"{len(failed)} of {len(after_cut)} requests made after the cut failed: {failed[:3]}"
-    assert all(o[1] in (200, 504) for o in asker.outcomes), [o for o in asker.outcomes if o[1] != 200]
+    failed = asker.failures()
+    assert not failed, f"{len(failed)} of {len(asker.outcomes)} requests failed: {failed[:3]}"
     assert sorted(n2.engines().values()) == ["late", "late", "tiny", "tiny"]
 
 
@@ -281,10 +280,7 @@ def test_the_control_plane_killed_and_started_again_while_replicas_serve_answers
         # Redis, admin server 0.
         for process in (control.worker, control.byte_listener, control.admins[0]):
             process.kill()
-        control.redis.kill()
-        control.redis.wait(timeout=10)
         time.sleep(3)
-        control.start_redis()
         control.start_byte_listener()
         control.start_worker()
         control.start_admin(0)
