@@ -137,6 +137,20 @@ def placed_at_most(model: str, count: int, seen: list[int]) -> None:
     assert rows <= count, f"{model} has {rows} replicas placed, the catalog says {count}"
 
 
+def routed(control: ControlPlane, key: str, model: str = "tiny") -> None:
+    """Until both gateways answer `model`: what the database says is ready, their tables say too."""
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {key}"
+
+    def answered():
+        return all(
+            session.post(url + "/v1/chat/completions", json={"model": model, **ASK}, timeout=60).status_code == 200
+            for url in control.admin_urls
+        )
+
+    wait_for(answered, 20, lambda: f"both gateways to answer {model}")
+
+
 def state(nodes: list[Node]) -> str:
     rows = list(Replica.objects.values_list("model_name", "node__name", "state", "reason"))
     return f"replicas {rows}; engines {[n.engines() for n in nodes]}"
@@ -195,6 +209,7 @@ def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_g
         return parts if any(p.stat().st_size > 0 for p in parts) else None
 
     wait_for(fetching_on_n1, 60, lambda: f"n1 to be fetching late: {state([n1, n2])}", interval=0.2)
+    routed(control, client_key)
     seen: list[int] = []
     with Asker(control.admin_urls, client_key, {"model": "tiny", **ASK}) as asker:
         time.sleep(2)
@@ -247,6 +262,7 @@ def test_a_node_that_comes_back_stops_its_old_engines_and_the_gateway_never_rout
 
     wait_for(all_on_n1, 240, lambda: f"n2's replicas on n1: {state([n1, n2])}")
     assert set(stale) <= set(n2.engines()), "n2's engines stopped while it was cut off: nothing left to come back"
+    routed(control, client_key)
     before = {replica_id: chat_requests_in(n2.engine_log(replica_id)) for replica_id in stale_ids}
 
     with Asker(control.admin_urls, client_key, {"model": "tiny", **ASK}) as asker:
@@ -274,13 +290,17 @@ def test_the_control_plane_killed_and_started_again_while_replicas_serve_answers
     engines_before = {n.name: n.engines() for n in nodes}
     rows_before = sorted(Replica.objects.values_list("pk", "model_name", "node__name", "endpoint", "state"))
     assert len(rows_before) == 4 and all(row[4] == "ready" for row in rows_before), rows_before
+    routed(control, client_key)
     with Asker(control.admin_urls, client_key, {"model": "tiny", **ASK}) as asker:
         time.sleep(2)
         # Everything but one admin server, at once: control worker and beat, byte listener,
         # Redis, admin server 0.
         for process in (control.worker, control.byte_listener, control.admins[0]):
             process.kill()
+        control.redis.kill()
+        control.redis.wait(timeout=10)
         time.sleep(3)
+        control.start_redis()
         control.start_byte_listener()
         control.start_worker()
         control.start_admin(0)
