@@ -15,9 +15,12 @@ from pathlib import Path
 from urllib.parse import urljoin
 
 import requests
+from django.conf import settings
 
+from contracts import credentials, signing
 from contracts.digest import sha256_file
 
+from . import runtime
 from .fetch_state import read_validator, write_validator
 from .progress import Progress, human_bytes
 from .sources import TIMEOUT, Entry, FetchError, describe, origin, status_error
@@ -46,8 +49,30 @@ class OneHostSession(requests.Session):
         return target
 
 
+class NodePass(requests.auth.AuthBase):
+    """This node's pass for the byte listener, made afresh for every request (it expires)."""
+
+    def __init__(self, node: str, token: str):
+        self.node = node
+        self.key = signing.token_hash(token)
+
+    def __call__(self, request):
+        request.headers.update(credentials.bearer(credentials.bytes_pass(self.key, self.node)))
+        return request
+
+
 def new_session(source: str) -> requests.Session:
-    return OneHostSession(source)
+    """A session for one source; it presents this node's pass, to this node's byte listener only.
+
+    The node is who LLMGW_NODE_NAME and LLMGW_NODE_TOKEN say (`manage.py agent` sets
+    both; `manage.py fetch` reads them). A one-off copy from another host
+    (`--allow-any-host`) never carries the pass there.
+    """
+    session = OneHostSession(source)
+    node, token = runtime.node_name(), runtime.token()
+    if node and token and origin(source) == origin(settings.BYTES_URL):
+        session.auth = NodePass(node, token)
+    return session
 
 
 def part_of(target: Path) -> Path:
@@ -68,7 +93,7 @@ def head_size(session: requests.Session, url: str) -> int | None:
     except requests.RequestException as error:
         raise FetchError(f"asking {url} its size: {describe(error)}", transient=True) from None
     if response.status_code != 200:
-        raise status_error(url, response.status_code)
+        raise status_error(url, response.status_code, response)
     length = response.headers.get("Content-Length", "")
     return int(length) if length.isdigit() else None
 
@@ -203,7 +228,7 @@ def _how_to_write(
         length = response.headers.get("Content-Length")
         total = int(length) if length and length.isdigit() else None
         return "wb", 0, total, total
-    raise status_error(url, response.status_code)
+    raise status_error(url, response.status_code, response)
 
 
 def _copy_body(

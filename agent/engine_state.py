@@ -61,15 +61,34 @@ def wanted_ids(cache: Path) -> list[int]:
 
 
 def _spec_of(entry: dict, keys) -> dict:
-    # An entry written before the model name was recorded has none: it was started without one.
-    return {k: entry.get(k, "" if k == "model" else None) for k in keys}
+    # An entry written before the model name (or the nonce) was recorded has none: it was started without one.
+    return {k: entry.get(k, "" if k in ("model", "nonce") else None) for k in keys}
 
 
 def want(
-    cache: Path, replica_id: int, engine: str, source: str, weights: Path, args: list[str], model: str = ""
+    cache: Path,
+    replica_id: int,
+    engine: str,
+    source: str,
+    weights: Path,
+    args: list[str],
+    model: str = "",
+    nonce: str = "",
 ) -> bool:
-    """Ask for this replica to run; False when it is already wanted exactly so."""
-    spec = {"engine": engine, "source": source, "weights": str(weights), "args": list(args), "model": model}
+    """Ask for this replica to run; False when it is already wanted exactly so.
+
+    `nonce` is what the control plane sent to tell this replica from an earlier one of
+    the same id; with the node's token it makes the engine's secret (contracts.credentials).
+    The secret itself is never written here.
+    """
+    spec = {
+        "engine": engine,
+        "source": source,
+        "weights": str(weights),
+        "args": list(args),
+        "model": model,
+        "nonce": nonce,
+    }
     with locked_state(cache) as state:
         entry = state["replicas"].get(str(replica_id))
         if entry and entry.get("wanted") and _spec_of(entry, spec) == spec:
@@ -92,7 +111,9 @@ def want(
         return True
 
 
-def wanted_as(cache: Path, replica_id: int, engine: str, source: str, args: list[str], model: str = "") -> bool:
+def wanted_as(
+    cache: Path, replica_id: int, engine: str, source: str, args: list[str], model: str = "", nonce: str = ""
+) -> bool:
     """Whether this replica is already wanted exactly so; a waiting restart is brought forward.
 
     The control plane sends a start again when a replica has stayed failed; here
@@ -102,7 +123,7 @@ def wanted_as(cache: Path, replica_id: int, engine: str, source: str, args: list
         entry = state["replicas"].get(str(replica_id))
         if not entry or not entry.get("wanted") or "replace" in entry:
             return False
-        spec = {"engine": engine, "source": source, "args": list(args), "model": model}
+        spec = {"engine": engine, "source": source, "args": list(args), "model": model, "nonce": nonce}
         if _spec_of(entry, spec) != spec:
             return False
         if entry.get("pid") is None:

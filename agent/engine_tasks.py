@@ -35,10 +35,12 @@ def start_on_node(
     report: supervisor.Report,
     allow_remote_code: bool = False,
     model: str = "",
+    nonce: str = "",
 ) -> bool:
     """Fetch and hand over one replica; False when it failed (and was reported so).
 
-    `model` is the catalog's name, which the engine is to serve under.
+    `model` is the catalog's name, which the engine is to serve under; `nonce` goes
+    into its engine's secret (contracts.credentials).
     """
     try:
         if engine not in engines.ENGINES:
@@ -48,7 +50,7 @@ def start_on_node(
     except engines.EngineError as e:
         report(replica_id, "failed", "", str(e))
         return False
-    if engine_state.wanted_as(cache, replica_id, engine, source, list(args), model):
+    if engine_state.wanted_as(cache, replica_id, engine, source, list(args), model, nonce):
         return True
     report(replica_id, "fetching", "", "")
     try:
@@ -57,14 +59,14 @@ def start_on_node(
         # The fetch module's errors are sentences; anything else is said as it is.
         report(replica_id, "failed", "", str(e) or e.__class__.__name__)
         return False
-    engine_state.want(cache, replica_id, engine, source, weights, list(args), model)
+    engine_state.want(cache, replica_id, engine, source, weights, list(args), model, nonce)
     return True
 
 
 @shared_task(name=START_REPLICA, base=FromControlPlane, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
-def start_replica(replica_id: int, source: str, engine: str, args: list[str], model: str = "") -> None:
-    # `model` has a default: a start queued before the control plane sent it still
-    # runs, and the engine serves under its own default name.
+def start_replica(replica_id: int, source: str, engine: str, args: list[str], model: str = "", nonce: str = "") -> None:
+    # `model` and `nonce` have defaults: a start queued before the control plane sent them
+    # still runs, the engine under its own default name, its secret made without a nonce.
     start_on_node(
         replica_id,
         source,
@@ -75,6 +77,7 @@ def start_replica(replica_id: int, source: str, engine: str, args: list[str], mo
         report=supervisor.celery_report(runtime.token()),
         allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,
         model=model,
+        nonce=nonce,
     )
 
 

@@ -20,6 +20,7 @@ import psutil
 import requests
 
 from contracts import engine_args
+from contracts.credentials import bearer
 
 ENGINES = ("llamacpp", "vllm")
 TAIL_LINES = 20
@@ -200,17 +201,36 @@ def command(
     return [vllm, "serve", target, "--host", host, "--port", str(port), *named, *args]
 
 
+# Where each engine reads its API key from its environment: PyPI's server through our
+# shim (which hands it to the server's `api_key` setting), llama-server's --api-key,
+# vLLM's --api-key. Never argv: a command line is readable by every user of the host.
+SHIM_SECRET = "LLMGW_ENGINE_API_KEY"
+SECRET_VARIABLES = {"llamacpp": (SHIM_SECRET, "LLAMA_API_KEY"), "vllm": ("VLLM_API_KEY",)}
+# What an engine must not inherit from the agent: the node's token (an engine runs
+# code from the catalog, remote code included) and any key meant for another engine.
+WITHHELD = {"LLMGW_NODE_TOKEN", "API_KEY", SHIM_SECRET, "LLAMA_API_KEY", "LLAMA_ARG_API_KEY", "VLLM_API_KEY"}
+
+
+def engine_env(engine: str, secret: str = "") -> dict[str, str]:
+    """The engine's environment: the agent's, less the node's token, with the replica's secret where it reads it."""
+    env = {name: value for name, value in os.environ.items() if name not in WITHHELD}
+    if secret:
+        env.update(dict.fromkeys(SECRET_VARIABLES.get(engine, ()), secret))
+    return env
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start an engine in its own session, its output appended to `log_path`.
 
     Its own session, so that it outlives the agent that started it and a signal
     to the agent's terminal does not reach it; the supervisor stops it by group.
+    `env` is `engine_env(...)`'s; by default the agent's, less what an engine must not see.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -224,23 +244,31 @@ def spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
             start_new_session=True,
             close_fds=True,
             cwd=PROJECT_DIR,
+            env=env if env is not None else engine_env(""),
         )
 
 
-def answers(port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> bool:
-    """Whether the engine answers its models endpoint: loaded, not just listening."""
+def answers(port: int, host: str = "127.0.0.1", timeout: float = 1.0, secret: str = "") -> bool:
+    """Whether the engine answers its models endpoint: loaded, not just listening.
+
+    With the replica's secret: an engine locked to the gateway answers no one else.
+    """
     try:
-        return requests.get(f"http://{host}:{port}/v1/models", timeout=timeout).status_code == 200
+        return (
+            requests.get(f"http://{host}:{port}/v1/models", timeout=timeout, headers=bearer(secret)).status_code == 200
+        )
     except requests.RequestException:
         return False
 
 
-def wait_until_answers(process: subprocess.Popen, port: int, timeout: float, host: str = "127.0.0.1") -> bool:
+def wait_until_answers(
+    process: subprocess.Popen, port: int, timeout: float, host: str = "127.0.0.1", secret: str = ""
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             return False
-        if answers(port, host):
+        if answers(port, host, secret=secret):
             return True
         time.sleep(0.2)
     return False

@@ -7,7 +7,8 @@ accepts the field (its request models ignore unknown fields) but never puts `usa
 into a streamed chunk, so every streamed request on a node without llama-server
 would be counted as free.
 
-Run as `python -m agent.llamacpp_server ARGS…` with `llama_cpp.server`'s arguments.
+Run as `python -m agent.llamacpp_server ARGS…` with `llama_cpp.server`'s arguments,
+and the replica's secret in `LLMGW_ENGINE_API_KEY` (the server answers 401 without it).
 It is that server unchanged, except that the chunk carrying a `finish_reason` of a
 streamed completion or chat completion also carries `usage`, with the numbers the
 same request reports unstreamed. It is added whether or not `include_usage` was asked
@@ -134,12 +135,31 @@ def use_pooling(pooling: int) -> None:
     llama.Llama.__init__ = init
 
 
+SECRET = "LLMGW_ENGINE_API_KEY"
+
+
+def use_secret() -> None:
+    """The replica's secret, from the environment the supervisor gave it, as the server's `api_key` setting.
+
+    Never an argument (`--api_key` would put it on the command line every user of the
+    host can read); the server's settings read `API_KEY` from the environment. Without
+    a secret, an `API_KEY` the agent happened to carry is not taken for one.
+    """
+    import os
+
+    secret = os.environ.pop(SECRET, "").strip()
+    os.environ.pop("API_KEY", None)
+    if secret:
+        os.environ["API_KEY"] = secret
+
+
 def main() -> None:
     import sys
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     from llama_cpp.server.__main__ import main as serve
 
+    use_secret()
     sys.argv, pooling = take_pooling(sys.argv)
     if pooling is not None:
         use_pooling(pooling)

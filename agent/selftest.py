@@ -23,6 +23,7 @@ import atexit
 import importlib.util
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -198,10 +199,12 @@ def check_llamacpp(
     log_path = workdir / "llamacpp.log"
     log_path.unlink(missing_ok=True)  # its last lines must be this run's
     deadline = time.monotonic() + timeout
-    process = engines.spawn(argv, log_path)
+    # A secret of its own, as every engine on a node has: the self-test engine answers no one else either.
+    secret = secrets.token_urlsafe(32)
+    process = engines.spawn(argv, log_path, engines.engine_env("llamacpp", secret))
     _running.add(process.pid)
     try:
-        if not engines.wait_until_answers(process, port, timeout):
+        if not engines.wait_until_answers(process, port, timeout, secret=secret):
             code = process.poll()
             if code is not None:
                 return _ended_sentence("llamacpp", code, log_path)
@@ -210,6 +213,7 @@ def check_llamacpp(
             answer = requests.post(
                 f"http://127.0.0.1:{port}/v1/completions",
                 json={"prompt": "Hello", "max_tokens": 1, "temperature": 0},
+                headers=engines.bearer(secret),
                 timeout=max(1.0, deadline - time.monotonic()),
             )
         except requests.Timeout:

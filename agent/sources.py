@@ -38,10 +38,25 @@ class FetchError(Exception):
         self.transient = transient
 
 
-def status_error(url: str, status: int) -> FetchError:
+def status_error(url: str, status: int, response: requests.Response | None = None) -> FetchError:
     if status == 404:
         return FetchError(f"{url} is not on the mirror (404)")
+    if status == 401:
+        # Not transient: a revoked node stays revoked, and the part is kept for a node that is enrolled again.
+        return FetchError(f"the byte listener refused {url} (401): {refusal_of(response)}")
     return FetchError(f"{url} answered {status}", transient=status >= 500 or status == 429)
+
+
+def refusal_of(response: requests.Response | None) -> str:
+    """The byte listener's sentence for a refusal, and whether this fetch presented a pass at all."""
+    try:
+        said = response.json().get("error") if response is not None else None
+    except (ValueError, AttributeError):
+        said = None
+    said = said if isinstance(said, str) and said else "this node's pass was not accepted"
+    if response is not None and response.request is not None and "Authorization" not in response.request.headers:
+        said += " (this fetch presented no pass: LLMGW_NODE_NAME or LLMGW_NODE_TOKEN is not set)"
+    return said
 
 
 @dataclass(frozen=True)
@@ -102,7 +117,7 @@ def read_manifest(session: requests.Session, source: str) -> list[Entry]:
         raise FetchError(f"asking {source} what it holds: {describe(error)}", transient=True) from None
     with response:
         if response.status_code != 200:
-            raise status_error(source, response.status_code)
+            raise status_error(source, response.status_code, response)
         try:
             body = b""
             for chunk in response.iter_content(64 * 1024):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
+import hashlib
 import logging
 import os
 import signal
@@ -24,25 +24,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import django
 import psutil
-from celery import current_app
 from django.conf import settings
 
-from contracts.tasks import CONTROL_QUEUE, REPLICA_REPORT, REPORTS_KEY, post, report_seq_key
+from contracts import credentials, signing
 
-from . import engine_state, engines, progress, runtime
+from . import engine_state, engines, runtime
+from .replica_reports import Report, celery_report
 
-# A replica's report counter outlives a month without reports; the control plane's too.
-REPORT_SEQ_KEEP_S = 30 * 24 * 3600
+__all__ = ["Report", "Supervisor", "celery_report", "start"]
 
 log = logging.getLogger(__name__)
-
-# (replica id, state, endpoint, reason)
-Report = Callable[[int, str, str, str], None]
 
 BACKOFF_MAX_S = 60.0
 # Ready this long, and a crash afterwards is a new trouble, not the same one again.
@@ -81,8 +76,14 @@ class Supervisor:
         liveness_timeout: float = LIVENESS_TIMEOUT_S,
         liveness_failures: int = LIVENESS_FAILURES,
         liveness_busy_grace: float = LIVENESS_BUSY_GRACE_S,
+        token: str | None = None,
     ):
         self.cache = Path(cache)
+        # The node's enrolment token keys each engine's secret (contracts.credentials);
+        # only a fingerprint of its hash is written down, to find engines started under another.
+        token = runtime.token() if token is None else token
+        self.key = signing.token_hash(token) if token else ""
+        self.key_id = hashlib.sha256(self.key.encode()).hexdigest()[:16] if self.key else ""
         self.report = report
         # The same report, repeated so a lost one is made good: batched where the reporter can.
         self.report_again = getattr(report, "again", report)
@@ -109,6 +110,10 @@ class Supervisor:
     def endpoint(self, port: int) -> str:
         return f"http://{self.advertise}:{port}/v1"
 
+    def secret(self, entry: dict) -> str:
+        """What the engine of this entry answers to, and the gateway presents; empty without a token."""
+        return credentials.replica_secret(self.key, entry["replica"], entry.get("nonce", ""))
+
     def adopt(self) -> None:
         """On start: keep what a previous supervisor left running, if it is still ours."""
         with engine_state.locked_state(self.cache) as state:
@@ -117,6 +122,16 @@ class Supervisor:
                 if pid and not engine_state.is_ours(entry):
                     log.info("replica %s: its engine (pid %s) is gone", entry["replica"], pid)
                     entry.update(pid=None, ready=False)
+                elif pid and entry.get("keyed", "") != self.key_id:
+                    # Re-enrolled: the gateway now presents secrets made with the new token.
+                    log.info(
+                        "replica %s: its engine (pid %s) was started under another enrolment token, or none; "
+                        "starting it again with its secret",
+                        entry["replica"],
+                        pid,
+                    )
+                    engines.stop_group(pid, grace=5)
+                    entry.update(pid=None, ready=False, next_start=0.0)
                 elif pid:
                     log.info("replica %s: adopting the engine still running as pid %s", entry["replica"], pid)
                     # Checked again before it is called ready: it may have hung meanwhile.
@@ -155,7 +170,7 @@ class Supervisor:
                 if not alive:
                     reports.append(self._crashed(entry, now, code))
                 elif not entry["ready"]:
-                    if engines.answers(entry["port"], host=self.check_host, timeout=0.5):
+                    if engines.answers(entry["port"], host=self.check_host, timeout=0.5, secret=self.secret(entry)):
                         # What the liveness check measured was of the engine before this one.
                         entry.update(ready=True, ready_since=now, cpu=None, busy_since=None)
                         reports.append((replica_id, "ready", self.endpoint(entry["port"]), ""))
@@ -169,7 +184,7 @@ class Supervisor:
                     if now - entry.get("ready_since", now) > STABLE_S:
                         entry["restarts"] = 0
                     if now - entry.get("checked", entry.get("ready_since", now)) >= self.liveness_interval:
-                        to_check.append((replica_id, entry["pid"], entry["port"]))
+                        to_check.append((replica_id, entry["pid"], entry["port"], self.secret(entry)))
                 if now - self.last_report.get(replica_id, 0) > REREPORT_S and not any(
                     r[0] == replica_id for r in reports
                 ):
@@ -188,16 +203,16 @@ class Supervisor:
                     # The broker may be away for a moment; the report is repeated later.
                     log.exception("replica %s: the report could not be sent", replica_id)
 
-    def _check_liveness(self, to_check: list[tuple[int, int, int]], now: float) -> list[tuple[int, str, str, str]]:
+    def _check_liveness(self, to_check: list[tuple[int, int, int, str]], now: float) -> list[tuple[int, str, str, str]]:
         """Ask ready engines whether they answer; outside the state lock, since a hung one takes the whole timeout."""
         answered = {
-            replica_id: engines.answers(port, host=self.check_host, timeout=self.liveness_timeout)
-            for replica_id, _, port in to_check
+            replica_id: engines.answers(port, host=self.check_host, timeout=self.liveness_timeout, secret=secret)
+            for replica_id, _, port, secret in to_check
         }
-        cpu = {replica_id: cpu_seconds(pid) for replica_id, pid, _ in to_check}
+        cpu = {replica_id: cpu_seconds(pid) for replica_id, pid, _, _ in to_check}
         reports = []
         with engine_state.locked_state(self.cache) as state:
-            for replica_id, pid, port in to_check:
+            for replica_id, pid, port, _ in to_check:
                 entry = state["replicas"].get(str(replica_id))
                 if entry is None or not entry.get("ready") or entry.get("pid") != pid or entry.get("port") != port:
                     continue  # stopped, restarted or replaced meanwhile
@@ -255,10 +270,24 @@ class Supervisor:
             # Permanent: starting again would fail the same way until the catalog changes.
             entry.update(next_start=float("inf"), reason=str(e))
             return (replica_id, "failed", "", str(e))
-        process = engines.spawn(argv, self.log_path(replica_id))
+        if not self.key:
+            log.warning(
+                "replica %s: this node has no enrolment token, so its engine is started without a secret "
+                "and answers anyone who reaches its port",
+                replica_id,
+            )
+        # The secret goes in the engine's environment: argv is on every user's `ps`, and in the state file.
+        env = engines.engine_env(entry["engine"], self.secret(entry))
+        process = engines.spawn(argv, self.log_path(replica_id), env)
         self.children[process.pid] = process
         entry.update(
-            pid=process.pid, pid_started=engines.start_time(process.pid), port=port, argv=argv, ready=False, started=now
+            pid=process.pid,
+            pid_started=engines.start_time(process.pid),
+            port=port,
+            argv=argv,
+            ready=False,
+            started=now,
+            keyed=self.key_id,
         )
         log.info("replica %s: started %s as pid %s on port %s", replica_id, entry["engine"], process.pid, port)
         return (replica_id, "starting", "", "")
@@ -322,36 +351,6 @@ def cpu_seconds(pid: int) -> float | None:
     return used
 
 
-def celery_report(token: str) -> Report:
-    def report(replica_id: int, state: str, endpoint: str, reason: str) -> None:
-        # Numbered, so the control plane can tell a late report from the latest one.
-        seq = report_seq(replica_id)
-        current_app.send_task(
-            REPLICA_REPORT, args=[token, replica_id, state, endpoint, reason], kwargs={"seq": seq}, queue=CONTROL_QUEUE
-        )
-
-    def again(replica_id: int, state: str, endpoint: str, reason: str) -> None:
-        # Nothing new: posted for the control plane's next collection, not a message of its own.
-        entry = json.dumps([token, replica_id, state, endpoint, reason, report_seq(replica_id)])
-        post(progress.redis_client(), current_app.send_task, REPORTS_KEY, str(replica_id), entry)
-
-    report.again = again
-    return report
-
-
-def report_seq(replica_id: int) -> int:
-    """The next number of this replica's reports on this node; 0 (applied whatever came before) without Redis."""
-    try:
-        key = report_seq_key(runtime.node_name(), replica_id)
-        client = progress.redis_client()
-        seq = client.incr(key)
-        client.expire(key, REPORT_SEQ_KEEP_S)
-        return int(seq)
-    except Exception:
-        log.warning("could not number the report of replica %s; it is sent unnumbered", replica_id)
-        return 0
-
-
 def start() -> subprocess.Popen:
     """Called by the agent command: the supervisor as a process of its own beside the worker.
 
@@ -373,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     import llmgw_site.celery  # noqa: F401  (the app reports are sent with, configured from the settings)
 
-    token = os.environ.get("LLMGW_NODE_TOKEN", "")
+    token = os.environ.get("LLMGW_NODE_TOKEN", "").strip()
+    if not token:
+        # Its engines' secrets are made from the token: without it they would answer anyone.
+        print("LLMGW_NODE_TOKEN is not set: the supervisor needs the node's enrolment token", file=sys.stderr)
+        return 1
     engine_state.state_dir(options.cache).mkdir(parents=True, exist_ok=True)
     # One supervisor per cache: a restarted agent's new one waits for the old one to notice and go.
     single = open(engine_state.state_dir(options.cache) / "supervisor.lock", "a")
@@ -406,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         host=settings.LLMGW_ENGINE_HOST,
         advertise=settings.LLMGW_ENGINE_ADVERTISE,
         allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,
+        token=token,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s supervisor: %(message)s")
     supervisor.run(stop)

@@ -33,6 +33,22 @@ def issue_token(node_name: str) -> str:
     return token
 
 
+def revoke_token(node_name: str) -> bool:
+    """Turn a node's token off: its reports, the tasks signed for it and its byte-listener pass stop working.
+
+    False when there is no such node.
+    """
+    return Node.objects.filter(name=node_name).update(token_hash="") == 1
+
+
+def token_hash_of(node_name: str) -> str | None:
+    """The node's current token hash, which keys its byte-listener pass; None or "" when there is none.
+
+    Read on every request to the byte listener, so a revoked token stops a fetch at its next request.
+    """
+    return Node.objects.filter(name=node_name).values_list("token_hash", flat=True).first()
+
+
 def node_for_token(token: str, claimed_name: str | None = None) -> Node | None:
     """The node this token enrols, or None; also None when it claims to be another node."""
     if not token:

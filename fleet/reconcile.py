@@ -18,7 +18,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from catalog.models import Model
-from contracts import signing, tasks
+from contracts import credentials, signing, tasks
 from contracts.engine_args import kind_args
 
 from .live import listening_since, redis_client
@@ -130,7 +130,10 @@ def send_start(replica: Replica) -> None:
     engine_args = list(replica.args) + kind_args(replica.engine, kind, replica.args)
     args = [replica.pk, replica.source, replica.engine, engine_args]
     # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
-    kwargs = signing.with_proof(node.token_hash, tasks.START_REPLICA, node.name, args, {"model": replica.model_name})
+    # The nonce tells this replica's engine secret from an earlier replica's of the same id
+    # (contracts.credentials); not secret itself, the node's token is.
+    extra = {"model": replica.model_name, "nonce": credentials.replica_nonce(replica.created)}
+    kwargs = signing.with_proof(node.token_hash, tasks.START_REPLICA, node.name, args, extra)
     current_app.send_task(tasks.START_REPLICA, args=args, kwargs=kwargs, queue=tasks.node_queue(node.name))
 
 

@@ -22,6 +22,8 @@ import aiohttp
 from django.conf import settings
 from django.db import connection
 
+from contracts.credentials import bearer
+
 from . import metrics, routes
 from .anthropic_messages import AnthropicRefusal, Messages
 from .errors import ClientGone, Refusal
@@ -380,7 +382,11 @@ class Gateway:
                     response = await self._session.post(
                         upstream.base + target,
                         data=body,
-                        headers={"Content-Type": "application/json", "X-Request-Id": metrics.engine_request_id(scope)},
+                        headers={
+                            "Content-Type": "application/json",
+                            "X-Request-Id": metrics.engine_request_id(scope),
+                            **bearer(upstream.secret),
+                        },
                     )
                 except aiohttp.SocketTimeoutError:
                     # The replica has the request and may be working on it: another would do it twice.
@@ -396,6 +402,14 @@ class Gateway:
                     self.cooling[replica] = time.monotonic() + COOLDOWN_S
                     self.observer.failover(scope)
                     failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
+                    continue
+                if response.status == 401:
+                    # The engine does not take this replica's secret (its node re-enrolled or was revoked, and it
+                    # runs on with the old one): its 401 is not the client's, and another replica may answer.
+                    response.close()
+                    self.cooling[replica] = time.monotonic() + COOLDOWN_S
+                    log.warning("replica %s refused the gateway's replica secret (401)", replica)
+                    failures.append(f"replica {replica} at {upstream.base} refused the gateway's replica secret")
                     continue
                 self.cooling.pop(replica, None)
                 gateway_s = sent_at - started

@@ -14,7 +14,7 @@ import redis
 from django.db import connection
 
 from catalog.models import Model, Profile
-from contracts import progress
+from contracts import credentials, progress
 from fleet.live import redis_client
 from fleet.models import Replica
 
@@ -28,6 +28,9 @@ class Upstream:
     replica_id: int
     base: str  # the engine's OpenAI base URL, ending in /v1
     weight: int
+    # What the engine answers to (`Authorization: Bearer …`), made from its node's token hash
+    # (contracts.credentials); empty for a node with no token. Never in a repr, so never in a log.
+    secret: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ class TableReader:
         self.keys: dict[int, tuple[str, Key]] = {}  # id -> (hash, key), active keys only
         self.models: dict[int, tuple] = {}  # id -> (name, aliases, context_length, max_output, added_at, kind)
         self.profiles: dict[int, tuple[int, str, int]] = {}  # id -> (model id, name, weight)
-        self.replicas: dict[int, tuple[str, str, str]] = {}  # id -> (model name, profile, endpoint), ready ones
+        # id -> (model name, profile, endpoint, secret), ready ones
+        self.replicas: dict[int, tuple[str, str, str, str]] = {}
         self.full_reads = 0
         self.rows_read = 0
 
@@ -173,17 +177,17 @@ class TableReader:
 
     def _routes(self) -> dict:
         weights = {(model_id, name): max(weight, 0) for model_id, name, weight in self.profiles.values()}
-        ready: dict[str, list[tuple[int, str, str]]] = {}
-        for replica_id, (model_name, profile_name, endpoint) in sorted(self.replicas.items()):
-            ready.setdefault(model_name, []).append((replica_id, profile_name, endpoint))
+        ready: dict[str, list[tuple[int, str, str, str]]] = {}
+        for replica_id, (model_name, profile_name, endpoint, secret) in sorted(self.replicas.items()):
+            ready.setdefault(model_name, []).append((replica_id, profile_name, endpoint, secret))
         routes: dict[str, Route] = {}
         models: list[Route] = []
         for model_id, (name, aliases, context_length, max_output, added_at, kind) in sorted(
             self.models.items(), key=lambda item: item[1][0]
         ):
             upstreams = tuple(
-                Upstream(replica_id, endpoint.rstrip("/"), weights.get((model_id, profile_name), 1))
-                for replica_id, profile_name, endpoint in ready.get(name, [])
+                Upstream(replica_id, endpoint.rstrip("/"), weights.get((model_id, profile_name), 1), secret)
+                for replica_id, profile_name, endpoint, secret in ready.get(name, [])
             )
             aliases = tuple(a for a in (aliases or []) if isinstance(a, str))
             route = Route(
@@ -223,7 +227,11 @@ def _profile_rows(queryset) -> list[tuple]:
 
 def _replica_rows(queryset) -> list[tuple]:
     ready = queryset.filter(state=Replica.State.READY).exclude(endpoint="")
-    return list(ready.order_by().values_list("pk", "model_name", "profile_name", "endpoint"))
+    rows = ready.order_by().values_list("pk", "model_name", "profile_name", "endpoint", "created", "node__token_hash")
+    return [
+        (pk, model, profile, endpoint, credentials.replica_secret(key or "", pk, credentials.replica_nonce(created)))
+        for pk, model, profile, endpoint, created, key in rows
+    ]
 
 
 def marks_since(since: datetime) -> list[tuple[int, str, int]]:

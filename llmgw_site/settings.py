@@ -61,6 +61,9 @@ LLMGW_ALLOW_REMOTE_CODE = env_bool("LLMGW_ALLOW_REMOTE_CODE", False)
 # Where engines listen on a node, and the host the gateway reaches them by.
 LLMGW_ENGINE_HOST = env_str("LLMGW_ENGINE_HOST", "127.0.0.1")
 LLMGW_ENGINE_ADVERTISE = env_str("LLMGW_ENGINE_ADVERTISE", "")
+# The byte listener serves only the fleet's nodes (each with a pass made from its token);
+# true serves the mirror to anyone who reaches it.
+BYTES_PUBLIC = env_bool("LLMGW_BYTES_PUBLIC", False)
 # Connections one byte-listener process holds at once (gevent: each costs a greenlet, not a thread).
 BYTES_CONNECTIONS = env_int("LLMGW_BYTES_CONNECTIONS", 10000, minimum=1)
 # A connection whose request head has not arrived within this time is closed, kept-alive idle ones too.

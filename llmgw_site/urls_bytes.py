@@ -1,17 +1,25 @@
-"""The byte listener: the mirror's files and manifests, GET and HEAD, nothing else."""
+"""The byte listener: the mirror's files and manifests, GET and HEAD, nothing else, to the fleet's nodes only."""
 
 from django.urls import path, re_path
 
+from fleet.enrolment import token_hash_of
 from mirror import bytes_views
+from mirror.bytes_auth import only_the_fleet
+
+
+def fleet_only(view):
+    # Wired here, at the top layer: the mirror checks a node's pass, the fleet knows the nodes.
+    return only_the_fleet(view, key_of=token_hash_of)
+
 
 urlpatterns = [
-    path("", bytes_views.model_list),
-    path("<str:model>/", bytes_views.version_list),
-    path("<str:model>/<str:version>/", bytes_views.manifest),
-    path("<str:model>/<str:version>/<str:name>", bytes_views.file),
+    path("", fleet_only(bytes_views.model_list)),
+    path("<str:model>/", fleet_only(bytes_views.version_list)),
+    path("<str:model>/<str:version>/", fleet_only(bytes_views.manifest)),
+    path("<str:model>/<str:version>/<str:name>", fleet_only(bytes_views.file)),
     # Everything else, including every path that tried to climb out of the root,
-    # gets the same JSON 404: no hint of what exists elsewhere.
-    re_path(r"^.*$", bytes_views.not_found),
+    # gets the same JSON 404: no hint of what exists elsewhere (and, to a stranger, 401).
+    re_path(r"^.*$", fleet_only(bytes_views.not_found)),
 ]
 
 handler404 = "mirror.bytes_views.not_found"

@@ -40,8 +40,26 @@ def byte_listener_process(shared_mirror_dir, tmp_path_factory, django_db_setup):
 
 
 @pytest.fixture
-def byte_listener(mirror_root, byte_listener_process) -> str:
-    """The address of a real byte-listener process (gunicorn) serving this test's mirror."""
+def fleet_node(transactional_db, monkeypatch) -> tuple[str, str]:
+    """This test process as an enrolled node, (name, token): the byte listener serves only the fleet.
+
+    Set where a node's agent and `manage.py fetch` read them, so fetches made here
+    (and by processes started with the tests' environment) present the node's pass.
+    """
+    from fleet.enrolment import issue_token
+
+    token = issue_token(TEST_NODE)
+    monkeypatch.setenv("LLMGW_NODE_NAME", TEST_NODE)
+    monkeypatch.setenv("LLMGW_NODE_TOKEN", token)
+    return TEST_NODE, token
+
+
+TEST_NODE = "fetcher"
+
+
+@pytest.fixture
+def byte_listener(mirror_root, byte_listener_process, fleet_node) -> str:
+    """The address of a real byte-listener process (gunicorn) serving this test's mirror, to `fleet_node`."""
     process, url = byte_listener_process
     assert process.alive(), f"the byte listener died:\n{process.output()}"
     return url

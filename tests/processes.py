@@ -63,6 +63,44 @@ class Process:
         self._log.close()
 
 
+class AsNode:
+    """`requests`, presenting the pass of the node in LLMGW_NODE_NAME and LLMGW_NODE_TOKEN (the `fleet_node` fixture's).
+
+    The byte listener serves only the fleet's nodes; this is how a test reads it as one.
+    """
+
+    def __getattr__(self, method: str):
+        def call(url: str, **kwargs):
+            kwargs.setdefault("auth", node_pass())
+            return getattr(requests, method)(url, **kwargs)
+
+        return call
+
+
+def node_pass():
+    from agent.download import NodePass
+
+    return NodePass(os.environ["LLMGW_NODE_NAME"], os.environ["LLMGW_NODE_TOKEN"])
+
+
+as_node = AsNode()
+
+
+def engine_secret(replica) -> dict[str, str]:
+    """The header the gateway presents to this replica's engine (contracts.credentials), as a test asks it directly."""
+    from contracts import credentials
+
+    key = replica.node.token_hash if replica.node_id else ""
+    return credentials.bearer(credentials.replica_secret(key, replica.pk, credentials.replica_nonce(replica.created)))
+
+
+class NoAuth(requests.auth.AuthBase):
+    """No credentials, not even ~/.netrc's."""
+
+    def __call__(self, request):
+        return request
+
+
 def wait_until(condition, timeout: float = 20.0, interval: float = 0.1, what: str = "the condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -80,18 +118,20 @@ def start_byte_listener(mirror_root: Path, log_dir: Path, **settings_env) -> tup
     )
     process = Process("byte-listener", [sys.executable, "manage.py", "byte_listener"], env, log_dir)
     url = f"http://127.0.0.1:{port}/"
-    wait_for_status(process, url, 200, "the byte listener")
+    # To a stranger, 401: the mirror serves only the fleet's nodes unless it is public.
+    public = str(settings_env.get("LLMGW_BYTES_PUBLIC", "")).lower() in ("1", "true", "yes", "on")
+    wait_for_status(process, url, 200 if public else 401, "the byte listener")
     return process, url
 
 
 def wait_for_status(process: Process, url: str, status: int, what: str) -> None:
-    """Until `url` answers `status`; the process's output if it exits first."""
+    """Until `url` answers `status` (to a request without credentials); the process's output if it exits first."""
 
     def answers():
         if not process.alive():
             raise AssertionError(f"{what} exited:\n{process.output()}")
         try:
-            return requests.get(url, timeout=1).status_code == status
+            return requests.get(url, timeout=1, auth=NoAuth()).status_code == status
         except requests.RequestException:
             return False
 

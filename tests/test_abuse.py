@@ -17,7 +17,7 @@ from gateway.intake import LONGEST_TOKEN_CHARS
 from gateway.keys import create_key
 from gateway.models import Usage
 
-from .processes import start_byte_listener, wait_until
+from .processes import as_node, node_pass, start_byte_listener, wait_until
 from .test_engines import Reports, engine_cleanup, step_until, tiny_gguf  # noqa: F401
 from .test_gateway import add_model, add_replica, client, error_of, replicas, until_routed  # noqa: F401
 
@@ -173,7 +173,7 @@ def slow_clients():
 
 
 def test_a_thousand_slow_clients_do_not_stop_a_download_from_starting_within_a_second(
-    tmp_path, mirror_root, django_db_setup, slow_clients
+    tmp_path, mirror_root, fleet_node, slow_clients
 ):
     weights = bytes(range(256)) * 16384  # 4 MiB
     (mirror_root / "m" / "v1").mkdir(parents=True)
@@ -186,7 +186,7 @@ def test_a_thousand_slow_clients_do_not_stop_a_download_from_starting_within_a_s
         assert slow.open() == 1000
 
         started = time.monotonic()
-        download = requests.get(url + "m/v1/weights.bin", stream=True, timeout=10)
+        download = as_node.get(url + "m/v1/weights.bin", stream=True, timeout=10)
         first_byte = time.monotonic() - started
         body = download.content
         took = time.monotonic() - started
@@ -200,7 +200,7 @@ def test_a_thousand_slow_clients_do_not_stop_a_download_from_starting_within_a_s
 
 
 def test_slow_and_idle_connections_to_the_byte_listener_are_closed_after_the_header_timeout(
-    tmp_path, mirror_root, django_db_setup, slow_clients
+    tmp_path, mirror_root, fleet_node, slow_clients
 ):
     process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_HEADER_TIMEOUT_S=2)
     idle: list[socket.socket] = []
@@ -216,7 +216,7 @@ def test_slow_and_idle_connections_to_the_byte_listener_are_closed_after_the_hea
 
         wait_until(all_closed, timeout=8, what="the slow and idle connections to be closed")
         # And the listener still answers.
-        assert requests.get(url, timeout=5).status_code == 200
+        assert as_node.get(url, timeout=5).status_code == 200
     finally:
         for sock in idle:
             sock.close()
@@ -272,9 +272,7 @@ def test_an_engine_busy_reading_a_long_prompt_is_not_killed_by_its_liveness_chec
     assert engines.answers(engine_state.read_state(cache)["replicas"]["1"]["port"], timeout=5)
 
 
-def test_clients_that_stop_reading_mid_download_do_not_hold_up_the_next_download(
-    tmp_path, mirror_root, django_db_setup
-):
+def test_clients_that_stop_reading_mid_download_do_not_hold_up_the_next_download(tmp_path, mirror_root, fleet_node):
     """A body goes out in a thread while the client reads; one that stops reading gives the thread back."""
     (mirror_root / "m" / "v1").mkdir(parents=True)
     (mirror_root / "m" / "v1" / "large.bin").write_bytes(b"\0" * (32 << 20))
@@ -283,15 +281,19 @@ def test_clients_that_stop_reading_mid_download_do_not_hold_up_the_next_download
     process, url = start_byte_listener(mirror_root, tmp_path)
     host, port = url.split("//")[1].rstrip("/").split(":")
     stalled = []
+    # Nodes (with a pass) that stop reading: a stranger's request is refused before any file is opened.
+    authorization = node_pass()(requests.Request("GET", url).prepare()).headers["Authorization"]
     try:
         for _ in range(100):
             sock = socket.create_connection((host, int(port)))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.sendall(b"GET /m/v1/large.bin HTTP/1.1\r\nHost: mirror\r\n\r\n")
+            sock.sendall(
+                f"GET /m/v1/large.bin HTTP/1.1\r\nHost: mirror\r\nAuthorization: {authorization}\r\n\r\n".encode()
+            )
             stalled.append(sock)  # and never read from
         time.sleep(2)
         started = time.monotonic()
-        download = requests.get(url + "m/v1/weights.bin", stream=True, timeout=10)
+        download = as_node.get(url + "m/v1/weights.bin", stream=True, timeout=10)
         first_byte = time.monotonic() - started
         assert download.status_code == 200 and download.content == weights
         assert first_byte < 1.0, f"the download began {first_byte:.2f} s after it was asked for"

@@ -15,7 +15,7 @@ from contracts import signing
 from fleet.models import Fetch, Node
 
 from .conftest import put
-from .processes import CountingProxy, children_of, start_agent, wait_until
+from .processes import CountingProxy, as_node, children_of, start_agent, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -171,10 +171,8 @@ def test_a_worker_killed_halfway_resumes_and_transfers_only_what_was_missing(
 
 
 def _manifest_body_bytes(proxy) -> int:
-    import requests
-
     manifest_gets = [r for r in proxy.requests if r[0] == "GET" and r[1].endswith("/")]
-    return len(manifest_gets) * len(requests.get(proxy.upstream.geturl() + "m/v1/", timeout=5).content)
+    return len(manifest_gets) * len(as_node.get(proxy.upstream.geturl() + "m/v1/", timeout=5).content)
 
 
 def test_a_pool_process_killed_mid_fetch_gets_its_task_run_again_without_asking(

@@ -8,6 +8,7 @@ import pytest
 import requests
 
 from .conftest import put
+from .processes import as_node, node_pass
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -23,8 +24,10 @@ def weights(mirror_root):
 def raw_get(base: str, raw_path: str) -> tuple[int, bytes]:
     """Send a path exactly as written, without a client normalising its dots away."""
     url = urlparse(base)
+    authorization = node_pass()(requests.Request("GET", base).prepare()).headers["Authorization"]
     with socket.create_connection((url.hostname, url.port), timeout=5) as s:
-        s.sendall(f"GET {raw_path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode("latin-1"))
+        head = f"GET {raw_path} HTTP/1.1\r\nHost: x\r\nAuthorization: {authorization}\r\nConnection: close\r\n\r\n"
+        s.sendall(head.encode("latin-1"))
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -33,7 +36,7 @@ def raw_get(base: str, raw_path: str) -> tuple[int, bytes]:
 
 
 def test_a_whole_file_is_served_with_its_validators(byte_listener, weights):
-    r = requests.get(byte_listener + "m/v1/model.gguf")
+    r = as_node.get(byte_listener + "m/v1/model.gguf")
     assert r.status_code == 200
     assert r.content == CONTENT
     assert r.headers["Content-Length"] == str(len(CONTENT))
@@ -43,7 +46,7 @@ def test_a_whole_file_is_served_with_its_validators(byte_listener, weights):
 
 
 def test_head_gives_the_headers_and_no_body(byte_listener, weights):
-    r = requests.head(byte_listener + "m/v1/model.gguf")
+    r = as_node.head(byte_listener + "m/v1/model.gguf")
     assert r.status_code == 200
     assert r.headers["Content-Length"] == str(len(CONTENT))
     assert r.content == b""
@@ -59,7 +62,7 @@ def test_head_gives_the_headers_and_no_body(byte_listener, weights):
     ],
 )
 def test_a_single_range_is_answered_206_with_exactly_those_bytes(byte_listener, weights, header, start, end):
-    r = requests.get(byte_listener + "m/v1/model.gguf", headers={"Range": header})
+    r = as_node.get(byte_listener + "m/v1/model.gguf", headers={"Range": header})
     assert r.status_code == 206
     assert r.content == CONTENT[start : end + 1]
     assert r.headers["Content-Range"] == f"bytes {start}-{end}/{len(CONTENT)}"
@@ -67,45 +70,45 @@ def test_a_single_range_is_answered_206_with_exactly_those_bytes(byte_listener, 
 
 
 def test_a_range_past_the_end_is_416_with_the_size(byte_listener, weights):
-    r = requests.get(byte_listener + "m/v1/model.gguf", headers={"Range": "bytes=20000-"})
+    r = as_node.get(byte_listener + "m/v1/model.gguf", headers={"Range": "bytes=20000-"})
     assert r.status_code == 416
     assert r.headers["Content-Range"] == f"bytes */{len(CONTENT)}"
     assert "outside" in r.json()["error"]
 
 
 def test_if_range_with_the_current_etag_gets_the_range(byte_listener, weights):
-    etag = requests.head(byte_listener + "m/v1/model.gguf").headers["ETag"]
-    r = requests.get(byte_listener + "m/v1/model.gguf", headers={"Range": "bytes=5-9", "If-Range": etag})
+    etag = as_node.head(byte_listener + "m/v1/model.gguf").headers["ETag"]
+    r = as_node.get(byte_listener + "m/v1/model.gguf", headers={"Range": "bytes=5-9", "If-Range": etag})
     assert r.status_code == 206
     assert r.content == CONTENT[5:10]
 
 
 def test_if_range_with_a_stale_validator_gets_the_whole_new_file(byte_listener, weights):
-    head = requests.head(byte_listener + "m/v1/model.gguf").headers
+    head = as_node.head(byte_listener + "m/v1/model.gguf").headers
     (weights / "model.gguf").write_bytes(b"new content, longer than before" * 10)
     os.utime(weights / "model.gguf", (1_900_000_000, 1_900_000_000))
     for validator in (head["ETag"], head["Last-Modified"]):
-        r = requests.get(byte_listener + "m/v1/model.gguf", headers={"Range": "bytes=5-9", "If-Range": validator})
+        r = as_node.get(byte_listener + "m/v1/model.gguf", headers={"Range": "bytes=5-9", "If-Range": validator})
         assert r.status_code == 200
         assert r.content == b"new content, longer than before" * 10
 
 
 def test_a_client_with_the_current_file_is_told_it_has_not_changed(byte_listener, weights):
     url = byte_listener + "m/v1/model.gguf"
-    head = requests.head(url).headers
+    head = as_node.head(url).headers
     for validator in ({"If-None-Match": head["ETag"]}, {"If-Modified-Since": head["Last-Modified"]}):
-        r = requests.get(url, headers=validator)
+        r = as_node.get(url, headers=validator)
         assert (r.status_code, r.content, r.headers["ETag"]) == (304, b"", head["ETag"]), validator
-    assert requests.get(url, headers={"If-None-Match": '"other"'}).status_code == 200
+    assert as_node.get(url, headers={"If-None-Match": '"other"'}).status_code == 200
     # A write meant for another version of the file is refused rather than answered with this one.
-    assert requests.get(url, headers={"If-Match": '"other"'}).status_code == 412
+    assert as_node.get(url, headers={"If-Match": '"other"'}).status_code == 412
 
 
 def test_the_manifest_follows_a_hand_copy_at_once(byte_listener, weights):
-    before = requests.get(byte_listener + "m/v1/").json()
+    before = as_node.get(byte_listener + "m/v1/").json()
     assert [f["name"] for f in before["files"]] == ["b.bin", "model.gguf"]
     (weights / "c.safetensors").write_bytes(b"123")
-    after = requests.get(byte_listener + "m/v1/").json()
+    after = as_node.get(byte_listener + "m/v1/").json()
     assert after["model"] == "m" and after["version"] == "v1"
     assert {f["name"]: f["bytes"] for f in after["files"]} == {
         "b.bin": 10,
@@ -118,10 +121,10 @@ def test_the_manifest_follows_a_hand_copy_at_once(byte_listener, weights):
 def test_unfinished_and_hidden_files_are_not_part_of_a_version(byte_listener, weights):
     (weights / "model-2.gguf.part").write_bytes(b"half")
     (weights / ".DS_Store").write_bytes(b"junk")
-    names = [f["name"] for f in requests.get(byte_listener + "m/v1/").json()["files"]]
+    names = [f["name"] for f in as_node.get(byte_listener + "m/v1/").json()["files"]]
     assert names == ["b.bin", "model.gguf"]
-    assert requests.get(byte_listener + "m/v1/model-2.gguf.part").status_code == 404
-    assert requests.get(byte_listener + "m/v1/.DS_Store").status_code == 404
+    assert as_node.get(byte_listener + "m/v1/model-2.gguf.part").status_code == 404
+    assert as_node.get(byte_listener + "m/v1/.DS_Store").status_code == 404
 
 
 def test_the_manifest_carries_a_hash_only_while_it_matches_the_file(byte_listener, weights):
@@ -131,19 +134,19 @@ def test_the_manifest_carries_a_hash_only_while_it_matches_the_file(byte_listene
     report = scan.scan_mirror()
     for file_id in report.to_hash:
         scan.hash_file(file_id)
-    files = {f["name"]: f for f in requests.get(byte_listener + "m/v1/").json()["files"]}
+    files = {f["name"]: f for f in as_node.get(byte_listener + "m/v1/").json()["files"]}
     assert files["model.gguf"]["sha256"] == MirrorFile.objects.get(name="model.gguf").sha256
     (weights / "model.gguf").write_bytes(b"changed")
-    files = {f["name"]: f for f in requests.get(byte_listener + "m/v1/").json()["files"]}
+    files = {f["name"]: f for f in as_node.get(byte_listener + "m/v1/").json()["files"]}
     assert "sha256" not in files["model.gguf"]
     assert "sha256" in files["b.bin"]
 
 
 def test_listings_name_models_and_versions(byte_listener, weights, mirror_root):
     put(mirror_root, "m", "v2", {"x.gguf": b"1"})
-    models = requests.get(byte_listener).json()["models"]
+    models = as_node.get(byte_listener).json()["models"]
     assert [m["name"] for m in models] == ["m"]
-    versions = requests.get(byte_listener + "m/").json()
+    versions = as_node.get(byte_listener + "m/").json()
     assert [v["version"] for v in versions["versions"]] == ["v1", "v2"]
     assert versions["versions"][0]["url"].endswith("/m/v1/")
 
@@ -178,12 +181,12 @@ def test_a_symlink_out_of_the_root_is_refused(byte_listener, weights, mirror_roo
     secret.write_bytes(b"do not serve me")
     (weights / "escape.gguf").symlink_to(secret)
     (mirror_root / "m" / "outside").symlink_to(tmp_path)
-    r = requests.get(byte_listener + "m/v1/escape.gguf")
+    r = as_node.get(byte_listener + "m/v1/escape.gguf")
     assert r.status_code == 404
     assert b"do not serve me" not in r.content
-    assert "escape.gguf" not in [f["name"] for f in requests.get(byte_listener + "m/v1/").json()["files"]]
-    assert requests.get(byte_listener + "m/outside/").status_code == 404
-    assert requests.get(byte_listener + "m/outside/secret.txt").status_code == 404
+    assert "escape.gguf" not in [f["name"] for f in as_node.get(byte_listener + "m/v1/").json()["files"]]
+    assert as_node.get(byte_listener + "m/outside/").status_code == 404
+    assert as_node.get(byte_listener + "m/outside/secret.txt").status_code == 404
 
 
 def test_a_symlink_inside_the_mirror_serves_only_what_the_mirror_would_serve(byte_listener, weights, mirror_root):
@@ -197,30 +200,30 @@ def test_a_symlink_inside_the_mirror_serves_only_what_the_mirror_would_serve(byt
     (weights / "alias.gguf").symlink_to(weights / "model.gguf")
     (mirror_root / "m" / "hidden-version").symlink_to(mirror_root / "m" / "v1" / "nested")
     for name in ("link", "part-link", "deep-link"):
-        r = requests.get(byte_listener + "m/v1/" + name)
+        r = as_node.get(byte_listener + "m/v1/" + name)
         assert r.status_code == 404, name
         assert b"hidden" not in r.content and b"half" not in r.content and b"not a version" not in r.content
-    names = [f["name"] for f in requests.get(byte_listener + "m/v1/").json()["files"]]
+    names = [f["name"] for f in as_node.get(byte_listener + "m/v1/").json()["files"]]
     # A link to a file the mirror serves anyway is served, like the file.
     assert sorted(names) == ["alias.gguf", "b.bin", "model.gguf"]
-    assert requests.get(byte_listener + "m/v1/alias.gguf").content == CONTENT
-    assert requests.get(byte_listener + "m/hidden-version/").status_code == 404
+    assert as_node.get(byte_listener + "m/v1/alias.gguf").content == CONTENT
+    assert as_node.get(byte_listener + "m/hidden-version/").status_code == 404
 
 
 def test_only_get_and_head_are_answered(byte_listener, weights):
-    r = requests.post(byte_listener + "m/v1/model.gguf", data=b"x")
+    r = as_node.post(byte_listener + "m/v1/model.gguf", data=b"x")
     assert r.status_code == 405
     assert "GET and HEAD" in r.json()["error"]
 
 
 def test_the_byte_listener_has_no_admin_and_no_api(byte_listener, weights):
     for path in ("admin/", "api/mirror/versions/", "api/schema/"):
-        r = requests.get(byte_listener + path)
+        r = as_node.get(byte_listener + path)
         assert r.status_code == 404
         assert "error" in r.json()
 
 
-def test_a_download_longer_than_the_worker_timeout_is_not_cut(mirror_root, tmp_path):
+def test_a_download_longer_than_the_worker_timeout_is_not_cut(mirror_root, tmp_path, fleet_node):
     """A slow node reading for longer than gunicorn's worker timeout still gets every byte."""
     import time
 
@@ -233,7 +236,7 @@ def test_a_download_longer_than_the_worker_timeout_is_not_cut(mirror_root, tmp_p
     try:
         received = bytearray()
         started = time.monotonic()
-        with requests.get(url + "big/v1/w.gguf", stream=True, timeout=30) as r:
+        with as_node.get(url + "big/v1/w.gguf", stream=True, timeout=30) as r:
             for chunk in r.iter_content(1 << 20):
                 received += chunk
                 time.sleep(0.07)  # about 4.5 s in all: four times the timeout

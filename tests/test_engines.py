@@ -331,16 +331,25 @@ STAND_IN = textwrap.dedent(
     """\
     #!{python}
     # A STAND-IN for vLLM, which needs a GPU this machine does not have: it records
-    # its arguments and answers /v1/models the way an engine does.
+    # its arguments and answers /v1/models the way an engine does, and like vLLM
+    # refuses a request to /v1/ without the key in VLLM_API_KEY, when that is set.
     import json, os, sys
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
     with open(os.environ["VLLM_STAND_IN_LOG"], "a") as f:
         f.write(json.dumps(sys.argv[1:]) + "\\n")
     port = int(sys.argv[sys.argv.index("--port") + 1])
+    key = os.environ.get("VLLM_API_KEY")
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            if key and self.headers.get("Authorization") != "Bearer " + key:
+                body = json.dumps({{"error": "Unauthorized"}}).encode()
+                self.send_response(401)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             body = json.dumps({{"object": "list", "data": [{{"id": sys.argv[2], "object": "model"}}]}}).encode()
             self.send_response(200 if self.path == "/v1/models" else 404)
             self.send_header("Content-Length", str(len(body)))

@@ -13,7 +13,7 @@ from agent.fetch import FetchError, cache_path, fetch_source, is_set
 from agent.progress import Cancelled, Progress
 
 from .conftest import put
-from .processes import BASE_DIR, CountingProxy, process_env, wait_until
+from .processes import BASE_DIR, CountingProxy, as_node, process_env, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -64,9 +64,8 @@ def test_a_four_file_set_is_fetched_whole_into_one_directory(proxy, four_files, 
 
 def _manifest_bytes(proxy) -> int:
     # The proxy counts every body it relays, the manifest's included.
-    import requests
 
-    return len(requests.get(proxy.upstream.geturl() + "m/v1/").content)
+    return len(as_node.get(proxy.upstream.geturl() + "m/v1/").content)
 
 
 def test_a_complete_set_is_not_asked_for_again(proxy, four_files, cache):
@@ -193,9 +192,7 @@ def test_a_file_that_does_not_match_its_sha256_is_removed_and_never_renamed(prox
 
 
 def _get(url) -> bytes:
-    import requests
-
-    return requests.get(url, timeout=5).content
+    return as_node.get(url, timeout=5).content
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 from agent.fetch import FetchError, cache_path, fetch_source
 
 from .conftest import put
-from .processes import BASE_DIR, process_env
+from .processes import BASE_DIR, process_env, start_byte_listener
 from .services import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -108,19 +108,26 @@ def test_a_redirect_from_the_byte_listener_to_another_host_is_not_followed(setti
         listener.stop()
 
 
-def test_the_fetch_command_fetches_from_another_host_only_when_allowed(byte_listener, mirror_root, cache, elsewhere):
+def test_the_fetch_command_fetches_from_another_host_only_when_allowed(
+    byte_listener, mirror_root, cache, elsewhere, tmp_path
+):
     put(mirror_root, "m", "v1", {"a.bin": b"a" * 1000})
-    source = byte_listener + "m/v1/"
-    argv = [sys.executable, "manage.py", "fetch", source, "--cache", str(cache), "--quiet"]
-    env = process_env(LLMGW_BYTES_URL=elsewhere.url)
-    refused = subprocess.run(argv, cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 1 and "is not on this node's byte listener" in refused.stderr
-    assert not cache.exists() or not any(cache.rglob("a.bin"))
-    allowed = subprocess.run(
-        [*argv, "--allow-any-host"], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60
-    )
-    assert allowed.returncode == 0, allowed.stderr
-    assert (cache_path(source, cache) / "a.bin").read_bytes() == b"a" * 1000
+    # The other host is a public mirror: a node's pass goes to its own byte listener only.
+    other, other_url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_PUBLIC="true")
+    try:
+        source = other_url + "m/v1/"
+        argv = [sys.executable, "manage.py", "fetch", source, "--cache", str(cache), "--quiet"]
+        env = process_env(LLMGW_BYTES_URL=elsewhere.url)
+        refused = subprocess.run(argv, cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "is not on this node's byte listener" in refused.stderr
+        assert not cache.exists() or not any(cache.rglob("a.bin"))
+        allowed = subprocess.run(
+            [*argv, "--allow-any-host"], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert allowed.returncode == 0, allowed.stderr
+        assert (cache_path(source, cache) / "a.bin").read_bytes() == b"a" * 1000
+    finally:
+        other.stop()
 
 
 # --- 5: every name is encoded into its address -------------------------------------------

@@ -11,6 +11,7 @@ from django.conf import settings
 
 from agent import engines
 from catalog.models import Model
+from contracts import credentials
 from contracts.engine_args import kind_args
 from fleet import reconcile
 from fleet.models import Replica
@@ -144,7 +145,7 @@ def test_the_start_of_an_embedding_models_replica_carries_the_embedding_switch_i
     # sent() checks the proof the node would check: the switch is part of what is signed.
     ((task, args, kwargs),) = sent(broker, "node.a")
     assert task == "agent.start_replica" and args[3] == ["--ctx-size", "512", "--embedding"]
-    assert kwargs == {"model": "embed"}
+    assert kwargs == {"model": "embed", "nonce": credentials.replica_nonce(replica.created)}
 
 
 def test_each_engine_is_told_its_kind_in_its_own_spelling_and_pypis_server_refuses_to_rerank(tmp_path):

@@ -25,7 +25,7 @@ from fleet.models import Node, Replica
 from launcher.demo_model import write_tiny_llama
 
 from .conftest import put
-from .processes import start_agent, wait_until
+from .processes import engine_secret, start_agent, wait_until
 from .services import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -170,7 +170,9 @@ def test_a_forged_stop_does_not_stop_a_running_replica_and_the_control_planes_do
     time.sleep(2)
     entry = engine_state.read_state(agent_cache)["replicas"][str(replica.pk)]
     assert entry["wanted"] and engines.group_alive(entry["pid"])
-    assert requests.get(endpoint, timeout=10).status_code == 200
+    assert (
+        requests.get(endpoint, headers=engine_secret(Replica.objects.get(pk=replica.pk)), timeout=10).status_code == 200
+    )
 
     reconcile.send_stop(replica.pk, "n1")
     wait_until(

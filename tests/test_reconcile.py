@@ -14,7 +14,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from contracts import signing
+from contracts import credentials, signing
 from fleet import reconcile
 from fleet.live import LISTENING_KEY
 from fleet.models import Node, Replica
@@ -58,7 +58,9 @@ def sent(broker, queue: str) -> list[tuple]:
 
 def start_of(replica_id: int, args: tuple[str, ...] = ("--ctx-size", "512")) -> tuple:
     # The catalog's name goes with it: a vLLM engine serves under it, and refuses any other.
-    return ("agent.start_replica", [replica_id, SOURCE, "llamacpp", list(args)], {"model": "tiny"})
+    # And the nonce of the engine's secret: the replica's creation time (contracts.credentials).
+    nonce = credentials.replica_nonce(Replica.objects.get(pk=replica_id).created)
+    return ("agent.start_replica", [replica_id, SOURCE, "llamacpp", list(args)], {"model": "tiny", "nonce": nonce})
 
 
 def node(name: str, memory_gb: int = 32, **kw) -> Node:

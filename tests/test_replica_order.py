@@ -12,7 +12,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from agent import engine_state, runtime, supervisor
+from agent import engine_state, replica_reports, runtime, supervisor
 from agent import tasks as agent_tasks
 from contracts import tasks
 from fleet import reconcile
@@ -98,7 +98,7 @@ def test_a_replica_a_node_runs_that_is_not_placed_there_is_told_to_stop_once_a_w
 def test_the_agent_numbers_its_reports_and_heartbeats_what_it_runs(broker, tmp_path, monkeypatch):
     sent = []
     fake_app = SimpleNamespace(send_task=lambda name, args=None, kwargs=None, **o: sent.append((name, args, kwargs)))
-    monkeypatch.setattr(supervisor, "current_app", fake_app)
+    monkeypatch.setattr(replica_reports, "current_app", fake_app)
     monkeypatch.setattr(agent_tasks, "current_app", fake_app)
     monkeypatch.setenv(runtime.NODE_NAME, "a")
     monkeypatch.setenv(runtime.AGENT_CACHE, str(tmp_path))

@@ -27,7 +27,7 @@ from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 from mirror import scan
 
 from .conftest import put
-from .processes import Process, process_env, wait_until
+from .processes import Process, engine_secret, process_env, wait_until
 from .staff_api import token_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
@@ -98,6 +98,7 @@ def test_a_served_gguf_is_fetched_started_answers_and_comes_back_after_its_engin
     assert replica.node.name == other.node.name == "n1"
     answer = requests.post(
         replica.endpoint + "/chat/completions",
+        headers=engine_secret(replica),
         json={
             "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 8,
@@ -194,5 +195,5 @@ def test_a_served_gguf_is_fetched_started_answers_and_comes_back_after_its_engin
         return replica.state == "ready" and replica.endpoint != first_endpoint
 
     wait_until(back, timeout=240, interval=0.5, what="the replica to come back by itself")
-    assert requests.get(replica.endpoint + "/models", timeout=10).status_code == 200
+    assert requests.get(replica.endpoint + "/models", headers=engine_secret(replica), timeout=10).status_code == 200
     assert not engines.group_alive(pid)

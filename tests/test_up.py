@@ -10,7 +10,9 @@ import sys
 import pytest
 import requests
 
-from .processes import BASE_DIR, wait_until
+from agent.download import NodePass
+
+from .processes import BASE_DIR, NoAuth, wait_until
 from .services import free_port
 
 
@@ -53,6 +55,7 @@ def up(tmp_path):
         wait_until(lambda: "llmgw is up" in output() or process.poll() is not None, timeout=90, what="llmgw to come up")
         assert process.poll() is None, output()
         wait_until(lambda: answers(ports["admin"]) and answers(ports["bytes"]), timeout=30, what="both listeners")
+        process.env = env  # for `manage.py` commands against the same var/
         yield process, ports, tmp_path / "var" / "mirror", output
     finally:
         if process.poll() is None:
@@ -83,7 +86,13 @@ def test_a_hand_copied_file_shows_on_the_byte_listener_and_in_the_admin_and_ctrl
 
     (mirror / "m" / "v1").mkdir(parents=True)
     (mirror / "m" / "v1" / "model.gguf").write_bytes(b"GGUF" + b"\0" * 1000)
-    manifest = requests.get(f"http://127.0.0.1:{ports['bytes']}/m/v1/", timeout=5).json()
+    # The mirror answers only the fleet: a stranger gets 401 and a sentence, a node with a pass the manifest.
+    stranger = requests.get(f"http://127.0.0.1:{ports['bytes']}/m/v1/", auth=NoAuth(), timeout=5)
+    assert stranger.status_code == 401 and "only the fleet's nodes" in stranger.json()["error"]
+    token = manage(process, "node_token", "reader")
+    manifest = requests.get(
+        f"http://127.0.0.1:{ports['bytes']}/m/v1/", auth=NodePass("reader", token), timeout=5
+    ).json()
     # (With its sha256 too, if a scan hashed it in the meantime: the machine may be busy.)
     assert [{k: f[k] for k in ("name", "bytes")} for f in manifest["files"]] == [{"name": "model.gguf", "bytes": 1004}]
 
@@ -115,6 +124,59 @@ def test_a_hand_copied_file_shows_on_the_byte_listener_and_in_the_admin_and_ctrl
     assert "llmgw stopped." in output()
     for port in ports.values():
         assert not answers(port), f"something still listens on {port} after Ctrl-C"
+
+
+def manage(process, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=BASE_DIR, env=process.env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.engine
+def test_make_runs_own_agent_fetches_and_serves_with_no_extra_step_and_its_engine_answers_only_the_gateway(up):
+    """The local agent presents its pass to the byte listener and its engine the gateway's secret, unasked."""
+    process, ports, mirror, output = up
+    admin = f"http://127.0.0.1:{ports['admin']}"
+    api = requests.Session()
+    api.headers["Authorization"] = "Token " + manage(process, "api_token", "admin")
+    plan = api.get(admin + "/api/serve/plan/?model=tiny-demo&version=v1", timeout=10).json()
+    served = api.post(
+        admin + "/api/serve/",
+        json={
+            "name": "tiny-demo",
+            "source": plan["source"],
+            "engine": "llamacpp",
+            "profile": plan["profile"],
+            "context_length": 256,
+            "ctx_size": 256,
+            "replicas": 1,
+            "min_memory_gb": plan["min_memory_gb"],
+        },
+        timeout=30,
+    )
+    assert served.status_code == 201, served.text
+
+    def ready():
+        replicas = api.get(admin + "/api/fleet/replicas/", timeout=10).json()
+        rows = replicas["results"] if isinstance(replicas, dict) else replicas
+        return next((r for r in rows if r["state"] == "ready"), None)
+
+    replica = wait_until(ready, timeout=240, interval=1, what=f"a ready replica\n{output()[-3000:]}")
+    key = manage(process, "api_key", "create", "up-test")
+    client = requests.Session()
+    client.headers["Authorization"] = f"Bearer {key}"
+    ask = {"model": "tiny-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def answered():
+        response = client.post(admin + "/v1/chat/completions", json=ask, timeout=60)
+        return response if response.status_code == 200 else None
+
+    assert wait_until(answered, timeout=20, interval=0.5, what="the gateway to answer").json()["choices"]
+    assert requests.post(replica["endpoint"] + "/chat/completions", json=ask, timeout=30).status_code == 401
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=60) == 0, output()
 
 
 def test_an_address_in_use_is_said_before_anything_starts(tmp_path):

@@ -1,0 +1,85 @@
+"""The two credentials a node never receives but derives: its engines' secrets and its byte-listener pass.
+
+Both are HMAC-SHA256 keyed by the sha256 of the node's enrolment token, the key that
+already signs the tasks sent to the node (`contracts.signing`): the control plane
+stores exactly that hash (`fleet.Node.token_hash`) and the node computes it from
+`LLMGW_NODE_TOKEN`. So neither credential ever crosses the broker, which every node
+can read, and re-enrolling a node (a new token) changes both.
+
+- A replica's engine secret: what the gateway presents to the engine as
+  `Authorization: Bearer …`, and what the engine is started with (in its
+  environment, never its argv). It names the replica and a nonce the control plane
+  sends in the start (the replica's creation time), so a replaced replica, even one
+  that got a reused id, has a different secret.
+- A node's byte pass: `NODE:EXPIRES:MAC`, sent to the byte listener on every request.
+  The listener finds the node's token hash by name and checks the MAC; a node whose
+  token was revoked or re-issued fails at its next request. It expires, so a pass
+  copied off the wire is worth little; a node makes a fresh one for every request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+from .names import node_name_problem
+
+BYTES_PASS_TTL_S = 3600
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _mac(key: str, message: str) -> str:
+    return hmac.new(key.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+# --- engines ------------------------------------------------------------------------
+
+
+def replica_nonce(created: datetime) -> str:
+    """The part of a replica's secret that a new replica of a reused id does not share: microseconds since 1970."""
+    return str((created - EPOCH) // timedelta(microseconds=1))
+
+
+def replica_secret(key: str, replica_id: int, nonce: str) -> str:
+    """The engine secret of one replica; `key` is its node's token hash. Empty without a key."""
+    if not key:
+        return ""
+    return "llmgw-replica-" + _mac(key, f"replica:{int(replica_id)}:{nonce}")
+
+
+# --- the byte listener --------------------------------------------------------------
+
+
+def bytes_pass(key: str, node: str, now: float | None = None) -> str:
+    """A node's pass for the byte listener, good for BYTES_PASS_TTL_S; `key` is its token hash."""
+    expires = int((time.time() if now is None else now) + BYTES_PASS_TTL_S)
+    return f"{node}:{expires}:{_mac(key, f'bytes:{node}:{expires}')}"
+
+
+def bytes_pass_problem(presented: str, key_of: Callable[[str], str | None], now: float | None = None) -> str | None:
+    """Why this pass does not let its bearer read the mirror, or None when it does.
+
+    `key_of(node)` is that node's token hash, or None (or "") when there is no such
+    node or its token was revoked.
+    """
+    node, _, rest = presented.partition(":")
+    expires, _, mac = rest.partition(":")
+    if node_name_problem(node) or not expires.isdigit() or not mac:
+        return "the credential is not a node's pass (NODE:EXPIRES:MAC)"
+    key = key_of(node)
+    if not key or not hmac.compare_digest(_mac(key, f"bytes:{node}:{expires}"), mac):
+        return f"the credential is not one of node {node}'s current enrolment token (unknown node, or revoked)"
+    now = time.time() if now is None else now
+    if int(expires) < now:
+        return f"the credential expired at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(int(expires)))} UTC"
+    if int(expires) > now + 2 * BYTES_PASS_TTL_S:
+        return "the credential is good for longer than a node's pass may be: the node's clock is far ahead"
+    return None
+
+
+def bearer(secret: str) -> dict[str, str]:
+    """The header that presents a secret; none for an empty one."""
+    return {"Authorization": f"Bearer {secret}"} if secret else {}

@@ -1,0 +1,61 @@
+"""Who may read the mirror: the fleet's nodes, each with a pass made from its enrolment token.
+
+For a private fleet the weights are often the thing that must not leave, and the byte
+listener listens where every node can reach it. So every request presents a node's
+pass (`Authorization: Bearer NODE:EXPIRES:MAC`, contracts.credentials), checked
+against that node's token hash on every request: a node whose token is revoked or
+re-issued gets 401 at its next request, a fetch under way included. The operator may
+open the mirror to anyone with LLMGW_BYTES_PUBLIC=true.
+
+The mirror sits below the fleet and does not know what a node is: the lookup of a
+node's token hash is handed in by the byte listener's URLconf (`llmgw_site.urls_bytes`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from django.conf import settings
+from django.db import DatabaseError
+from django.http import HttpRequest, JsonResponse
+
+from contracts.credentials import bytes_pass_problem
+
+ANONYMOUS = (
+    "the byte listener serves only the fleet's nodes, and this request presented no node's pass "
+    "(a node's agent sends one by itself; `manage.py fetch` makes one from LLMGW_NODE_NAME and LLMGW_NODE_TOKEN); "
+    "LLMGW_BYTES_PUBLIC=true on the byte listener opens the mirror to anyone"
+)
+
+
+def _refused(status: int, sentence: str) -> JsonResponse:
+    response = JsonResponse({"error": sentence}, status=status)
+    if status == 401:
+        response["WWW-Authenticate"] = 'Bearer realm="llmgw mirror"'
+    return response
+
+
+def problem_of(request: HttpRequest, key_of: Callable[[str], str | None]) -> str | None:
+    """Why this request may not read the mirror, or None."""
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        return ANONYMOUS
+    return bytes_pass_problem(presented.strip(), key_of)
+
+
+def only_the_fleet(view, key_of: Callable[[str], str | None]):
+    """`view`, answered only to a node with a current pass (or to anyone when the mirror is public)."""
+
+    @functools.wraps(view)
+    def wrapped(request: HttpRequest, *args, **kwargs):
+        if not settings.BYTES_PUBLIC:
+            try:
+                problem = problem_of(request, key_of)
+            except DatabaseError:
+                return _refused(503, "the byte listener cannot check the node's pass: its database does not answer")
+            if problem is not None:
+                return _refused(401, problem)
+        return view(request, *args, **kwargs)
+
+    return wrapped

@@ -1,0 +1,244 @@
+"""The mirror answers only the fleet: the byte listener asks every request for a node's pass.
+
+A real byte listener (gunicorn) on the test database, nodes enrolled on the control
+plane, and fetches made the way a node makes them: a stranger gets 401 and a
+sentence, an enrolled node fetches, a revoked node is refused at its very next
+request, and the operator can open the mirror with LLMGW_BYTES_PUBLIC=true.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from agent.fetch import FetchError, cache_path, fetch_source
+from agent.progress import Progress
+from contracts import credentials, signing
+from fleet.enrolment import issue_token, revoke_token
+
+from .conftest import put
+from .processes import (
+    BASE_DIR,
+    CountingProxy,
+    NoAuth,
+    as_node,
+    process_env,
+    start_agent,
+    start_byte_listener,
+    wait_until,
+)
+from .test_agent import live, send_fetch
+from .test_fetch_trust import LoopbackServer
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WEIGHTS = bytes(range(256)) * 400  # 102,400 bytes
+
+
+@pytest.fixture
+def weights(mirror_root):
+    return put(mirror_root, "m", "v1", {"a.bin": WEIGHTS, "b.bin": WEIGHTS[::-1]})
+
+
+def refusal(response: requests.Response) -> str:
+    assert response.status_code == 401, response.text
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    return response.json()["error"]
+
+
+# --- strangers and nodes ----------------------------------------------------------------------
+
+
+def test_an_anonymous_read_of_a_mirror_file_gets_401_and_a_sentence(byte_listener, weights):
+    for method, path in (("GET", "m/v1/a.bin"), ("HEAD", "m/v1/a.bin"), ("GET", "m/v1/"), ("GET", ""), ("GET", "m/")):
+        response = requests.request(method, byte_listener + path, auth=NoAuth(), timeout=5)
+        assert response.status_code == 401, (method, path)
+        assert b"\x00\x01\x02" not in response.content
+    sentence = refusal(requests.get(byte_listener + "m/v1/a.bin", auth=NoAuth(), timeout=5))
+    assert sentence.startswith("the byte listener serves only the fleet's nodes")
+    assert "LLMGW_BYTES_PUBLIC=true" in sentence
+    # And a path that exists nowhere says the same: a stranger learns nothing of what is there.
+    assert refusal(requests.get(byte_listener + "nope/", auth=NoAuth(), timeout=5)) == sentence
+
+
+def test_an_enrolled_node_reads_with_its_pass_and_a_wrong_one_is_refused(byte_listener, weights, fleet_node):
+    name, token = fleet_node
+    assert as_node.get(byte_listener + "m/v1/a.bin", timeout=5).content == WEIGHTS
+    ranged = as_node.get(byte_listener + "m/v1/a.bin", headers={"Range": "bytes=10-19"}, timeout=5)
+    assert ranged.status_code == 206 and ranged.content == WEIGHTS[10:20]
+
+    def with_pass(presented: str) -> requests.Response:
+        return requests.get(byte_listener + "m/v1/a.bin", headers=credentials.bearer(presented), timeout=5)
+
+    key = signing.token_hash(token)
+    assert "not one of node" in refusal(with_pass(credentials.bytes_pass(signing.token_hash("a guess"), name)))
+    # Another node's name on this node's MAC: the MAC covers the name.
+    issue_token("other")
+    forged = credentials.bytes_pass(key, name).replace(f"{name}:", "other:", 1)
+    assert "not one of node other's" in refusal(with_pass(forged))
+    assert "expired" in refusal(with_pass(credentials.bytes_pass(key, name, now=time.time() - 2 * 3600)))
+    assert "not a node's pass" in refusal(with_pass(token))  # the raw token is not a pass, and is never sent
+    assert "not one of node ghost's" in refusal(with_pass(credentials.bytes_pass(key, "ghost")))
+
+
+def test_a_public_mirror_serves_anyone(mirror_root, weights, tmp_path, django_db_setup):
+    process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_PUBLIC="true")
+    try:
+        assert requests.get(url + "m/v1/a.bin", auth=NoAuth(), timeout=5).content == WEIGHTS
+        assert [f["name"] for f in requests.get(url + "m/v1/", auth=NoAuth(), timeout=5).json()["files"]] == [
+            "a.bin",
+            "b.bin",
+        ]
+    finally:
+        process.stop()
+
+
+def test_a_node_fetches_a_set_with_its_pass_and_never_sends_it_to_another_host(
+    byte_listener, weights, settings, tmp_path
+):
+    settings.BYTES_URL = byte_listener
+    directory = fetch_source(byte_listener + "m/v1/", tmp_path / "cache")
+    assert (directory / "a.bin").read_bytes() == WEIGHTS and (directory / ".complete").exists()
+
+    seen = []
+
+    def answer(handler, method):
+        seen.append(handler.headers.get("Authorization"))
+        handler.send_response(200)
+        handler.send_header("Content-Length", "3")
+        handler.end_headers()
+        if method == "GET":
+            handler.wfile.write(b"abc")
+
+    elsewhere = LoopbackServer(answer)
+    try:
+        fetch_source(elsewhere.url + "x/y/z.bin", tmp_path / "cache", any_host=True)
+    finally:
+        elsewhere.stop()
+    assert seen and seen == [None] * len(seen)
+
+
+# --- revoked ---------------------------------------------------------------------------------
+
+
+class RevokesOnFirstByte(Progress):
+    """Revokes the node's token as the first bytes arrive: the fetch is under way."""
+
+    def __init__(self, node: str):
+        super().__init__()
+        self.node = node
+        self.revoked = False
+
+    def advanced(self, nbytes: int) -> None:
+        if not self.revoked:
+            self.revoked = revoke_token(self.node)
+        super().advanced(nbytes)
+
+
+def test_a_node_revoked_mid_fetch_is_refused_at_its_next_range_request_and_nothing_half_is_whole(
+    byte_listener, mirror_root, settings, tmp_path, fleet_node
+):
+    name, _ = fleet_node
+    a, b = WEIGHTS * 3, WEIGHTS[::-1] * 3
+    put(mirror_root, "m", "v2", {"a.bin": a, "b.bin": b})
+    proxy = CountingProxy(byte_listener)
+    settings.BYTES_URL = proxy.url
+    source = proxy.url + "m/v2/"
+    cache = tmp_path / "cache"
+    try:
+        # An earlier attempt cut short left a part of b.bin, to be resumed with Range.
+        proxy.truncate_after = 100_000
+        with pytest.raises(FetchError):
+            fetch_source(source + "b.bin", cache)
+        directory = cache_path(source, cache)
+        assert (directory / "b.bin.part").stat().st_size == 100_000
+        proxy.truncate_after = None
+        proxy.reset_counts()
+
+        progress = RevokesOnFirstByte(name)
+        with pytest.raises(FetchError) as failed:
+            fetch_source(source, cache, progress=progress, parallel=1)
+        assert progress.revoked
+        sentence = str(failed.value)
+        assert sentence.startswith(f"the byte listener refused {source}b.bin (401): the credential is not one of node")
+        assert "revoked" in sentence
+        assert not failed.value.transient  # a revoked node stays refused: not tried again by itself
+        assert progress.state == "failed" and progress.error == sentence
+        # The request refused was the range request resuming b.bin, the next one after the revocation.
+        assert proxy.requests[-1] == ("GET", "/m/v2/b.bin", "bytes=100000-")
+        # a.bin's answer had begun before the revocation and finished; b.bin stays a part, the set unfinished.
+        assert (directory / "a.bin").read_bytes() == a
+        assert not (directory / "b.bin").exists() and (directory / "b.bin.part").stat().st_size == 100_000
+        assert not (directory / ".complete").exists()
+    finally:
+        proxy.stop()
+
+
+def test_a_real_agent_whose_token_is_revoked_while_it_waits_to_resume_ends_its_fetch_failed_with_the_sentence(
+    enrolled_node, control_worker, byte_listener, mirror_root, tmp_path, redis_client
+):
+    name, token = enrolled_node
+    put(mirror_root, "m", "v3", {"a.bin": WEIGHTS * 4})
+    proxy = CountingProxy(byte_listener)
+    proxy.truncate_after = 150_000
+    source = proxy.url + "m/v3/"
+    cache = tmp_path / "agent-cache"
+    agent = start_agent(name, token, cache, tmp_path, LLMGW_BYTES_URL=proxy.url)
+    try:
+        send_fetch(name, source)
+        wait_until(lambda: "trying again in" in agent.output(), timeout=30, what="a retry to be scheduled")
+        revoke_token(name)
+        proxy.truncate_after = None
+        snapshot = wait_until(
+            lambda: (s := live(redis_client, source, name)).get("state") == "failed" and s,
+            timeout=60,
+            what=f"the fetch to end failed\n{agent.output()[-2000:]}",
+        )
+        assert "(401)" in snapshot["error"] and "revoked" in snapshot["error"], snapshot
+        directory = cache_path(source, cache)
+        assert not (directory / "a.bin").exists() and not (directory / ".complete").exists()
+        # Said as the end of the fetch, not as one more retry.
+        assert f"fetch of {source} failed: the byte listener refused" in agent.output()
+    finally:
+        agent.stop()
+        proxy.stop()
+
+
+# --- manage.py fetch --------------------------------------------------------------------------
+
+
+def test_the_fetch_command_takes_the_nodes_pass_from_the_environment(byte_listener, weights, tmp_path, fleet_node):
+    name, token = fleet_node
+    argv = [sys.executable, "manage.py", "fetch", byte_listener + "m/v1/a.bin", "--cache", str(tmp_path), "--quiet"]
+    env = process_env(LLMGW_BYTES_URL=byte_listener, LLMGW_NODE_NAME=name, LLMGW_NODE_TOKEN=token)
+    done = subprocess.run(argv, cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert open(done.stdout.strip(), "rb").read() == WEIGHTS
+
+    for unset in ("LLMGW_NODE_NAME", "LLMGW_NODE_TOKEN"):
+        without = {k: v for k, v in env.items() if k != unset}
+        argv[5] = str(tmp_path / f"without-{unset}")
+        refused = subprocess.run(argv, cwd=BASE_DIR, env=without, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1
+        assert "(401)" in refused.stderr and "LLMGW_NODE_NAME or LLMGW_NODE_TOKEN is not set" in refused.stderr
+        assert "Traceback" not in refused.stderr
+
+
+def test_node_token_revoke_turns_the_pass_off(byte_listener, weights, fleet_node):
+    name, _ = fleet_node
+    assert as_node.get(byte_listener + "m/v1/a.bin", timeout=5).status_code == 200
+    done = subprocess.run(
+        [sys.executable, "manage.py", "node_token", name, "--revoke"],
+        cwd=BASE_DIR,
+        env=process_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "revoked" in refusal(as_node.get(byte_listener + "m/v1/a.bin", timeout=5))
