@@ -25,6 +25,8 @@ load balancer would, and every one of its requests must be answered.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -194,6 +196,51 @@ def test_both_nodes_enrol_and_two_replicas_answer_through_the_gateway_from_the_n
     for replica in replicas:
         node = next(n for n in nodes if n.name == replica.node.name)
         assert chat_requests_in(node.engine_log(replica.pk)) > 0
+
+
+def test_a_nodes_engine_refuses_a_request_from_the_network_without_its_replica_secret(fleet, client_key):
+    control, nodes = fleet
+    replicas = ready("tiny")
+    assert len(replicas) == 2
+    for replica in replicas:
+        # Straight to the engine at the node's address, over the bridge, as anyone on the network can.
+        for headers in ({}, {"Authorization": f"Bearer {client_key}"}, {"Authorization": "Bearer llmgw-replica-0"}):
+            direct = requests.post(replica.endpoint + "/chat/completions", json=ASK, headers=headers, timeout=30)
+            assert direct.status_code == 401, (replica.endpoint, headers, direct.status_code, direct.text[:200])
+            assert "choices" not in direct.text
+    # Through the gateway, which presents each replica's secret, the same engines answer.
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {client_key}"
+    answer = session.post(control.admin_urls[0] + "/v1/chat/completions", json={"model": "tiny", **ASK}, timeout=60)
+    assert answer.status_code == 200, answer.text
+
+
+STRANGER_READS = """
+import sys, requests
+base = sys.argv[1]
+for method, path, headers in [
+    ("GET", "tiny/v1/", {}),
+    ("GET", "tiny/v1/tiny-00001-of-00003.gguf", {}),
+    ("HEAD", "tiny/v1/tiny-00001-of-00003.gguf", {}),
+    ("GET", "tiny/v1/tiny-00001-of-00003.gguf", {"Range": "bytes=0-3"}),
+    ("GET", "tiny/v1/tiny-00001-of-00003.gguf", {"Authorization": "Bearer n1:9999999999:0badc0de"}),
+]:
+    r = requests.request(method, base + path, headers=headers, timeout=10)
+    print(r.status_code, b"GGUF" in r.content, flush=True)
+"""
+
+
+def test_a_host_on_the_fleets_network_without_a_nodes_credentials_gets_nothing_from_the_byte_listener(fleet):
+    control, nodes = fleet
+    stranger = control.fleet.add_host("x")
+    for url in (control.byte_listener_url, control.bytes_url):  # the listener, and the way the nodes go
+        reads = subprocess.run(
+            stranger.argv([sys.executable, "-c", STRANGER_READS, url]), capture_output=True, text=True, timeout=60
+        )
+        assert reads.returncode == 0, reads.stderr
+        assert reads.stdout.split("\n")[:-1] == ["401 False"] * 5, reads.stdout
+    # The enrolled nodes, on the same network, fetched the same files with their passes.
+    assert all(cache_path(control.bytes_url + "tiny/v1/", n.cache).joinpath(".complete").exists() for n in nodes)
 
 
 def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_gateway_keeps_answering(
