@@ -292,6 +292,8 @@ def test_a_node_that_comes_back_stops_its_old_engines_and_the_gateway_never_rout
     wait_until(
         lambda: NodeRow.objects.get(name="n1").state == NodeRow.State.READY, timeout=30, what="n1 back and ready"
     )
+    # Whatever its supervisor started again from its state file is told to stop: those replicas are n2's now.
+    wait_for(lambda: not n1.engines(), 60, lambda: f"n1 to run nothing: {state([n1, n2])}")
     # Now n2 is cut off with its engines running: only its agent is killed, as a host
     # whose network and agent fail while its engines go on.
     stale = n2.engines()
