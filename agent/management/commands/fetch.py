@@ -8,7 +8,10 @@ from agent.progress import TerminalProgress
 
 
 class Command(BaseCommand):
-    help = "Fetch a file or a mirror version (a source ending in /) into the agent's cache, in the foreground."
+    help = (
+        "Fetch a file or a mirror version (a source ending in /) into the agent's cache, in the foreground. "
+        "The byte listener serves only enrolled nodes: the pass is made from LLMGW_NODE_NAME and LLMGW_NODE_TOKEN."
+    )
     # Runs on a node, which has no database: nothing here may need one.
     requires_system_checks = []
 
