@@ -60,11 +60,15 @@ class ControlPlane:
         # in progress when its node is cut off. It is the test's, not the control plane's.
         self.proxy = CountingProxy(self.byte_listener_url, host=fleet.address)
         self.bytes_url = self.proxy.url
-        self.start_redis()
-        self.start_byte_listener()
-        self.start_worker()
-        for i in range(2):
-            self.start_admin(i)
+        try:
+            self.start_redis()
+            self.start_byte_listener()
+            self.start_worker()
+            for i in range(2):
+                self.start_admin(i)
+        except BaseException:
+            self.stop()  # what started before the failure; the fixture never got the object to stop
+            raise
 
     @property
     def admin_urls(self) -> list[str]:
