@@ -2,6 +2,7 @@
 """llmgw's gateway vs LiteLLM's proxy: the same requests to one stub upstream, measured in one run.
 
     .venv/bin/python bench/gateway.py [--quick] [--rounds 2000] [--duration 10] [--streams 1000] [--limits]
+                                      [--workers]
 
 Starts bench/stub_upstream.py (answers at once; streams 20 chunks), llmgw's admin
 server (`manage.py admin_server`: one uvicorn process, Django and the /v1/ gateway,
@@ -22,6 +23,9 @@ directly to the stub and through each proxy, from this process (bench/httpload.p
 With --limits, also through a second key of the same server with every per-key limit
 set (and never reached), against a Redis of the run's own: what the limiter's one
 round trip adds.
+
+With --workers, also llmgw's admin server with two processes (`admin_server --workers 2`,
+llmgw-2w) beside the one with one: requests per second for 1 and 2 workers side by side.
 
 Prints a table, the ratios against LiteLLM, and whether each of the issue's goals is
 met. The stub, the proxies and this load generator share the machine's cores; nothing
@@ -346,6 +350,13 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
             )
         for goal, met in goals:
             print(f"{'met    ' if met else 'NOT met'}  {goal}")
+    if "llmgw" in names and "llmgw-2w" in names:
+        print(
+            f"admin_server --workers: {args.clients} concurrent, requests/s {rps['llmgw']:,.0f} with 1, "
+            f"{rps['llmgw-2w']:,.0f} with 2 ({rps['llmgw-2w'] / rps['llmgw']:.2f} ×); server CPU per request "
+            f"{ms(loaded['llmgw'].cpu_seconds / max(1, len(loaded['llmgw'].seconds))):.2f} and "
+            f"{ms(loaded['llmgw-2w'].cpu_seconds / max(1, len(loaded['llmgw-2w'].seconds))):.2f} ms"
+        )
     for variant in (n for n in names if n.startswith("llmgw+")):
         # Issue 16: metrics (and the access log) within 5 % of the gateway without them.
         base = "llmgw"
@@ -375,6 +386,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the work directory and its logs")
     parser.add_argument(
         "--limits", action="store_true", help="also through a key with per-key limits set (a Redis of its own)"
+    )
+    parser.add_argument(
+        "--workers", action="store_true", help="also llmgw's admin server with two processes (llmgw-2w)"
     )
     args = parser.parse_args()
     if args.quick:
@@ -410,6 +424,8 @@ def main() -> None:
                 "llmgw+metrics": metrics,
                 "llmgw+log": {**metrics, "LLMGW_GATEWAY_ACCESS_LOG": str(work / "access.jsonl")},
             }
+        if args.workers:
+            variants["llmgw-2w"] = {**variants["llmgw"], "LLMGW_ADMIN_WORKERS": "2"}
         for name, settings in variants.items():
             started = start_llmgw(stub_port, work, name, redis_port if name == "llmgw" else None, **settings)
             if started:

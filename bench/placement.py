@@ -142,13 +142,31 @@ def main() -> int:
     sent.clear()
     pass_steady_s, _ = timed(lambda: reconcile.reconcile_unlocked(timezone.now(), models), options.runs)
 
+    # The same, with every model between fewest and most and the gateway's load in Redis
+    # (issue 14): one HGETALL, one read of the counts, a decision per model.
+    import dataclasses
+    import time
+
+    from contracts import demand
+    from fleet.live import redis_client
+    from fleet.placement import Scaling
+
+    scaled = [dataclasses.replace(m, scaling=Scaling(m.replicas, m.replicas + 2)) for m in models]
+    load = {m.name: {"in_flight": m.replicas, "waiting": 0, "last_request": time.time()} for m in models}
+    redis_client().hset(demand.LOAD_KEY, "bench", demand.encode({"at": time.time(), "models": load, "replicas": {}}))
+    reconcile.reconcile_unlocked(timezone.now(), scaled)
+    sent.clear()
+    pass_scaled_s, _ = timed(lambda: reconcile.reconcile_unlocked(timezone.now(), scaled), options.runs)
+    redis_client().hdel(demand.LOAD_KEY, "bench")
+
     print(f"{len(nodes)} nodes, {len(models)} models, {wanted} replicas wanted; median of {options.runs} runs")
     print(
         f"  place, empty fleet   {first_s * 1000:8.1f} ms  ({len(plan.assign)} placed, {len(plan.unplaced)} unplaceable)"
     )
     print(f"  place, steady        {steady_s * 1000:8.1f} ms")
     print(f"  pass, first          {pass_first_s * 1000:8.1f} ms  ({len(pass_plan.assign)} replicas written)")
-    print(f"  pass, steady         {pass_steady_s * 1000:8.1f} ms  ({len(sent)} messages to agents)")
+    print(f"  pass, steady         {pass_steady_s * 1000:8.1f} ms")
+    print(f"  pass, steady, scaled {pass_scaled_s * 1000:8.1f} ms  ({len(sent)} messages to agents)")
     return 0
 
 

@@ -31,7 +31,16 @@ class ModelAdmin(admin.ModelAdmin):
         (None, {"fields": ["name", "description", "aliases", "source"]}),
         (
             "Serving",
-            {"fields": [("context_length", "max_output"), "kind", "routing_profile", ("scaling_min", "scaling_max")]},
+            {"fields": [("context_length", "max_output"), "kind", "routing_profile"]},
+        ),
+        (
+            "Replicas",
+            {
+                "fields": [("scaling_min", "scaling_max"), "target_load", ("quiet_s", "idle_s"), "priority"],
+                "description": "The count moves between fewest and most with the load the gateway sees: up at once "
+                "when requests wait or the load per ready replica passes the target, down one replica at a time "
+                "after the quiet period, and with fewest 0 to none after the idle time.",
+            },
         ),
         ("Where it came from", {"fields": ["declared", "added_by", "added_at"]}),
     ]

@@ -14,7 +14,7 @@ import yaml
 from django.db import transaction
 
 from .models import Engine, Kind, Model, Profile
-from .rules import alias_problem, args_problem, name_problem, scaling_problem, selector_problem
+from .rules import alias_problem, args_problem, name_problem, scaling_problem, selector_problem, target_load_problem
 
 MODEL_KEYS = {
     "name",
@@ -28,6 +28,7 @@ MODEL_KEYS = {
     "scaling",
     "profiles",
 }
+SCALING_KEYS = {"min", "max", "target_load", "quiet_s", "idle_s", "priority"}
 PROFILE_KEYS = {"name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus"}
 
 
@@ -99,11 +100,17 @@ def _model(path, index: int, entry) -> dict:
     if problem := alias_problem(aliases):
         raise CatalogFileError(f"{where}: aliases: {problem}")
     scaling = entry.get("scaling") or {}
-    if not isinstance(scaling, dict) or set(scaling) - {"min", "max"}:
-        raise CatalogFileError(f"{where}: scaling must be written {{min: N, max: N}}")
+    if not isinstance(scaling, dict) or set(scaling) - SCALING_KEYS:
+        raise CatalogFileError(
+            f"{where}: scaling must be written {{min: N, max: N}}, with optionally "
+            "target_load, quiet_s, idle_s and priority"
+        )
     scaling_min = _whole(where, "scaling.min", scaling.get("min"), 1)
     scaling_max = _whole(where, "scaling.max", scaling.get("max"), scaling_min)
     if problem := scaling_problem(scaling_min, scaling_max):
+        raise CatalogFileError(f"{where}: scaling: {problem}")
+    target_load = _whole(where, "scaling.target_load", scaling.get("target_load"), 1)
+    if problem := target_load_problem(target_load):
         raise CatalogFileError(f"{where}: scaling: {problem}")
     profiles = entry.get("profiles")
     if not isinstance(profiles, list) or not profiles:
@@ -119,6 +126,10 @@ def _model(path, index: int, entry) -> dict:
         "routing_profile": str(entry.get("routing_profile") or "chat"),
         "scaling_min": scaling_min,
         "scaling_max": scaling_max,
+        "target_load": target_load,
+        "quiet_s": _whole(where, "scaling.quiet_s", scaling.get("quiet_s"), 300),
+        "idle_s": _whole(where, "scaling.idle_s", scaling.get("idle_s"), 900),
+        "priority": _whole(where, "scaling.priority", scaling.get("priority"), 100),
         "profiles": [_profile(where, i, p) for i, p in enumerate(profiles)],
     }
     profile_names = [p["name"] for p in model["profiles"]]

@@ -16,6 +16,7 @@ from .rules import (
     scaling_problem,
     selector_problem,
     source_problem,
+    target_load_problem,
 )
 
 
@@ -54,6 +55,28 @@ class Model(models.Model):
     routing_profile = models.CharField(max_length=50, default="chat")
     scaling_min = models.PositiveIntegerField("fewest replicas", default=1)
     scaling_max = models.PositiveIntegerField("most replicas", default=1)
+    # Between fewest and most the count follows the load the gateway sees (fleet.autoscale).
+    target_load = models.PositiveIntegerField(
+        "target load",
+        default=1,
+        help_text="Requests in flight per ready replica before another is added. 1 for llama.cpp as the agent "
+        "runs it (one answer at a time); N for llama-server with --parallel N.",
+    )
+    quiet_s = models.PositiveIntegerField(
+        "quiet period (s)",
+        default=300,
+        help_text="How long the load must stay below what the replicas serve before one of them is stopped.",
+    )
+    idle_s = models.PositiveIntegerField(
+        "idle time (s)",
+        default=900,
+        help_text="With fewest 0: how long without a request before the last replica stops.",
+    )
+    priority = models.PositiveIntegerField(
+        default=100,
+        help_text="When a model waking fits on no node, idle replicas of lower priority are stopped first to "
+        "make room, and never one of a model of higher priority than the one waking.",
+    )
     # A username, or "configuration" for a declared model: who to ask about it.
     added_by = models.CharField(max_length=150, blank=True)
     added_at = models.DateTimeField(default=timezone.now)
@@ -74,6 +97,8 @@ class Model(models.Model):
             errors["aliases"] = problem
         if problem := scaling_problem(self.scaling_min, self.scaling_max):
             errors["scaling_max"] = problem
+        if problem := target_load_problem(self.target_load):
+            errors["target_load"] = problem
         if not self.declared and (problem := source_problem(self.source)):
             errors["source"] = problem
         others = Model.objects.exclude(pk=self.pk).values_list("name", "aliases", "declared")

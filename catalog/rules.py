@@ -63,6 +63,12 @@ def scaling_problem(minimum: int | None, maximum: int | None) -> str | None:
     return None
 
 
+def target_load_problem(target: int | None) -> str | None:
+    if target is not None and target < 1:
+        return "the target load is requests in flight per replica, at least 1"
+    return None
+
+
 def source_problem(source: str, byte_base: str | None = None) -> str | None:
     """Why this source is not an address on the byte listener, or None.
 

@@ -12,12 +12,12 @@ from django.utils.html import format_html_join
 from common.admin import RecordAdmin
 
 from . import reconcile
-from .models import Replica
+from .models import Replica, Scale
 
 
 @admin.register(Replica)
 class ReplicaAdmin(RecordAdmin):
-    list_display = ["model_name", "profile_name", "node", "state", "endpoint", "short_reason", "since"]
+    list_display = ["model_name", "profile_name", "node", "state", "cause", "endpoint", "short_reason", "since"]
     list_filter = ["state", "node", "model_name"]
     search_fields = ["model_name", "node__name", "reason"]
     list_select_related = ["node"]
@@ -35,6 +35,7 @@ class ReplicaAdmin(RecordAdmin):
         "args",
         "memory_gb",
         "gpus",
+        "cause",
         "created",
     ]
     exclude = ["reason"]
@@ -57,10 +58,24 @@ class ReplicaAdmin(RecordAdmin):
     def replace(self, request, queryset) -> None:
         stopped = 0
         with transaction.atomic():
-            for replica in queryset.select_for_update().exclude(state=Replica.State.STOPPING):
+            # of=self: the changelist joins the node, which may be none, and PostgreSQL
+            # refuses to lock the nullable side of an outer join.
+            for replica in queryset.select_for_update(of=("self",)).exclude(state=Replica.State.STOPPING):
                 if replica.node_id is None:
                     replica.delete()
                     continue
                 reconcile.stop(replica, f"stopped by {request.user}")
                 stopped += 1
         self.message_user(request, f"{stopped} replica(s) asked to stop.", messages.SUCCESS)
+
+
+@admin.register(Scale)
+class ScaleAdmin(RecordAdmin):
+    """The autoscaler's count per model and why it last changed: the control plane's own state.
+
+    A RecordAdmin: the count follows the load; staff change the bounds in the catalog.
+    """
+
+    list_display = ["model_name", "replicas", "why", "changed"]
+    search_fields = ["model_name"]
+    readonly_fields = ["model_name", "replicas", "why", "changed", "last_request", "busy_at"]

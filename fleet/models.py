@@ -100,6 +100,9 @@ class Replica(models.Model):
     args = models.JSONField(default=list, blank=True)
     memory_gb = models.PositiveIntegerField(default=0)
     gpus = models.PositiveIntegerField(default=0)
+    # Why placement added it: "fewest", "load", "a request woke it" (fleet.autoscale).
+    # Why it is stopping is its `reason`, e.g. "idle 15 min" or "stopped to make room for M".
+    cause = models.CharField("added for", max_length=200, blank=True)
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -117,6 +120,31 @@ class Replica(models.Model):
         self.reason = reason
         if endpoint is not None:
             self.endpoint = endpoint
+
+
+class Scale(models.Model):
+    """How many replicas the autoscaler wants of a model now, between its fewest and most.
+
+    The catalog says the bounds; this row is the control plane's own state, kept
+    across passes: the count, when it last changed and why, and when the model was
+    last asked for (the gateway's snapshots only live seconds).
+    """
+
+    model_name = models.CharField("model", max_length=200, unique=True)
+    replicas = models.PositiveIntegerField(default=0)
+    changed = models.DateTimeField(default=timezone.now, help_text="when the count last changed")
+    why = models.CharField(max_length=300, blank=True, help_text="why the count last changed")
+    # Unix time of the last request the gateway saw, or of the last wake.
+    last_request = models.FloatField(default=0)
+    # Unix time the load last needed every replica it has: the quiet period runs from here.
+    busy_at = models.FloatField(default=0)
+
+    class Meta:
+        ordering = ["model_name"]
+        verbose_name = "replica count"
+
+    def __str__(self) -> str:
+        return f"{self.model_name}: {self.replicas}"
 
 
 class FetchQuerySet(models.QuerySet):

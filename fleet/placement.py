@@ -10,107 +10,32 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+
+from . import room as making_room
+from .snapshots import (  # noqa: F401  (the snapshots are placement's words: imported from here too)
+    FAILED,
+    FETCHING,
+    HOLDING_WEIGHTS,
+    MAKING_ROOM,
+    PENDING,
+    READY,
+    STARTING,
+    STOPPING,
+    Assignment,
+    ModelView,
+    NodeView,
+    Plan,
+    ProfileView,
+    ReplicaView,
+    Scaling,
+    Unplaced,
+)
 
 # How a node's reasons are shown when nothing fits. Past a few nodes per reason
 # and a few reasons, a list of a thousand node names tells staff nothing.
 NAMES_PER_REASON = 3
 REASONS_SHOWN = 8
-
-# Replica states, as fleet.Replica spells them.
-PENDING, FETCHING, STARTING, READY, FAILED, STOPPING = "pending", "fetching", "starting", "ready", "failed", "stopping"
-# States in which the node has the weights on disk.
-HOLDING_WEIGHTS = {STARTING, READY, STOPPING}
-
-
-@dataclass(frozen=True)
-class NodeView:
-    name: str
-    ready: bool = True
-    draining: bool = False
-    engines: frozenset[str] = frozenset()
-    # Installed but failing the agent's self-test: {engine: why}. Never in `engines`.
-    engines_unusable: dict[str, str] = field(default_factory=dict)
-    memory_gb: int = 0
-    gpus: int = 0
-    labels: dict[str, str] = field(default_factory=dict)
-    # Sources whose weights are already on this node's disk.
-    holds: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class ProfileView:
-    name: str
-    engine: str
-    args: tuple[str, ...] = ()
-    weight: int = 1
-    priority: int = 100
-    min_memory_gb: int = 0
-    node_selector: dict[str, str] = field(default_factory=dict)
-    gpus: int = 0
-
-
-@dataclass(frozen=True)
-class ModelView:
-    name: str
-    source: str
-    replicas: int
-    profiles: tuple[ProfileView, ...] = ()
-
-
-@dataclass(frozen=True)
-class ReplicaView:
-    id: int
-    model: str
-    profile: str
-    node: str | None
-    state: str = PENDING
-    # What the replica holds on its node, copied from its profile when placed, so
-    # that editing a profile does not change the books of an engine already running.
-    memory_gb: int = 0
-    gpus: int = 0
-    source: str = ""
-    # What its engine was started with; None when not known (a row from before it was kept).
-    engine: str | None = None
-    args: tuple[str, ...] | None = None
-
-    def runs_as(self, model: ModelView, profile: ProfileView) -> bool:
-        """Whether its engine runs what the catalog now says: same weights, engine and arguments."""
-        if self.source and self.source != model.source:
-            return False
-        if self.engine is not None and self.engine != profile.engine:
-            return False
-        return self.args is None or tuple(self.args) == tuple(profile.args)
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """Run a replica of `model` with `profile` on `node`; `replica` is None for a new one."""
-
-    replica: int | None
-    model: str
-    profile: ProfileView
-    node: str
-    source: str
-
-
-@dataclass(frozen=True)
-class Unplaced:
-    """A replica that fits nowhere: `reason` says, per node, why not."""
-
-    replica: int | None
-    model: str
-    reason: str
-
-
-@dataclass
-class Plan:
-    assign: list[Assignment] = field(default_factory=list)
-    unplaced: list[Unplaced] = field(default_factory=list)
-    # Replicas whose engine must be stopped on their node.
-    stop: list[int] = field(default_factory=list)
-    # Rows to delete: nothing is running for them anywhere the control plane can reach.
-    forget: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -141,6 +66,8 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
         live, outdated = _current_and_outdated(model, by_model.get(model.name, []))
         live = _trim_extras(plan, model, live, rooms)
         unplaced = _place_missing(plan, model, live, rooms, usable_by_engine, engines_known)
+        if unplaced and model.make_room:
+            _make_room(plan, model, wanted, by_model, rooms, engines_known)
         _retire(plan, model, live, outdated, unplaced, rooms, engines_known)
     return plan
 
@@ -196,6 +123,10 @@ def _current_and_outdated(model: ModelView, held: list[ReplicaView]) -> tuple[li
     for replica in held:
         if replica.state == STOPPING:
             continue
+        if replica.node is None and not replica.profile:
+            # Never placed (pending, with the reason it fits nowhere): nothing runs to be outdated.
+            live.append(replica)
+            continue
         if replica.profile not in profiles or not replica.runs_as(model, profiles[replica.profile]):
             # Its profile was removed, or the catalog entry was edited (a new
             # --ctx-size, another version): an engine keeps what it was started
@@ -210,15 +141,20 @@ def _trim_extras(plan: Plan, model: ModelView, live: list[ReplicaView], rooms: d
     """Stop what is over the count; what is left."""
 
     # Extras go first where they cost least: not yet placed, then on lost
-    # nodes, then failed, then the newest.
+    # nodes, then failed, then idle, then the newest. One with requests in flight
+    # is never stopped: it stays until a later pass finds it idle.
     def expendable(r: ReplicaView) -> tuple:
-        return (r.node is not None, _reachable(r, rooms), r.state != FAILED, -r.id)
+        return (r.node is not None, _reachable(r, rooms), r.state != FAILED, r.id in model.busy, -r.id)
 
     live = sorted(live, key=expendable)
     extra = max(0, len(live) - model.replicas)
+    kept = []
     for replica in live[:extra]:
-        _stop(plan, replica, rooms)
-    return live[extra:]
+        if replica.id in model.busy and _reachable(replica, rooms):
+            kept.append(replica)
+            continue
+        _stop(plan, replica, rooms, model.stop_reason)
+    return kept + live[extra:]
 
 
 def _place_missing(
@@ -246,7 +182,9 @@ def _place_missing(
         assignment = _place_one(model, replica_id, usable_by_engine, on_node, per_profile)
         if assignment is None:
             unplaced += 1
-            plan.unplaced.append(Unplaced(replica_id, model.name, explain(model, rooms.values(), engines_known)))
+            plan.unplaced.append(
+                Unplaced(replica_id, model.name, explain(model, rooms.values(), engines_known), model.cause)
+            )
             continue
         room = rooms[assignment.node]
         room.memory_gb -= assignment.profile.min_memory_gb
@@ -291,6 +229,67 @@ def _retire(
             unplaced -= 1
 
 
+def _make_room(
+    plan: Plan,
+    model: ModelView,
+    wanted: dict[str, ModelView],
+    by_model: dict[str, list[ReplicaView]],
+    rooms: dict[str, _Room],
+    engines_known: bool,
+) -> None:
+    """Stop idle replicas of other models so that this one fits (fleet.room has the rules).
+
+    Its replica stays unplaced this pass, saying where it waits: the room is booked
+    until the stopped engines are gone, and the next pass places it there.
+    """
+    priority = model.scaling.priority if model.scaling else 100
+    told = set(plan.stop)
+    stopping: dict[str, tuple[int, int]] = {}
+    candidates, spare = [], {}
+    for name, held in by_model.items():
+        other = wanted.get(name)
+        reachable = [r for r in held if _reachable(r, rooms)]
+        for r in reachable:
+            if r.state == STOPPING or r.id in told:
+                memory, gpus = stopping.get(r.node, (0, 0))
+                stopping[r.node] = (memory + r.memory_gb, gpus + r.gpus)
+        if other is None or other.scaling is None or name == model.name or other.scaling.priority > priority:
+            continue
+        live = [r for r in reachable if r.state != STOPPING and r.id not in told]
+        spare[name] = len(live) - other.scaling.fewest
+        candidates += [
+            making_room.Candidate(r.id, name, r.node, r.memory_gb, r.gpus, other.scaling.priority, other.last_request)
+            for r in live
+            if r.state in (READY, FAILED) and r.id not in other.busy
+        ]
+    free = {n: (room.memory_gb, room.gpus) for n, room in rooms.items() if room.node.ready and not room.node.draining}
+
+    def fits_with(node: str, memory: int, gpus: int) -> bool:
+        freed = _Room(rooms[node].node, memory, gpus)
+        return any(why_not(profile, freed, engines_known) is None for profile in model.profiles)
+
+    choice = making_room.choose(candidates, spare, free, stopping, fits_with)
+    if choice is None:
+        return
+    for victim in choice.stop:
+        _stop(
+            plan,
+            next(r for r in by_model[victim.model] if r.id == victim.replica),
+            rooms,
+            f"{MAKING_ROOM}{model.name}",
+        )
+        plan.made_room[victim.model] = plan.made_room.get(victim.model, 0) + 1
+    names = sorted({v.model for v in choice.stop})
+    waiting = (
+        f"waiting for room on {choice.node}: stopping idle replicas of {', '.join(names)}"
+        if names
+        else f"waiting for room on {choice.node}: replicas there are stopping"
+    )
+    for i, u in enumerate(plan.unplaced):
+        if u.model == model.name:
+            plan.unplaced[i] = replace(u, reason=waiting)
+
+
 def _frees_room_for(model: ModelView, replica: ReplicaView, rooms: dict[str, _Room], engines_known: bool) -> bool:
     """Whether a current profile would fit on this replica's node once the replica is gone."""
     room = rooms[replica.node]
@@ -303,8 +302,10 @@ def _reachable(replica: ReplicaView, rooms: dict[str, _Room]) -> bool:
     return replica.node is not None and room is not None and room.node.ready
 
 
-def _stop(plan: Plan, replica: ReplicaView, rooms: dict[str, _Room]) -> None:
+def _stop(plan: Plan, replica: ReplicaView, rooms: dict[str, _Room], reason: str = "") -> None:
     (plan.stop if _reachable(replica, rooms) else plan.forget).append(replica.id)
+    if reason:
+        plan.stop_reasons[replica.id] = reason
 
 
 def profile_order(profiles: Sequence[ProfileView], per_profile: dict[str, int]) -> list[ProfileView]:
@@ -338,7 +339,7 @@ def _place_one(
             if best_key is None or key < best_key:
                 best, best_key = room, key
         if best is not None:
-            return Assignment(replica_id, model.name, profile, best.node.name, model.source)
+            return Assignment(replica_id, model.name, profile, best.node.name, model.source, model.cause)
     return None
 
 

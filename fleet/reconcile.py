@@ -21,9 +21,10 @@ from catalog.models import Model
 from contracts import credentials, signing, tasks
 from contracts.engine_args import kind_args
 
+from . import autoscale
 from .live import listening_since, redis_client
 from .models import Fetch, Node, Replica, heard_from_lately
-from .placement import HOLDING_WEIGHTS, ModelView, NodeView, Plan, ProfileView, ReplicaView, place
+from .placement import HOLDING_WEIGHTS, MAKING_ROOM, ModelView, NodeView, Plan, ProfileView, ReplicaView, Scaling, place
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ STOP_RESEND_S = 60
 LOCK_NAME = "fleet:reconcile"
 # A pass takes well under a second; a lock older than this is a pass that died or hangs.
 LOCK_TIMEOUT_S = 60
+# pg_advisory_xact_lock's key for a pass ("llmgw" as digits): see reconcile_unlocked.
+PASS_LOCK_KEY = 0x6C6C6D6777
 
 
 def retry_delay(attempts: int) -> timedelta:
@@ -86,6 +89,7 @@ def model_views() -> list[ModelView]:
             name=m.name,
             source=m.source,
             replicas=m.scaling_min,
+            scaling=Scaling(m.scaling_min, m.scaling_max, m.target_load, m.quiet_s, m.idle_s, m.priority),
             profiles=tuple(
                 ProfileView(
                     name=p.name,
@@ -215,20 +219,36 @@ def _break_foreign_lock(client: redis.Redis) -> bool:
 def reconcile_unlocked(
     now: datetime, models: list[ModelView] | None = None, heard_since: datetime | None = None
 ) -> Plan:
+    if connection.vendor == "postgresql":
+        # The Redis lock can expire under a pass (one stalled longer than LOCK_TIMEOUT_S) or be
+        # deleted by anyone who reaches Redis; then two passes would both read "no replica yet"
+        # and both place one. The database's own lock, held to this transaction's end, keeps
+        # them in turn. (SQLite's IMMEDIATE transactions take its one write lock at BEGIN.)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [PASS_LOCK_KEY])
     if models is None:
         models = model_views()
     nodes = list(Node.objects.all())
     by_name = {n.name: n for n in nodes}
     node_names = {n.pk: n.name for n in nodes}
-    replicas = list(Replica.objects.select_related("node"))
+    # Locked to the pass's end: a node's report on one of them waits rather than being
+    # overwritten by a pass that read the row before it.
+    replicas = list(Replica.objects.select_related("node").select_for_update(of=("self",)))
     by_id = {r.pk: r for r in replicas}
+    # Each model's count for this pass, between its fewest and most, from the gateway's load.
+    models = autoscale.apply(models, replicas, now)
     plan = place(node_views(nodes, replicas, now, heard_since), models, replica_views(replicas, node_names))
+    autoscale.made_room(plan)
     ready_nodes = {n.name for n in nodes if heard(n, now, heard_since)}
     running = running_on(sorted(ready_nodes))
 
     Replica.objects.filter(pk__in=plan.forget).delete()
     for replica_id in plan.stop:
-        stop(by_id[replica_id])
+        stop(by_id[replica_id], plan.stop_reasons.get(replica_id, ""))
+        if replica_id in plan.stop_reasons:
+            log.info(
+                "replica %s of %s stopped: %s", replica_id, by_id[replica_id].model_name, plan.stop_reasons[replica_id]
+            )
 
     for a in plan.assign:
         replica = by_id[a.replica] if a.replica is not None else Replica(model_name=a.model)
@@ -240,6 +260,8 @@ def reconcile_unlocked(
         replica.memory_gb = a.profile.min_memory_gb
         replica.gpus = a.profile.gpus
         replica.endpoint = ""
+        if not replica.cause:
+            replica.cause = a.cause
         replica.enter(Replica.State.PENDING)
         replica.save()
         transaction.on_commit(lambda r=replica: send_start(r))
@@ -248,6 +270,7 @@ def reconcile_unlocked(
         replica = by_id[u.replica] if u.replica is not None else Replica(model_name=u.model)
         replica.node = None
         replica.endpoint = ""
+        replica.cause = replica.cause or u.cause
         replica.enter(Replica.State.PENDING, u.reason)
         replica.save()
 
@@ -365,6 +388,9 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
         if state == "stopped":
             if replica.state == Replica.State.STOPPING:
                 replica.delete()
+                if replica.reason.startswith(MAKING_ROOM):
+                    # A model waits for this room: placed now, not at the next beat.
+                    transaction.on_commit(lambda: current_app.send_task(tasks.RECONCILE, queue=tasks.CONTROL_QUEUE))
                 return "deleted: stopped as asked"
             replica.attempts += 1
             replica.enter(Replica.State.FAILED, reason or "the engine stopped without being asked to")

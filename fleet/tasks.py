@@ -5,9 +5,10 @@ import logging
 
 from celery import shared_task
 
-from contracts import tasks
+from catalog.models import Model
+from contracts import demand, tasks
 
-from . import enrolment
+from . import autoscale, enrolment
 from . import reconcile as reconciling
 from .live import redis_client
 from .metrics import RECONCILE
@@ -89,3 +90,23 @@ def fetch_finished(token: str, report: tasks.FetchReport) -> None:
         log.warning("fetch report refused: the token does not enrol a node called %r", report.get("node"))
         return
     Fetch.objects.record(node, report)
+
+
+@shared_task(name=demand.WAKE, ignore_result=True)
+def wake(model: str) -> None:
+    """A request waits for a model with no ready replica: want at least one, and place it now.
+
+    Sent by the gateway's first waiting request (contracts/demand.py); safe to run twice:
+    a model already wanted keeps its count, and the pass finds it placed.
+    """
+    bounds = Model.objects.filter(name=str(model)).values_list("scaling_min", "scaling_max").first()
+    if bounds is None:
+        log.info("wake for %r ignored: no such model in the catalog", model)
+        return
+    if not autoscale.wake(str(model), most=bounds[1], fewest=bounds[0]):
+        log.info("wake for %s ignored: its most replicas is 0", model)
+        return
+    with RECONCILE.time():
+        if reconciling.reconcile() is None:
+            # Another pass holds the lock and may have read the count before it changed.
+            reconcile.apply_async(queue=tasks.CONTROL_QUEUE, countdown=0.2)

@@ -151,6 +151,9 @@ class Gateway:
             await asyncio.sleep(wait)
         while self._last_refresh_start < asked:
             await self.refresh()
+        if self._refreshing is not None:
+            # A periodic read that began during the wait above counts, but only once it has ended.
+            await asyncio.shield(self._refreshing)
 
     def _read_table(self) -> routes.Table:
         # The thread keeps its connection between reads: a read with nothing changed is

@@ -13,9 +13,13 @@ from a2wsgi import WSGIMiddleware  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.core.wsgi import get_wsgi_application  # noqa: E402
 
+# Sets Django up first: with --workers each process imports this module afresh, and the
+# gateway's modules use Django's models.
+django_wsgi = get_wsgi_application()
+
 from gateway.app import Gateway  # noqa: E402
 
-django_pages = WSGIMiddleware(get_wsgi_application(), workers=settings.ADMIN_THREADS)
+django_pages = WSGIMiddleware(django_wsgi, workers=settings.ADMIN_THREADS)
 gateway = Gateway()
 
 

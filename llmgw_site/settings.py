@@ -35,6 +35,20 @@ DEBUG = env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = [h.strip() for h in env_str("DJANGO_ALLOWED_HOSTS", "*").split(",") if h.strip()]
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
 
+# The admin port behind a TLS proxy (docs/fleet.md): the proxy says the request came over
+# HTTPS, plain HTTP is sent there, cookies travel only over it, and browsers are told to
+# keep to it (HSTS). `manage.py check --deploy` is clean with it on.
+HTTPS = env_bool("LLMGW_HTTPS", False)
+if HTTPS:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = env_int("LLMGW_HSTS_S", 31536000, minimum=0)
+    # Whether every subdomain, and the browsers' preload list, go HTTPS-only is the
+    # domain owner's decision, not one an application can make for them.
+    SILENCED_SYSTEM_CHECKS = ["security.W005", "security.W021"]
+
 # --- where things are -------------------------------------------------------
 
 MIRROR_ROOT = env_path("LLMGW_MIRROR_ROOT", VAR_DIR / "mirror", BASE_DIR)
@@ -85,6 +99,8 @@ GATEWAY_UPSTREAM_LOST_S = env_int("LLMGW_GATEWAY_UPSTREAM_LOST_S", 15, minimum=1
 GATEWAY_MAX_BODY = env_int("LLMGW_GATEWAY_MAX_BODY", 32 * 1024 * 1024, minimum=1024)
 # Threads that run Django's own pages (admin, API) beside the gateway in the admin server.
 ADMIN_THREADS = env_int("LLMGW_ADMIN_THREADS", 16, minimum=1)
+# Processes `manage.py admin_server` runs on the admin port (its --workers); each has its own threads.
+ADMIN_WORKERS = env_int("LLMGW_ADMIN_WORKERS", 1, minimum=1)
 # Observability (docs/observability.md): who may scrape /metrics, what the gateway counts and logs.
 METRICS_TOKEN = env_str("LLMGW_METRICS_TOKEN", "")
 METRICS_ALLOW = [a.strip() for a in env_str("LLMGW_METRICS_ALLOW", "").split(",") if a.strip()]

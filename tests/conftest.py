@@ -7,6 +7,25 @@ from .processes import start_byte_listener, start_celery_worker
 
 
 @pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker):
+    """pytest-django's test database; on PostgreSQL, sessions left open are ended before it is dropped.
+
+    A connection some thread of the test process opened (Django keeps one per thread), or a
+    process a failed test left behind, would otherwise keep DROP DATABASE from running.
+    """
+    yield
+    from django.db import connection
+
+    with django_db_blocker.unblock():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+
+
+@pytest.fixture(scope="session")
 def shared_mirror_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("mirror")
 

@@ -18,8 +18,11 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 
 
 def test_database_url() -> str:
-    name = settings.DATABASES["default"]["NAME"]
-    return f"sqlite:///{name}"
+    """The test database (not the one it was named after) as a DATABASE_URL for child processes."""
+    db = settings.DATABASES["default"]
+    if db["ENGINE"] == "django.db.backends.sqlite3":
+        return f"sqlite:///{db['NAME']}"
+    return f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
 
 
 def process_env(**extra: str) -> dict:
@@ -311,11 +314,16 @@ def children_of(pid: int) -> list[int]:
         return []
 
 
-def start_admin_server(log_dir: Path, **settings_env) -> tuple[Process, str]:
+def start_admin_server(log_dir: Path, workers: int = 1, **settings_env) -> tuple[Process, str]:
     """`manage.py admin_server` (uvicorn: Django and the /v1/ gateway) on a free port, on the test database."""
     port = free_port()
     env = process_env(LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}", LLMGW_GATEWAY_REFRESH_MS=100, **settings_env)
-    process = Process("admin-server", [sys.executable, "manage.py", "admin_server"], env, log_dir)
+    argv = [sys.executable, "manage.py", "admin_server"] + (["--workers", str(workers)] if workers != 1 else [])
+    process = Process("admin-server", argv, env, log_dir)
     url = f"http://127.0.0.1:{port}"
-    wait_for_status(process, url + "/v1/models", 401, "the admin server")
+    try:
+        wait_for_status(process, url + "/v1/models", 401, "the admin server")
+    except AssertionError:
+        process.stop()  # with --workers, a supervisor whose workers fail goes on starting them
+        raise
     return process, url

@@ -1,12 +1,21 @@
-"""A pytest plugin, loaded before Django's settings: the tests' own Redis and var/.
+"""A pytest plugin, loaded before Django's settings: the tests' own Redis, PostgreSQL and var/.
 
-Loaded with `-p tests.services` so that REDIS_URL and LLMGW_VAR are set before
-pytest-django reads the settings. The tests start their own redis-server on a
-free port, so they never touch a Redis somebody is using.
+Loaded with `-p tests.services` so that REDIS_URL, DATABASE_URL and LLMGW_VAR are
+set before pytest-django reads the settings. The tests start their own
+redis-server and PostgreSQL server on free ports, so they never touch a server
+somebody is using.
+
+LLMGW_TEST_DATABASE picks the database the suite runs on: `postgres` (the
+default, what a fleet runs) or `sqlite` (what `make run` uses on one machine).
+`make test` runs the whole suite on PostgreSQL and the tests of what differs on
+SQLite (the Makefile's SQLITE_TESTS) a second time on SQLite.
 """
 
+import glob
 import os
+import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -32,6 +41,11 @@ def pytest_load_initial_conftests(early_config, parser, args):
     # The tests make their own database and catalog; a developer's must not leak in.
     for name in ("DATABASE_URL", "LLMGW_CATALOG", "LLMGW_ADMIN_USER", "LLMGW_ADMIN_PASSWORD"):
         os.environ.pop(name, None)
+    database = os.environ.get("LLMGW_TEST_DATABASE", "postgres")
+    if database == "postgres":
+        os.environ["DATABASE_URL"] = start_postgres()
+    elif database != "sqlite":
+        raise pytest.UsageError(f"LLMGW_TEST_DATABASE is {database!r}; it takes postgres or sqlite")
     binary = shutil.which("redis-server")
     if binary is None:
         raise pytest.UsageError("the tests need redis-server: `make test` installs it, or apt-get install redis-server")
@@ -58,11 +72,101 @@ def pytest_load_initial_conftests(early_config, parser, args):
     os.environ["REDIS_URL"] = url
 
 
+def postgres_bin() -> str | None:
+    """Debian's PostgreSQL server programs (/usr/lib/postgresql/N/bin, the newest), or those on PATH."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    if found:
+        return os.path.dirname(found[-1])
+    initdb = shutil.which("initdb")
+    return os.path.dirname(initdb) if initdb else None
+
+
+def start_postgres() -> str:
+    """A private PostgreSQL server for this run: initdb in a temporary directory, a free loopback port.
+
+    PostgreSQL refuses to run as root (CI and `make test` as root), so there it runs as
+    `nobody` in a directory that user owns. Durability is off: the cluster is thrown away.
+    """
+    bindir = postgres_bin()
+    if bindir is None:
+        raise pytest.UsageError(
+            "the tests need PostgreSQL's server (initdb, postgres): `make test` installs it, or "
+            "apt-get install postgresql; LLMGW_TEST_DATABASE=sqlite runs them on SQLite instead"
+        )
+    home = tempfile.mkdtemp(prefix="llmgw-test-pg-")
+    _state["pg_home"] = home
+    run_as: dict = {}
+    if os.geteuid() == 0:
+        user = pwd.getpwnam("nobody")
+        os.chown(home, user.pw_uid, user.pw_gid)
+        run_as = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
+    data = os.path.join(home, "data")
+    initdb = subprocess.run(
+        [
+            os.path.join(bindir, "initdb"),
+            "-D",
+            data,
+            "-U",
+            "llmgw",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-locale",
+            "--no-sync",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=home,
+        **run_as,
+    )
+    if initdb.returncode != 0:
+        raise pytest.UsageError(f"the tests' PostgreSQL could not be made (initdb):\n{initdb.stderr}")
+    port = free_port()
+    log = open(os.path.join(home, "postgres.log"), "ab")
+    process = subprocess.Popen(
+        [os.path.join(bindir, "postgres"), "-D", data, "-p", str(port), "-h", "127.0.0.1", "-k", home]
+        + ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        + ["-c", "max_connections=400", "-c", "shared_buffers=64MB"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=home,
+        **run_as,
+    )
+    _state["postgres"] = process
+    import psycopg
+
+    url = f"postgres://llmgw@127.0.0.1:{port}/llmgw"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with psycopg.connect(f"host=127.0.0.1 port={port} user=llmgw dbname=postgres", autocommit=True) as conn:
+                conn.execute("CREATE DATABASE llmgw")
+            return url
+        except psycopg.OperationalError:
+            if process.poll() is not None:
+                break
+            time.sleep(0.1)
+    process.kill()
+    with open(os.path.join(home, "postgres.log"), errors="replace") as fh:
+        raise pytest.UsageError(f"the tests' PostgreSQL did not start:\n{fh.read()[-2000:]}")
+
+
 def pytest_unconfigure(config):
     process = _state.pop("redis", None)
     if process is not None:
         process.terminate()
         process.wait(timeout=10)
+    process = _state.pop("postgres", None)
+    if process is not None:
+        process.send_signal(signal.SIGINT)  # PostgreSQL's fast shutdown: end the sessions, stop
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    home = _state.pop("pg_home", None)
+    if home and not os.environ.get("LLMGW_KEEP_TEST_VAR"):
+        shutil.rmtree(home, ignore_errors=True)
     var = _state.pop("var", None)
     if var and not os.environ.get("LLMGW_KEEP_TEST_VAR"):
         shutil.rmtree(var, ignore_errors=True)

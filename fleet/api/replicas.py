@@ -8,7 +8,7 @@ follows.
 from django_filters import rest_framework as filters
 from rest_framework import serializers, viewsets
 
-from ..models import Replica
+from ..models import Replica, Scale
 
 
 class ReplicaSerializer(serializers.ModelSerializer):
@@ -33,6 +33,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "args",
             "memory_gb",
             "gpus",
+            "cause",
         ]
         read_only_fields = fields
 
@@ -56,3 +57,26 @@ class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
     serializer_class = ReplicaSerializer
     queryset = Replica.objects.select_related("node")
     filterset_class = ReplicaFilter
+
+
+class ScaleSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model_name", read_only=True)
+
+    class Meta:
+        model = Scale
+        fields = ["model", "replicas", "why", "changed", "last_request"]
+        read_only_fields = fields
+
+
+class ScaleViewSet(viewsets.ReadOnlyModelViewSet):
+    """How many replicas the autoscaler wants of each model now, and why it last changed.
+
+    The bounds (fewest, most, target load, quiet period, idle time) are the catalog's;
+    `last_request` is the Unix time of the last request the gateway saw, or of the last wake.
+    """
+
+    serializer_class = ScaleSerializer
+    queryset = Scale.objects.all()
+    lookup_field = "model_name"
+    lookup_url_kwarg = "model"
+    lookup_value_regex = "[^/]+"

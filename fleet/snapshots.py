@@ -1,0 +1,134 @@
+"""What placement reads and writes: plain snapshots of the fleet, the catalog and a plan.
+
+Kept apart from the rules (`fleet.placement`) so that the rules' helpers
+(`fleet.room`) and the benchmark can share them without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# What a replica stopped for another model's room says (fleet.room).
+MAKING_ROOM = "stopped to make room for "
+# Replica states, as fleet.Replica spells them.
+PENDING, FETCHING, STARTING, READY, FAILED, STOPPING = "pending", "fetching", "starting", "ready", "failed", "stopping"
+# States in which the node has the weights on disk.
+HOLDING_WEIGHTS = {STARTING, READY, STOPPING}
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    ready: bool = True
+    draining: bool = False
+    engines: frozenset[str] = frozenset()
+    # Installed but failing the agent's self-test: {engine: why}. Never in `engines`.
+    engines_unusable: dict[str, str] = field(default_factory=dict)
+    memory_gb: int = 0
+    gpus: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+    # Sources whose weights are already on this node's disk.
+    holds: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ProfileView:
+    name: str
+    engine: str
+    args: tuple[str, ...] = ()
+    weight: int = 1
+    priority: int = 100
+    min_memory_gb: int = 0
+    node_selector: dict[str, str] = field(default_factory=dict)
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """A model's bounds and pace from the catalog, for the autoscaler (fleet.autoscale)."""
+
+    fewest: int = 1
+    most: int = 1
+    target_load: int = 1
+    quiet_s: int = 300
+    idle_s: int = 900
+    priority: int = 100
+
+
+@dataclass(frozen=True)
+class ModelView:
+    name: str
+    source: str
+    replicas: int
+    profiles: tuple[ProfileView, ...] = ()
+    # None: held at `replicas`, never stopped to make room for another (a snapshot a test built).
+    scaling: Scaling | None = None
+    # Set by the autoscaler for this pass: replicas with requests in flight (never stopped),
+    # why a new replica is added, what a replica stopped for a lower count says, whether it
+    # may stop idle replicas of other models when it fits nowhere, and when it was last asked for.
+    busy: frozenset[int] = frozenset()
+    cause: str = ""
+    stop_reason: str = ""
+    make_room: bool = False
+    last_request: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    id: int
+    model: str
+    profile: str
+    node: str | None
+    state: str = PENDING
+    # What the replica holds on its node, copied from its profile when placed, so
+    # that editing a profile does not change the books of an engine already running.
+    memory_gb: int = 0
+    gpus: int = 0
+    source: str = ""
+    # What its engine was started with; None when not known (a row from before it was kept).
+    engine: str | None = None
+    args: tuple[str, ...] | None = None
+
+    def runs_as(self, model: ModelView, profile: ProfileView) -> bool:
+        """Whether its engine runs what the catalog now says: same weights, engine and arguments."""
+        if self.source and self.source != model.source:
+            return False
+        if self.engine is not None and self.engine != profile.engine:
+            return False
+        return self.args is None or tuple(self.args) == tuple(profile.args)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Run a replica of `model` with `profile` on `node`; `replica` is None for a new one."""
+
+    replica: int | None
+    model: str
+    profile: ProfileView
+    node: str
+    source: str
+    cause: str = ""
+
+
+@dataclass(frozen=True)
+class Unplaced:
+    """A replica that fits nowhere: `reason` says, per node, why not."""
+
+    replica: int | None
+    model: str
+    reason: str
+    cause: str = ""
+
+
+@dataclass
+class Plan:
+    assign: list[Assignment] = field(default_factory=list)
+    unplaced: list[Unplaced] = field(default_factory=list)
+    # Replicas whose engine must be stopped on their node.
+    stop: list[int] = field(default_factory=list)
+    # Rows to delete: nothing is running for them anywhere the control plane can reach.
+    forget: list[int] = field(default_factory=list)
+    # What a stopped replica says, by id, when there is more to say than "stopping".
+    stop_reasons: dict[int, str] = field(default_factory=dict)
+    # Replicas stopped to make room for another model, counted per model: their counts go down.
+    made_room: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,173 @@
+"""deploy/: the systemd units and environment files docs/fleet.md tells an operator to copy."""
+
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from .processes import BASE_DIR, process_env
+
+DEPLOY = BASE_DIR / "deploy"
+UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
+
+
+def test_there_is_a_unit_for_each_control_plane_process_and_the_agent():
+    assert {u.name for u in UNITS} == {
+        "llmgw-admin.service",
+        "llmgw-bytes.service",
+        "llmgw-control.service",
+        "llmgw-agent.service",
+    }
+    control = (DEPLOY / "systemd" / "llmgw-control.service").read_text()
+    assert "--beat" in control and "-Q control" in control
+    # Engines outlive an agent restart: systemd must not kill them with it.
+    assert "KillMode=process" in (DEPLOY / "systemd" / "llmgw-agent.service").read_text()
+
+
+def _as_installed_here(tmp_path: Path) -> list[Path]:
+    """The units with /opt/llmgw and /etc/llmgw pointing at this checkout, so every program they name exists."""
+    out = []
+    for unit in UNITS:
+        text = unit.read_text()
+        text = text.replace("/opt/llmgw/.venv/bin/python", sys.executable)
+        text = text.replace("/opt/llmgw", str(BASE_DIR)).replace("/etc/llmgw/", f"{DEPLOY / 'env'}/")
+        (tmp_path / unit.name).write_text(text)
+        out.append(tmp_path / unit.name)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_units_pass_systemd_analyze_verify(tmp_path):
+    units = _as_installed_here(tmp_path)
+    verified = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", *map(str, units)], capture_output=True, text=True, timeout=60
+    )
+    # verify exits 0 on an unknown key or a value it cannot parse, and says so: both count.
+    said = [line for line in (verified.stdout + verified.stderr).splitlines() if line.strip()]
+    assert verified.returncode == 0 and said == [], "\n".join(said)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_would_catch_a_mistyped_unit(tmp_path):
+    unit = _as_installed_here(tmp_path)[0]
+    unit.write_text(unit.read_text().replace("Restart=on-failure", "Restrat=on-failure"))
+    verified = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True)
+    assert "Unknown key" in verified.stderr
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    pairs = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, value = line.partition("=")
+            pairs[name.strip()] = value.strip()
+    return pairs
+
+
+def test_the_units_read_the_example_environment_files():
+    for unit in UNITS:
+        wanted = re.search(r"^EnvironmentFile=/etc/llmgw/(\S+)$", unit.read_text(), re.M).group(1)
+        assert (DEPLOY / "env" / wanted).exists(), f"{unit.name} reads {wanted}, which deploy/env/ lacks"
+    node = _env_file(DEPLOY / "env" / "node.env")
+    # A node has no database: what its env file says is all it gets.
+    assert "DATABASE_URL" not in node and {"LLMGW_NODE_TOKEN", "REDIS_URL", "LLMGW_BYTES_URL"} <= set(node)
+
+
+def _check_deploy(tmp_path: Path, **override: str) -> subprocess.CompletedProcess:
+    env = _env_file(DEPLOY / "env" / "control.env")
+    env.update(
+        # This machine's stand-ins for the example's addresses and secrets; the rest as the file says.
+        DJANGO_SECRET_KEY=secrets.token_urlsafe(50),
+        LLMGW_VAR=str(tmp_path / "var"),
+        LLMGW_MIRROR_ROOT=str(tmp_path / "mirror"),
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "metrics"),
+        **override,
+    )
+    (tmp_path / "metrics").mkdir(exist_ok=True)
+    environment = process_env(**env)
+    environment["DATABASE_URL"] = process_env()["DATABASE_URL"]
+    return subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        cwd=BASE_DIR,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_check_deploy_is_clean_with_the_production_settings_the_fleet_doc_gives(tmp_path, db):
+    checked = _check_deploy(tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # and it is those settings that make it so: without the TLS proxy's, Django says what is missing.
+    unsafe = _check_deploy(tmp_path, LLMGW_HTTPS="false")
+    assert unsafe.returncode != 0 and "SECURE_SSL_REDIRECT" in unsafe.stderr + unsafe.stdout
+
+
+def _start_nginx(work: Path, https_port: int, http_port: int, admin_port: int) -> subprocess.Popen:
+    """deploy/nginx/llmgw.conf as given, on loopback ports of this test and a certificate made for 127.0.0.1."""
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=llmgw.test"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(work / "key.pem"), "-out", str(work / "cert.pem")],
+        check=True,
+        capture_output=True,
+    )
+    site = (DEPLOY / "nginx" / "llmgw.conf").read_text()
+    site = re.sub(r"^\s*listen \[::\].*$", "", site, flags=re.M)
+    site = site.replace("listen 443 ssl", f"listen 127.0.0.1:{https_port} ssl").replace(
+        "listen 80;", f"listen 127.0.0.1:{http_port};"
+    )
+    site = site.replace("127.0.0.1:8000", f"127.0.0.1:{admin_port}")
+    site = site.replace("/etc/ssl/llmgw/fullchain.pem", str(work / "cert.pem"))
+    site = site.replace("/etc/ssl/llmgw/privkey.pem", str(work / "key.pem"))
+    (work / "site.conf").write_text(site)
+    temp = " ".join(f"{kind}_temp_path {work / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    (work / "nginx.conf").write_text(
+        ("user root;\n" if os.geteuid() == 0 else "")
+        + f"daemon off;\npid {work}/nginx.pid;\nerror_log {work}/error.log;\nevents {{}}\n"
+        + f"http {{ access_log off; {temp} include {work}/site.conf; }}\n"
+    )
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    return subprocess.Popen([nginx, "-c", str(work / "nginx.conf"), "-p", str(work)], stderr=subprocess.DEVNULL)
+
+
+@pytest.mark.skipif(not (shutil.which("nginx") or os.path.exists("/usr/sbin/nginx")), reason="nginx is not installed")
+def test_the_tls_proxy_of_the_fleet_doc_serves_the_admin_port_over_https_only(tmp_path, transactional_db):
+    from .processes import start_admin_server, wait_until
+    from .services import free_port
+
+    admin, url = start_admin_server(tmp_path, LLMGW_HTTPS="true")
+    https_port, http_port = free_port(), free_port()
+    nginx = _start_nginx(tmp_path, https_port, http_port, int(url.rsplit(":", 1)[1]))
+    try:
+        base = f"https://127.0.0.1:{https_port}"
+        cert = str(tmp_path / "cert.pem")
+
+        def answers():
+            try:
+                return requests.get(base + "/admin/login/", verify=cert, timeout=2)
+            except requests.RequestException:
+                return None
+
+        login = wait_until(answers, timeout=15, what="nginx to answer")
+        assert login.status_code == 200, login.text[:500]
+        # Cookies travel only over HTTPS, and browsers are told to keep to it.
+        assert "Secure" in login.headers["set-cookie"]
+        assert login.headers["strict-transport-security"].startswith("max-age=")
+        # The gateway behind it: a request without a key is refused in OpenAI's shape, over TLS.
+        assert requests.get(base + "/v1/models", verify=cert, timeout=5).status_code == 401
+        # Plain HTTP, to nginx or to the admin port itself, is sent to HTTPS.
+        plain = requests.get(f"http://127.0.0.1:{http_port}/admin/", allow_redirects=False, timeout=5)
+        assert plain.status_code == 301 and plain.headers["location"].startswith("https://")
+        direct = requests.get(url + "/admin/login/", allow_redirects=False, timeout=5)
+        assert direct.status_code == 301 and direct.headers["location"].startswith("https://")
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=10)
+        admin.stop()
