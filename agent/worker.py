@@ -1,8 +1,12 @@
 """The node's Celery worker: its queue, and the heartbeat that rides in its event loop.
 
-The heartbeat is a worker bootstep on the worker's own timer, not a thread
-beside it: it starts and stops with the worker, and nothing extra is running
-when the prefork pool forks a new child.
+The heartbeat is a bootstep on the worker's own timer, not a thread beside it:
+it starts and stops with the worker, and nothing extra is running when the
+prefork pool forks a new child. A step of the consumer, not of the worker: when
+the broker connection is lost (Redis restarted), Celery's consumer clears the
+timer and starts again once connected; a worker step's repeating beat was cleared
+with it and never set again, so the node fell silent for good and the control
+plane took it for lost (tests/test_fleet_netns.py restarts Redis under the agents).
 """
 
 from __future__ import annotations
@@ -23,23 +27,24 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat(bootsteps.StartStopStep):
-    requires = {"celery.worker.components:Timer"}
+    requires = {"celery.worker.consumer.connection:Connection"}
 
-    def __init__(self, worker, **kwargs):
-        super().__init__(worker, **kwargs)
+    def __init__(self, consumer, **kwargs):
+        super().__init__(consumer, **kwargs)
         self.tref = None
         self.static = None
         self.probed_at = 0.0
         self.probing = threading.Lock()
 
-    def start(self, worker):
+    def start(self, consumer):
         # Engines and GPUs change when somebody installs something: probed at
         # start and every few minutes after, not on every beat, so a slow
-        # nvidia-smi never stalls the worker's loop each time.
-        self.static = facts.installed()
-        self.probed_at = time.monotonic()
+        # nvidia-smi never stalls the worker's loop each time. Not again on a reconnection.
+        if self.static is None:
+            self.static = facts.installed()
+            self.probed_at = time.monotonic()
         self.beat()
-        self.tref = worker.timer.call_repeatedly(float(settings.HEARTBEAT_S), self.beat, priority=10)
+        self.tref = consumer.timer.call_repeatedly(float(settings.HEARTBEAT_S), self.beat, priority=10)
 
     def beat(self):
         if time.monotonic() - self.probed_at >= settings.AGENT_REPROBE_S and not self.probing.locked():
@@ -59,14 +64,14 @@ class Heartbeat(bootsteps.StartStopStep):
             importlib.invalidate_caches()
             self.static = facts.installed()
 
-    def stop(self, worker):
+    def stop(self, consumer):
         if self.tref is not None:
             self.tref.cancel()
             self.tref = None
 
 
 def install(app) -> None:
-    app.steps["worker"].add(Heartbeat)
+    app.steps["consumer"].add(Heartbeat)
 
 
 def take_back_unacknowledged(app, queue: str) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import redis
 from celery import current_app
@@ -22,7 +22,7 @@ from contracts import credentials, signing, tasks
 from contracts.engine_args import kind_args
 
 from . import autoscale
-from .live import redis_client
+from .live import listening_since, redis_client
 from .models import Fetch, Node, Replica, heard_from_lately
 from .placement import HOLDING_WEIGHTS, MAKING_ROOM, ModelView, NodeView, Plan, ProfileView, ReplicaView, Scaling, place
 
@@ -50,7 +50,17 @@ def fetched_sources() -> list[tuple[int, str]]:
     return list(Fetch.objects.filter(state=Fetch.State.COMPLETE).values_list("node_id", "source"))
 
 
-def node_views(nodes: list[Node], replicas: list[Replica], now: datetime) -> list[NodeView]:
+def heard(node: Node, now: datetime, heard_since: datetime | None = None) -> bool:
+    """Whether a node was heard from lately; silence before `heard_since` (live.listening_since) does not count."""
+    last = node.last_heartbeat
+    if last is not None and heard_since is not None:
+        last = max(last, heard_since)
+    return heard_from_lately(last, now)
+
+
+def node_views(
+    nodes: list[Node], replicas: list[Replica], now: datetime, heard_since: datetime | None = None
+) -> list[NodeView]:
     holds: dict[int, set[str]] = {}
     for r in replicas:
         if r.node_id and r.state in HOLDING_WEIGHTS:
@@ -60,7 +70,7 @@ def node_views(nodes: list[Node], replicas: list[Replica], now: datetime) -> lis
     return [
         NodeView(
             name=n.name,
-            ready=heard_from_lately(n.last_heartbeat, now),
+            ready=heard(n, now, heard_since),
             draining=n.draining,
             engines=frozenset(n.engines or ()),
             engines_unusable=dict(n.engines_unusable or {}),
@@ -159,7 +169,11 @@ def reconcile(now: datetime | None = None, models: list[ModelView] | None = None
             return None
     started = time.monotonic()
     try:
-        return reconcile_unlocked(now or timezone.now(), models)
+        # On the clock, not `now`: a pass judged as of another time (the tests' "a minute later") was no gap.
+        deadline_s = settings.HEARTBEAT_S * settings.HEARTBEATS_MISSED
+        since = listening_since(client, time.time(), gap_s=deadline_s)
+        heard_since = datetime.fromtimestamp(since, tz=UTC) if since else None
+        return reconcile_unlocked(now or timezone.now(), models, heard_since=heard_since)
     finally:
         try:
             lock.release()
@@ -202,7 +216,9 @@ def _break_foreign_lock(client: redis.Redis) -> bool:
 
 
 @transaction.atomic
-def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> Plan:
+def reconcile_unlocked(
+    now: datetime, models: list[ModelView] | None = None, heard_since: datetime | None = None
+) -> Plan:
     if connection.vendor == "postgresql":
         # The Redis lock can expire under a pass (one stalled longer than LOCK_TIMEOUT_S) or be
         # deleted by anyone who reaches Redis; then two passes would both read "no replica yet"
@@ -221,9 +237,9 @@ def reconcile_unlocked(now: datetime, models: list[ModelView] | None = None) -> 
     by_id = {r.pk: r for r in replicas}
     # Each model's count for this pass, between its fewest and most, from the gateway's load.
     models = autoscale.apply(models, replicas, now)
-    plan = place(node_views(nodes, replicas, now), models, replica_views(replicas, node_names))
+    plan = place(node_views(nodes, replicas, now, heard_since), models, replica_views(replicas, node_names))
     autoscale.made_room(plan)
-    ready_nodes = {n.name for n in nodes if heard_from_lately(n.last_heartbeat, now)}
+    ready_nodes = {n.name for n in nodes if heard(n, now, heard_since)}
     running = running_on(sorted(ready_nodes))
 
     Replica.objects.filter(pk__in=plan.forget).delete()

@@ -58,6 +58,11 @@ def heartbeat(token: str, facts: tasks.Facts) -> None:
 @shared_task(name=tasks.RECONCILE, ignore_result=True)
 def reconcile() -> None:
     """Keep every catalog model at its replica count; on a beat and after each catalog change."""
+    # What nodes posted since the last collection, first. While the control worker was
+    # down their heartbeats waited in Redis; a pass that judged by the database alone
+    # found every node silent for longer than it may be, took them all for lost, and
+    # placed every replica again (tests/test_fleet_netns.py restarts the control plane).
+    collect()
     with RECONCILE.time():
         reconciling.reconcile()
 

@@ -34,6 +34,7 @@ from .limits import Limiter
 from .openai_responses import Responses
 from .relay import relay, timing
 from .translation import relay_translated
+from .upstream import upstream_socket
 from .usage import Answer, Recorder
 
 log = logging.getLogger("llmgw.gateway")
@@ -83,7 +84,9 @@ class Gateway:
         if self._session is not None:
             return
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=60),
+            connector=aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=30, ttl_dns_cache=60, socket_factory=upstream_socket
+            ),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.GATEWAY_UPSTREAM_TIMEOUT_S),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),

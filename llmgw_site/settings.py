@@ -93,6 +93,8 @@ CATALOG_FILE = env_path("LLMGW_CATALOG", Path(""), BASE_DIR) if env_str("LLMGW_C
 GATEWAY_REFRESH_MS = env_int("LLMGW_GATEWAY_REFRESH_MS", 1000, minimum=50)
 # How long a replica may take to start answering (headers) before the request fails, in seconds.
 GATEWAY_UPSTREAM_TIMEOUT_S = env_int("LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S", 600, minimum=1)
+# A replica's host that acknowledges nothing the gateway sends for this long is gone (gateway/upstream.py).
+GATEWAY_UPSTREAM_LOST_S = env_int("LLMGW_GATEWAY_UPSTREAM_LOST_S", 15, minimum=1)
 # The largest request body the gateway reads, in bytes.
 GATEWAY_MAX_BODY = env_int("LLMGW_GATEWAY_MAX_BODY", 32 * 1024 * 1024, minimum=1024)
 # Holding (docs/gateway.md): a request for a model with no ready replica, but one on its way,

@@ -126,3 +126,12 @@ def redis_client():
     yield client
     for key in client.scan_iter("llmgw:*"):
         client.delete(key)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter):
+    """The fleet test's one line when it could not run here (no root for `ip netns`), last, where it is seen."""
+    yield
+    for report in terminalreporter.stats.get("skipped", []):
+        if "test_fleet_netns" in report.nodeid and isinstance(report.longrepr, tuple):
+            terminalreporter.write_line(report.longrepr[2].removeprefix("Skipped: "), yellow=True, bold=True)

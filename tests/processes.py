@@ -178,7 +178,7 @@ class CountingProxy:
     Range, one that cuts a body short, one that answers anything for a path.
     """
 
-    def __init__(self, upstream: str, rate: int | None = None):
+    def __init__(self, upstream: str, rate: int | None = None, host: str = "127.0.0.1"):
         import http.server
         import threading
         from urllib.parse import urlparse
@@ -208,11 +208,12 @@ class CountingProxy:
             def do_GET(self):
                 proxy._relay(self, "GET")
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        # `host` is loopback but for the fleet test, whose nodes reach it on the test's own bridge.
+        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
         self.server.daemon_threads = True
         # A fetch killed or cancelled mid-body drops its connection; that is the point, not an error.
         self.server.handle_error = lambda request, client_address: None
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        self.url = f"http://{host}:{self.server.server_address[1]}/"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
 

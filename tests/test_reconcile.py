@@ -6,6 +6,7 @@ from the catalog app, so these tests need no catalog rows.
 
 import base64
 import json
+import time
 from datetime import timedelta
 
 import pytest
@@ -15,6 +16,7 @@ from django.utils import timezone
 
 from contracts import credentials, signing
 from fleet import reconcile
+from fleet.live import LISTENING_KEY
 from fleet.models import Node, Replica
 from fleet.placement import ModelView, ProfileView
 
@@ -117,9 +119,33 @@ def test_a_node_that_stops_heartbeating_has_its_replica_placed_elsewhere(broker)
 
     node("b")
     Node.objects.filter(pk=a.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    # The control plane has been listening all along (test_a_restarted_control_plane_... is the other case).
+    broker.hset(LISTENING_KEY, mapping={"last": time.time(), "since": time.time() - 600})
     reconcile.reconcile(models=tiny())
     replica.refresh_from_db()
     assert (replica.node.name, replica.state, replica.endpoint) == ("b", "pending", "")
+
+
+def test_a_restarted_control_plane_does_not_take_a_node_it_could_not_hear_for_lost(broker):
+    """Silence while the control plane was down is not the node's: its first pass forgives it for a deadline."""
+    a = node("a")
+    reconcile.reconcile(models=tiny())
+    replica = Replica.objects.get()
+    replica.state, replica.endpoint = "ready", "http://a:9000/v1"
+    replica.save()
+    node("b")
+    Node.objects.filter(pk=a.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    # Its last pass ten minutes ago: the worker (or Redis) was down since.
+    broker.hset(LISTENING_KEY, mapping={"last": time.time() - 600, "since": time.time() - 3600})
+    reconcile.reconcile(models=tiny())
+    replica.refresh_from_db()
+    assert (replica.node.name, replica.state) == ("a", "ready")
+    # Still silent a deadline after the control plane came back: lost, and placed on b.
+    deadline_s = settings.HEARTBEAT_S * settings.HEARTBEATS_MISSED
+    broker.hset(LISTENING_KEY, mapping={"last": time.time(), "since": time.time() - deadline_s - 1})
+    reconcile.reconcile(models=tiny())
+    replica.refresh_from_db()
+    assert (replica.node.name, replica.state) == ("b", "pending")
     assert sent(broker, "node.b") == [start_of(replica.pk)]
 
 

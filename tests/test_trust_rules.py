@@ -67,10 +67,10 @@ def test_a_pass_that_holds_the_lock_is_waited_for_not_broken(broker):
 def test_a_pass_that_outlives_its_lock_says_so_in_the_log(broker, caplog, monkeypatch):
     real = reconcile.reconcile_unlocked
 
-    def slow_pass(now, models=None):
+    def slow_pass(now, models=None, **kwargs):
         # As if the pass ran past the lock's expiry: the lock is gone when it finishes.
         broker.delete(reconcile.LOCK_NAME)
-        return real(now, models)
+        return real(now, models, **kwargs)
 
     monkeypatch.setattr(reconcile, "reconcile_unlocked", slow_pass)
     with caplog.at_level(logging.WARNING, logger="fleet.reconcile"):
