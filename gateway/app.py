@@ -6,7 +6,7 @@ a couple of milliseconds. So the hot path is plain asyncio: the routing table
 is a snapshot in memory (see routes.py), the replica is reached over kept-alive
 connections, and the answer is passed on chunk by chunk. Django is still where
 keys, models and replicas are kept and edited; the gateway reads them in a
-thread of its own.
+thread of its own. Passing a request on to a replica is in forward.py.
 """
 
 from __future__ import annotations
@@ -22,20 +22,18 @@ import aiohttp
 from django.conf import settings
 from django.db import connection
 
-from contracts.credentials import bearer
-
 from . import hold, listing, metrics, prospects, routes
 from .anthropic_messages import AnthropicRefusal, Messages
 from .demand import Demand
 from .errors import ClientGone, Refusal
-from .intake import check_kind, check_limits, parse_request, read_body, sentence_of
+from .forward import CHAT, Forwarding
+from .intake import check_kind, check_limits, parse_request, read_body
 from .keys import hash_key
 from .limits import Limiter
 from .openai_responses import Responses
-from .relay import relay, timing
-from .translation import relay_translated
+from .relay import timing
 from .upstream import upstream_socket
-from .usage import Answer, Recorder
+from .usage import Recorder
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -48,18 +46,16 @@ ENDPOINTS = {
     "/v1/messages": "/chat/completions",
     "/v1/responses": "/chat/completions",
 }
-CHAT = "/v1/chat/completions"
 # Other clients' APIs, translated to chat completions for the engines (translation.py).
 TRANSLATIONS = {"/v1/messages": Messages, "/v1/responses": Responses}
-# A replica that refused a connection is tried last for this long, so one dead
-# engine costs one failed connect, not one per request, until the table says so.
-COOLDOWN_S = 5.0
 # A key the table does not know makes the gateway re-read the table, at most this often.
 KEY_MISS_REFRESH_S = 0.25
 JSON_TYPE = (b"content-type", b"application/json")
 
 
-class Gateway:
+class Gateway(Forwarding):
+    """The ASGI application; what it does with a routed request is in gateway/forward.py."""
+
     def __init__(self) -> None:
         self.table = routes.Table()
         self.in_flight: dict[int, int] = {}
@@ -315,46 +311,6 @@ class Gateway:
             if ticket is not None:
                 self.limiter.settle(ticket, tokens)
 
-    async def answer(
-        self, scope, receive, send, held, key, route, target, body, request, translation, client_wants_usage, started
-    ) -> int:
-        """forward(), after waiting for a usable replica when there is none (gateway/hold.py)."""
-        deadline = None
-        unreachable = None
-        waited = False
-        while True:
-            route = self.table.routes.get(route.name, route)
-            # The first try goes to a replica that refused a moment ago as well, as it always did;
-            # a newcomer queues behind requests still being let go, first come first served.
-            if (
-                not route.upstreams
-                or (not waited and route.name in self.holding.queues)
-                or (unreachable is not None and not hold.usable(route, self.cooling, time.monotonic()))
-            ):
-                if not settings.HOLD_S and unreachable is not None:
-                    raise unreachable
-                prospect = await self.holding.prospect(route.name)
-                if prospect.state == prospects.CANNOT:
-                    raise unreachable or hold.unavailable(prospect.reason + ".")
-                if deadline is None:
-                    deadline = time.monotonic() + settings.HOLD_S
-                also = f"The last try: {unreachable.message}" if unreachable is not None else ""
-                await self.holding.wait(route.name, receive, held, deadline, prospect, also)
-                waited = True
-                continue
-            self.demand.started(route.name)
-            try:
-                return await self.forward(
-                    scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation
-                )
-            except Refusal as refusal:
-                if not getattr(refusal, "engine_down", False):
-                    raise
-                # Every replica refused the connection (an engine killed, a node lost): wait for one as above.
-                unreachable = refusal
-            finally:
-                self.demand.finished(route.name)
-
     async def authorize(self, scope) -> routes.Key:
         given = b""
         for header, value in scope["headers"]:
@@ -394,102 +350,3 @@ class Gateway:
         headers = [JSON_TYPE, (b"content-length", str(len(body)).encode()), timing(time.perf_counter() - started)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-
-    # --- forwarding ------------------------------------------------------------
-
-    def pick(self, upstreams: tuple[routes.Upstream, ...], tried: set[int]) -> routes.Upstream | None:
-        """The replica with the fewest requests in flight for its weight; cooling ones last."""
-        now = time.monotonic()
-        best, best_score = None, 0.0
-        count = len(upstreams)
-        self._turn += 1
-        for i in range(count):
-            upstream = upstreams[(self._turn + i) % count]
-            if upstream.replica_id in tried:
-                continue
-            in_flight = self.in_flight.get(upstream.replica_id, 0)
-            # Weight 0 is a standby: behind every replica that has a weight, however busy.
-            score = (in_flight + 1) / upstream.weight if upstream.weight else 1e6 + in_flight
-            if self.cooling.get(upstream.replica_id, 0.0) > now:
-                score += 1e9
-            if best is None or score < best_score:
-                best, best_score = upstream, score
-        return best
-
-    async def forward(
-        self, scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation=None
-    ) -> int:
-        """Pass the request to a replica and its answer back; returns the answer's tokens."""
-        tried: set[int] = set()
-        failures = []
-        refused_secret = False
-        while True:
-            upstream = self.pick(route.upstreams, tried)
-            if upstream is None:
-                unreachable = Refusal(
-                    502,
-                    f"No replica of {route.name} could be reached: " + "; ".join(failures) + ".",
-                    kind="api_error",
-                    code="replica_unreachable",
-                )
-                # Only engines that did not answer at all may be back in a moment (gateway/hold.py);
-                # one that refuses the replica secret is not waited for.
-                unreachable.engine_down = not refused_secret
-                raise unreachable
-            tried.add(upstream.replica_id)
-            replica = upstream.replica_id
-            self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
-            try:
-                sent_at = time.perf_counter()
-                try:
-                    response = await self._session.post(
-                        upstream.base + target,
-                        data=body,
-                        headers={
-                            "Content-Type": "application/json",
-                            "X-Request-Id": metrics.engine_request_id(scope),
-                            **bearer(upstream.secret),
-                        },
-                    )
-                except aiohttp.SocketTimeoutError:
-                    # The replica has the request and may be working on it: another would do it twice.
-                    raise Refusal(
-                        504,
-                        f"Replica {replica} of {route.name} did not start answering within "
-                        f"{settings.GATEWAY_UPSTREAM_TIMEOUT_S} s.",
-                        kind="api_error",
-                        code="replica_timeout",
-                    ) from None
-                except aiohttp.ClientConnectionError as error:
-                    # Nothing came back from this one, so the request can go to another.
-                    self.cooling[replica] = time.monotonic() + COOLDOWN_S
-                    self.observer.failover(scope)
-                    failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
-                    continue
-                if response.status == 401:
-                    # The engine does not take this replica's secret (its node re-enrolled or was revoked, and it
-                    # runs on with the old one): its 401 is not the client's, and another replica may answer.
-                    response.close()
-                    self.cooling[replica] = time.monotonic() + COOLDOWN_S
-                    log.warning("replica %s refused the gateway's replica secret (401)", replica)
-                    failures.append(f"replica {replica} at {upstream.base} refused the gateway's replica secret")
-                    refused_secret = True
-                    continue
-                self.cooling.pop(replica, None)
-                gateway_s = sent_at - started
-                answer = Answer(scope["path"] if translation is None else CHAT)
-                try:
-                    if translation is None:
-                        await relay(receive, send, response, replica, gateway_s, client_wants_usage, answer)
-                    else:
-                        await relay_translated(translation, receive, send, response, replica, gateway_s, answer)
-                finally:
-                    response.close()
-                    # Counted however the answer ended: a stream cut short, by either side, is billed for
-                    # what was relayed, since its usage chunk (the last) never came.
-                    prompt, completion = answer.tokens(request)
-                    self.usage.add(key.id, route.name, prompt, completion)
-                    self.observer.answered(scope, replica, gateway_s, prompt, completion)
-                return prompt + completion
-            finally:
-                self.in_flight[replica] -= 1

@@ -7,7 +7,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from fleet import reconcile
+from fleet import reports
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from fleet.tasks import heartbeat, replica_report
@@ -87,7 +87,7 @@ def test_a_repeated_failure_still_counts_and_a_report_from_another_nodes_token_i
 
     Replica.objects.filter(pk=replica.pk).update(state="ready", endpoint="http://a:1/v1", attempts=0)
     sent = []
-    monkeypatch.setattr(reconcile, "send_stop", lambda replica_id, node: sent.append((replica_id, node)))
+    monkeypatch.setattr(reports, "send_stop", lambda replica_id, node: sent.append((replica_id, node)))
     with django_capture_on_commit_callbacks(execute=True):
         replica_report(other, replica.pk, "ready", "http://a:1/v1", "")
     # Not "as before": node b does not run it, so it is told to stop its engine.
