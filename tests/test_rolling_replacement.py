@@ -1,0 +1,199 @@
+"""No errors while a model's only replica changes, on the real agent and the real engine.
+
+A request that arrives while the model's profile is being rolled over (its old replica
+stopped, the new one starting) waits and is answered; streamed requests sent right after
+the only replica's engine is killed (SIGKILL) wait for the agent to start it again and
+are all answered 200, none 502 or 503. With LLMGW_HOLD_S=0 (no holding: the gateway as it
+was before issue 14) both tests fail: the first with a 503, the second with 502s.
+
+A beat is played by the test: `fleet.reconcile` sent on the control queue every second,
+where a real Celery control worker runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+
+import pytest
+import requests
+from celery import current_app
+
+from agent import engine_state, engines
+from catalog.models import Model, Profile
+from contracts import tasks
+from fleet.enrolment import issue_token
+from fleet.models import Node, Replica
+from gateway.keys import create_key
+
+from . import real_model
+from .processes import start_agent, wait_until
+from .real_model import MODEL, ask, streamed_whole
+from .test_gateway import until_routed
+
+pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def node(tmp_path, mirror_root, byte_listener, control_worker, settings):
+    """One real agent (n1) with its engine supervisor, the weights in the mirror: (source, cache)."""
+    weights = real_model.gguf()
+    version = mirror_root / MODEL / "instruct-q4_1"
+    version.mkdir(parents=True)
+    shutil.copyfile(weights, version / weights.name)
+    settings.BYTES_URL = byte_listener
+    cache = tmp_path / "cache-n1"
+    agent = start_agent("n1", issue_token("n1"), cache, tmp_path, LLMGW_BYTES_URL=byte_listener)
+    wait_until(
+        lambda: "llamacpp" in (Node.objects.filter(name="n1").values_list("engines", flat=True).first() or []),
+        timeout=120,
+        interval=0.5,
+        what="n1's heartbeat with llamacpp",
+    )
+    yield f"{byte_listener}{MODEL}/instruct-q4_1/{weights.name}", cache
+    agent.stop()
+    for entry in engine_state.read_state(cache)["replicas"].values():
+        if entry.get("pid") and engines.group_alive(entry["pid"]):
+            engines.stop_group(entry["pid"], grace=3)
+
+
+@pytest.fixture
+def beat():
+    """fleet.reconcile every second, as the beat sends it (settings.CELERY_BEAT_SCHEDULE, sooner)."""
+    stop = threading.Event()
+
+    def run():
+        while not stop.wait(1.0):
+            current_app.send_task(tasks.RECONCILE, queue=tasks.CONTROL_QUEUE)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join(5)
+
+
+def serve(source: str, memory_gb: int = 0) -> Profile:
+    model = Model.objects.create(name=MODEL, source=source, context_length=2048, scaling_min=1, scaling_max=1)
+    return Profile.objects.create(
+        model=model, name="cpu", engine="llamacpp", args=["--ctx-size", "2048"], min_memory_gb=memory_gb
+    )
+
+
+def ready_replica(timeout: float = 240) -> Replica:
+    return wait_until(
+        lambda: Replica.objects.filter(model_name=MODEL, state="ready").select_related("node").first(),
+        timeout=timeout,
+        interval=0.3,
+        what=f"a ready replica of {MODEL}: {list(Replica.objects.values('id', 'state', 'reason'))}",
+    )
+
+
+def streamed(url: str, secret: str, question: str = real_model.QUESTION) -> tuple[int, list[str]]:
+    """(status, lines) of a streamed chat through the gateway."""
+    body = {"model": MODEL, **ask(question, max_tokens=16), "stream": True}
+    with requests.post(
+        url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {secret}"},
+        stream=True,
+        timeout=300,
+    ) as response:
+        if response.status_code != 200:
+            return response.status_code, [response.text]
+        return 200, list(response.iter_lines(decode_unicode=True))
+
+
+def whole_answer(lines: list[str]) -> str:
+    """The text of a streamed answer that ended well: no error event, [DONE] at its end."""
+    events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    errors = [e for e in events if e.startswith("{") and "error" in json.loads(e)]
+    assert not errors, errors
+    text, usage, _ = streamed_whole(events)
+    assert usage and usage["completion_tokens"] > 0, events[-3:]
+    return text
+
+
+def test_a_request_arriving_during_a_rolling_replacement_waits_and_is_answered(node, gateway, beat):
+    source, _ = node
+    # The profile asks for more than half the node's memory: the old replica holds the room the
+    # new one needs, so it is stopped first (fleet/placement.py, _retire) and the model has no
+    # ready replica until the new one has started; the widest gap a rolling replacement leaves.
+    half = Node.objects.get(name="n1").memory_gb // 2 + 1
+    profile = serve(source, memory_gb=half)
+    old = ready_replica()
+    _, secret = create_key("k")
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {secret}"
+    until_routed(session, gateway.url, MODEL)
+    assert streamed(gateway.url, secret)[0] == 200
+
+    profile.args = ["--ctx-size", "1024"]
+    profile.save()  # queues fleet.reconcile (fleet/signals.py): the old replica is outdated
+    wait_until(
+        lambda: not Replica.objects.filter(pk=old.pk, state="ready").exists(),
+        timeout=60,
+        what="the outdated replica to be stopped",
+    )
+    assert not Replica.objects.filter(model_name=MODEL, state="ready").exists(), "no gap: nothing to wait through"
+    results: dict[str, tuple[int, list[str]]] = {}
+
+    def plain():
+        answer = session.post(gateway.url + "/v1/chat/completions", json={"model": MODEL, **ask()}, timeout=300)
+        results["plain"] = (answer.status_code, [answer.text])
+
+    threads = [
+        threading.Thread(target=lambda: results.__setitem__("streamed", streamed(gateway.url, secret)), daemon=True),
+        threading.Thread(target=plain, daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+
+    status, lines = results["streamed"]
+    assert status == 200, lines
+    assert "Paris" in whole_answer(lines)
+    assert any(line.startswith(f": waiting for a replica of {MODEL}") for line in lines), lines[:3]
+    status, (text,) = results["plain"]
+    assert status == 200, text
+    assert "Paris" in json.loads(text)["choices"][0]["message"]["content"]
+    new = ready_replica()
+    assert new.pk != old.pk and new.args == ["--ctx-size", "1024"]
+    wait_until(lambda: not Replica.objects.filter(pk=old.pk).exists(), timeout=60, what="the old replica to go")
+
+
+def test_streamed_requests_sent_right_after_the_only_engine_is_killed_are_all_answered(node, gateway, beat):
+    source, cache = node
+    serve(source)
+    replica = ready_replica()
+    _, secret = create_key("k")
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {secret}"
+    until_routed(session, gateway.url, MODEL)
+    assert streamed(gateway.url, secret)[0] == 200
+    pid = engine_state.read_state(cache)["replicas"][str(replica.pk)]["pid"]
+
+    os.killpg(pid, signal.SIGKILL)
+    results: dict[int, tuple[int, list[str]]] = {}
+
+    def one(n: int) -> None:
+        results[n] = streamed(gateway.url, secret, f"Say the number {n}.")
+
+    threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+
+    statuses = {n: status for n, (status, _) in results.items()}
+    assert statuses == dict.fromkeys(range(6), 200), {n: r for n, r in results.items() if r[0] != 200}
+    for _, lines in results.values():
+        whole_answer(lines)
+    # Answered by the same replica, its engine started again by the agent (a new process).
+    again = ready_replica()
+    assert again.pk == replica.pk
+    assert engine_state.read_state(cache)["replicas"][str(replica.pk)]["pid"] != pid
