@@ -200,3 +200,44 @@ def test_streamed_requests_sent_right_after_the_only_engine_is_killed_are_all_an
     again = ready_replica()
     assert again.pk == replica.pk
     assert engine_state.read_state(cache)["replicas"][str(replica.pk)]["pid"] != pid
+
+
+def test_streams_in_flight_on_a_replica_being_replaced_finish_whole(node, gateway, beat):
+    """Room for both: the old replica serves until the new one is ready, then is drained, then stopped.
+
+    Before fleet/drain.py its engine was stopped the moment the new one was ready, and the
+    streams it was answering ended with an error event (PyPI's llama.cpp server ends them on
+    SIGTERM).
+    """
+    source, cache = node
+    profile = serve(source)
+    old = ready_replica()
+    _, secret = create_key("k")
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {secret}"
+    until_routed(session, gateway.url, MODEL)
+    results: list[tuple[int, list[str]]] = []
+    done = threading.Event()
+
+    def client(n: int) -> None:
+        while not done.is_set():
+            results.append(streamed(gateway.url, secret, f"Count from 1 to 30, client {n}."))
+
+    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: len(results) >= 2, timeout=60, what="answers before the edit")
+
+    profile.args = ["--ctx-size", "1024"]
+    profile.save()
+    wait_until(lambda: not Replica.objects.filter(pk=old.pk).exists(), timeout=240, what="the old replica to go")
+    # A little longer: whatever was on its way to the old replica has ended by now.
+    wait_until(lambda: len(results) >= 12, timeout=120, what="answers after the replacement")
+    done.set()
+    for thread in threads:
+        thread.join(120)
+
+    assert {status for status, _ in results} == {200}, [r for r in results if r[0] != 200][:2]
+    cut = [lines[-3:] for _, lines in results if "data: [DONE]" not in lines or any('"error"' in x for x in lines)]
+    assert not cut, f"{len(cut)} of {len(results)} streams cut: {cut[:2]}"
+    assert ready_replica().args == ["--ctx-size", "1024"]
