@@ -84,13 +84,15 @@ def main() -> int:
         from catalog.models import Model, Profile
         from contracts import credentials, demand, tasks
         from fleet import reconcile
-        from fleet.models import Replica, Scale
+        from fleet.models import Replica
         from gateway.keys import create_key
 
         gateway = fleet.gateway() + "/v1"
         _, secret = create_key("bench")
         through_gateway = {"Authorization": f"Bearer {secret}"}
-        model = Model.objects.create(name=MODEL, source=fleet.source, context_length=2048, scaling_min=0, scaling_max=1)
+        model = Model.objects.create(
+            name=MODEL, source=fleet.source, context_length=2048, scaling_min=0, scaling_max=1, idle_s=2
+        )
         Profile.objects.create(model=model, name="cpu", engine="llamacpp", args=["--ctx-size", "2048"])
 
         def ready_replica() -> Replica:
@@ -101,10 +103,9 @@ def main() -> int:
             )
 
         def to_zero() -> None:
-            # What the idle time does, without waiting for it.
-            Scale.objects.filter(model_name=MODEL).update(replicas=0, why="idle (bench)")
-            until(lambda: reconcile.reconcile() is not None, 30, "the reconcile lock")
-            until(lambda: not Replica.objects.exists(), 60, "the replica to stop")
+            # Its idle time (2 s here) does it, in passes as the beat runs them, once the gateway's
+            # load (written once a second) says the last request is done.
+            until(lambda: reconcile.reconcile() and not Replica.objects.exists(), 90, "the replica to stop", 0.5)
             until(lambda: not engine_state.running_engines(fleet.cache), 60, "the engine to stop")
             time.sleep(2)  # the gateway's table (re-read every second) has no replica either
 

@@ -241,3 +241,51 @@ def test_streams_in_flight_on_a_replica_being_replaced_finish_whole(node, gatewa
     cut = [lines[-3:] for _, lines in results if "data: [DONE]" not in lines or any('"error"' in x for x in lines)]
     assert not cut, f"{len(cut)} of {len(results)} streams cut: {cut[:2]}"
     assert ready_replica().args == ["--ctx-size", "1024"]
+
+
+def test_a_model_back_at_zero_soon_after_a_wake_is_woken_again_at_once(tmp_path, gateway, redis_client):
+    """The first waiting request's wake key (SET NX, 30 s) is cleared once the model has a replica.
+
+    Before, a model woken and back at zero within 30 s (a short idle time, an engine lost)
+    was not asked for again until the key expired: bench/wake.py's requests each waited 30 s.
+    No control worker here: the test plays the control plane (it adds and removes the replica)
+    and reads the gateway's asks from its log.
+    """
+    process, endpoint, _ = real_model.start_engine(real_model.gguf(), tmp_path)
+    try:
+        model = Model.objects.create(
+            name=MODEL, source="http://127.0.0.1:1/smollm2/", context_length=2048, scaling_min=0, scaling_max=1
+        )
+        Profile.objects.create(model=model, name="cpu", engine="llamacpp")
+        node = Node.objects.create(name="n1")
+        _, secret = create_key("k")
+        asks = "asked the control plane to wake"
+
+        for round_ in (1, 2):
+            box = {}
+            thread = threading.Thread(target=lambda box=box: box.setdefault("answer", streamed(gateway.url, secret)))
+            thread.start()
+            wait_until(
+                lambda round_=round_: gateway.process.output().count(asks) == round_,
+                timeout=10,
+                what=f"wake {round_} to be asked for at once: {gateway.process.output().count(asks)} asked",
+            )
+            replica = Replica.objects.create(
+                model_name=MODEL, profile_name="cpu", node=node, state="ready", endpoint=endpoint
+            )
+            thread.join(120)
+            assert box["answer"][0] == 200, box
+            whole_answer(box["answer"][1])
+            replica.delete()  # back at zero, well within 30 s of the wake
+            wait_until(
+                lambda: streamed_status_is_waiting(gateway.url, secret), timeout=10, what="the gateway to see zero"
+            )
+    finally:
+        engines.stop_group(process.pid, grace=3)
+        process.wait(timeout=10)
+
+
+def streamed_status_is_waiting(url: str, secret: str) -> bool:
+    """Whether /v1/models says the model is not ready (it can wake)."""
+    models = requests.get(url + "/v1/models", headers={"Authorization": f"Bearer {secret}"}, timeout=10).json()
+    return any(m["id"] == MODEL and not m["ready"] for m in models["data"])
