@@ -1,10 +1,15 @@
 """No errors while a model's only replica changes, on the real agent and the real engine.
 
-A request that arrives while the model's profile is being rolled over (its old replica
-stopped, the new one starting) waits and is answered; streamed requests sent right after
-the only replica's engine is killed (SIGKILL) wait for the agent to start it again and
-are all answered 200, none 502 or 503. With LLMGW_HOLD_S=0 (no holding: the gateway as it
-was before issue 14) both tests fail: the first with a 503, the second with 502s.
+- A request that arrives while the model's profile is being rolled over (its old replica
+  stopped, the new one starting) waits and is answered.
+- Streamed requests sent right after the only replica's engine is killed (SIGKILL) wait for
+  the agent to start it again and are all answered 200, none 502 or 503.
+  With LLMGW_HOLD_S=0 (no holding: the gateway before issue 14) these two fail, with a 503
+  and with 502s.
+- Streams in flight on a replica being replaced finish whole: it is drained before its
+  engine is stopped (fleet/drain.py; 3 of 16 were cut before).
+- A model back at zero soon after a wake is woken again at once (its wake key was left
+  for 30 s before).
 
 A beat is played by the test: `fleet.reconcile` sent on the control queue every second,
 where a real Celery control worker runs it.
