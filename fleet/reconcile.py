@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from catalog.models import Model
 
-from . import autoscale
+from . import autoscale, drain
 from .live import listening_since, redis_client
 from .models import Fetch, Node, Replica, heard_from_lately
 from .orders import send_start, send_stop
@@ -129,11 +129,15 @@ def replica_views(replicas: list[Replica], node_names: dict[int, str]) -> list[R
     ]
 
 
-def stop(replica: Replica, reason: str = "") -> None:
-    """Mark a replica stopping and tell its node once that is committed; the node's `stopped` deletes it."""
+def stop(replica: Replica, reason: str = "", tell: bool = True) -> None:
+    """Mark a replica stopping and tell its node once that is committed; the node's `stopped` deletes it.
+
+    Not `tell`: the node is told by a later pass, once the replica has drained (fleet/drain.py).
+    """
     replica.enter(Replica.State.STOPPING, reason)
     replica.save()
-    transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
+    if tell:
+        transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
 
 
 def reconcile(now: datetime | None = None, models: list[ModelView] | None = None) -> Plan | None:
@@ -224,8 +228,15 @@ def reconcile_unlocked(
     running = running_on(sorted(ready_nodes))
 
     Replica.objects.filter(pk__in=plan.forget).delete()
+    stopping = [r.pk for r in replicas if r.state == Replica.State.STOPPING]
+    serving_stopped = any(by_id[i].state == Replica.State.READY for i in plan.stop)
+    # Requests in flight per replica, read only when a replica that serves is stopped or draining.
+    in_flight = autoscale.read_load()[1] if serving_stopped or stopping else {}
+    draining = drain.draining(stopping)
     for replica_id in plan.stop:
-        stop(by_id[replica_id], plan.stop_reasons.get(replica_id, ""))
+        replica = by_id[replica_id]
+        busy = replica.state == Replica.State.READY and drain.hold_stop(replica_id, in_flight.get(replica_id, 0))
+        stop(replica, plan.stop_reasons.get(replica_id, ""), tell=not busy)
         if replica_id in plan.stop_reasons:
             log.info(
                 "replica %s of %s stopped: %s", replica_id, by_id[replica_id].model_name, plan.stop_reasons[replica_id]
@@ -265,6 +276,11 @@ def reconcile_unlocked(
             replica.enter(Replica.State.PENDING, f"starting again after: {replica.reason}")
             replica.save()
             transaction.on_commit(lambda r=replica: send_start(r))
+        elif replica.pk in draining:
+            if drain.drained(replica.pk, waited.total_seconds(), in_flight.get(replica.pk, 0)):
+                replica.since = now
+                replica.save(update_fields=["since"])
+                transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
         elif replica.state == Replica.State.STOPPING and waited >= timedelta(seconds=STOP_RESEND_S):
             replica.since = now
             replica.save(update_fields=["since"])

@@ -156,6 +156,16 @@ class Demand:
             self._warn(f"the gateway could not ask for {model} to wake", error)
             return False
 
+    async def woke(self, model: str) -> None:
+        """`model` has a usable replica: the next request that finds it at zero asks again at once."""
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._woke, model)
+
+    def _woke(self, model: str) -> None:
+        try:
+            self._redis().delete(demand.wake_key(model))
+        except Exception as error:  # the key expires on its own (WAKE_TTL_S)
+            self._warn(f"the gateway could not clear {model}'s wake", error)
+
     def _warn(self, what: str, error: Exception) -> None:
         if time.monotonic() - self._warned_at > WARN_EVERY_S:
             self._warned_at = time.monotonic()

@@ -268,9 +268,13 @@ class Holding:
             if route is None or name in self._releasing or not usable(route, cooling, now):
                 continue
             self._releasing.add(name)
-            task = asyncio.get_running_loop().create_task(self._let_go_in_order(name, cooling))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            # Woken: a request that finds it at zero again (idle, its engine lost) asks again at
+            # once, not WAKE_TTL_S after this wake (bench/wake.py waited 30 s for each wake).
+            self._asked.pop(name, None)
+            for coroutine in (self._let_go_in_order(name, cooling), self.demand.woke(name)):
+                task = asyncio.get_running_loop().create_task(coroutine)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     async def _let_go_in_order(self, name: str, cooling: dict[int, float]) -> None:
         try:
