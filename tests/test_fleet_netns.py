@@ -185,8 +185,11 @@ def test_both_nodes_enrol_and_two_replicas_answer_through_the_gateway_from_the_n
         timeout=10,
         what="the gateway to route tiny",
     )
+    # Both replicas answer: asked until each has (the gateway's table may take a refresh
+    # to hold the second one), for at most 30 s.
     answered_by = set()
-    for _ in range(6):
+    deadline = time.monotonic() + 30
+    while answered_by != {r.pk for r in replicas} and time.monotonic() < deadline:
         answer = session.post(gateway + "/v1/chat/completions", json={"model": "tiny", **ASK}, timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] > 0
