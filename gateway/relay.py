@@ -95,20 +95,8 @@ async def relay(
     headers.append((b"x-llmgw-replica", str(replica).encode()))
     headers.append(timing(gateway_s + time.perf_counter() - answered_at))
 
-    # Watch for the client leaving while the answer streams, and stop then:
-    # closing the replica's connection is what makes the engine stop generating.
-    task = asyncio.current_task()
-    finished = False
-
-    async def watch() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not finished:
-                    task.cancel()
-                return
-
-    watcher = asyncio.get_running_loop().create_task(watch())
+    # Watch for the client leaving while the answer streams, and stop then.
+    hang_up = HangUp(receive)
     try:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         async for chunk in response.content.iter_any():
@@ -119,13 +107,12 @@ async def relay(
                     continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         last = events.rest() if events is not None else b""
-        finished = True
+        hang_up.finished = True
         await send({"type": "http.response.body", "body": last})
     except asyncio.CancelledError:
-        if finished or watcher.done() is False:
+        if not hang_up.client_left():
             raise
         # The client went away: the answer so far is counted, the replica's connection closed.
-        asyncio.current_task().uncancel()
         return
     except aiohttp.ClientError as error:
         # The replica broke off or fell silent mid-answer: too late for another replica.
@@ -135,10 +122,10 @@ async def relay(
             raise ClientGone from None
         # An event stream ends with an error event and [DONE], the half event before it left out,
         # so the client reads an error rather than a broken transfer.
-        finished = True
+        hang_up.finished = True
         await send({"type": "http.response.body", "body": broke_off(replica, error)})
     finally:
-        watcher.cancel()
+        hang_up.close()
 
 
 def broke_off(replica: int, error: Exception) -> bytes:
@@ -153,3 +140,35 @@ def broke_off(replica: int, error: Exception) -> bytes:
 def timing(seconds: float) -> tuple[bytes, bytes]:
     """The Server-Timing header with the time the gateway itself added."""
     return b"server-timing", f"gateway;dur={seconds * 1000:.3f}".encode()
+
+
+class HangUp:
+    """Cancels the task answering a client when the client leaves before `finished` is set.
+
+    Closing the replica's connection (what the cancel does) is what makes the engine stop
+    generating. Used by relay() and translation.relay_translated().
+    """
+
+    def __init__(self, receive) -> None:
+        self.finished = False
+        task = asyncio.current_task()
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not self.finished:
+                        task.cancel()
+                    return
+
+        self._watcher = asyncio.get_running_loop().create_task(watch())
+
+    def client_left(self) -> bool:
+        """In `except CancelledError`: whether the client's leaving caused it (then uncancelled)."""
+        if self.finished or not self._watcher.done():
+            return False
+        asyncio.current_task().uncancel()
+        return True
+
+    def close(self) -> None:
+        self._watcher.cancel()

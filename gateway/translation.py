@@ -23,7 +23,7 @@ import aiohttp
 
 from .errors import Refusal
 from .intake import sentence_of
-from .relay import complete_events, timing
+from .relay import HangUp, complete_events, timing
 from .usage import Answer
 
 log = logging.getLogger("llmgw.gateway")
@@ -160,19 +160,8 @@ async def relay_translated(
         headers += [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         headers.append((b"x-accel-buffering", b"no"))
 
-    # As in relay(): a client that leaves closes the replica's connection, which stops the engine.
-    task = asyncio.current_task()
-    finished = False
-
-    async def watch() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not finished:
-                    task.cancel()
-                return
-
-    watcher = asyncio.get_running_loop().create_task(watch())
+    # As in relay(): a client that leaves stops the engine.
+    hang_up = HangUp(receive)
     try:
         if not streaming:
             raw = await response.read()
@@ -192,7 +181,7 @@ async def relay_translated(
             headers.append((b"content-type", b"application/json"))
             headers.append((b"content-length", str(len(body)).encode()))
             headers.append(timing(gateway_s + time.perf_counter() - answered_at))
-            finished = True
+            hang_up.finished = True
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
             return
@@ -205,12 +194,12 @@ async def relay_translated(
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         last = events.rest()
-        finished = True
+        hang_up.finished = True
         await send({"type": "http.response.body", "body": last})
     except asyncio.CancelledError:
-        if finished or watcher.done() is False:
+        if not hang_up.client_left():
             raise
-        asyncio.current_task().uncancel()
+        # The client went away: the answer so far is counted, the replica's connection closed.
         return
     except aiohttp.ClientError as error:
         log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))
@@ -221,7 +210,7 @@ async def relay_translated(
             # Nothing was sent yet: a 502 in the client's shape.
             raise Refusal(502, message, kind="api_error", code="replica_broke_off") from None
         # The stream ends with the error event of its own format, not a cut connection.
-        finished = True
+        hang_up.finished = True
         await send({"type": "http.response.body", "body": events.failed({"error": {"message": message}})})
     finally:
-        watcher.cancel()
+        hang_up.close()
