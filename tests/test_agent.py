@@ -296,7 +296,13 @@ def test_a_dropped_connection_is_tried_again_with_backoff_and_resumes(
     try:
         send_fetch(name, source)
         wait_until(lambda: "trying again in" in agent.output(), timeout=30, what="a retry to be scheduled")
-        snapshot = live(redis_client, source, name)
+        # The retry's countdown is jittered and can be near 0, so its next attempt may already be
+        # fetching when this looks; each attempt cut short queues it again.
+        snapshot = wait_until(
+            lambda: (s := live(redis_client, source, name)) and s["state"] == "queued" and s,
+            timeout=30,
+            what="the fetch queued again after a cut",
+        )
         assert snapshot["state"] == "queued" and "the part is kept" in snapshot["error"]
         assert not Fetch.objects.filter(source=source).exists()  # not reported as the end: it is not over
         proxy.truncate_after = None
