@@ -29,7 +29,7 @@ from gateway.keys import create_key
 from mirror import scan
 
 from . import real_model
-from .processes import Process, process_env, wait_until
+from .processes import Process, node_env, wait_until
 from .real_model import MODEL, ask, streamed_whole
 from .test_gateway import until_routed
 
@@ -40,8 +40,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 def agent_n1(tmp_path, mirror_root, byte_listener):
     token = issue_token("n1")
     cache = tmp_path / "cache-n1"
-    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
-    env["DATABASE_URL"] = "postgres://nobody@127.0.0.1:1/none"  # a node has no database
+    env = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)  # no database
     agent = Process(
         "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
     )

@@ -28,7 +28,7 @@ from gateway.models import Usage
 from mirror import scan
 
 from . import real_model
-from .processes import Process, process_env, wait_until
+from .processes import Process, node_env, wait_until
 from .real_model import MODEL, ask, streamed_whole
 from .staff_api import token_session
 
@@ -197,8 +197,7 @@ def test_sixteen_clients_streaming_at_once_for_a_minute_each_get_their_whole_ans
 def agent_n1(tmp_path, mirror_root, byte_listener):
     token = issue_token("n1")
     cache = tmp_path / "cache-n1"
-    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
-    env["DATABASE_URL"] = "postgres://nobody@127.0.0.1:1/none"  # a node has no database
+    env = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)  # no database
     agent = Process(
         "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
     )
