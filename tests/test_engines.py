@@ -407,7 +407,8 @@ def test_engines_outlive_a_killed_supervisor_process_which_a_new_one_adopts(tmp_
     broker = redis.Redis.from_url(settings.REDIS_URL)
     broker.delete("control")
     engine_state.want(cache, 5, "vllm", "http://mirror/m/v1/", weights, [])
-    env = node_env(LLMGW_NODE_TOKEN="llmgw-node-test")
+    # A node's environment, and the stand-in's log (its PATH comes from the machine's, the fixture's).
+    env = node_env(LLMGW_NODE_TOKEN="llmgw-node-test", VLLM_STAND_IN_LOG=vllm_stand_in)
 
     def start_supervisor() -> subprocess.Popen:
         log = open(tmp_path / "supervisor.log", "ab")
