@@ -2,20 +2,26 @@
 import os
 import sys
 
+# A node's commands: they run with the node's settings, which need neither a database nor
+# any of the control plane's packages, whatever the environment they were started from says.
+NODE_COMMANDS = ("agent", "fetch")
+
 
 def main() -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
-    if sys.argv[1:2] in (["agent"], ["fetch"]):
-        # The node's commands: the node's settings, which need neither a database nor
-        # the control plane's packages.
-        os.environ.setdefault("LLMGW_ROLE", "node")
+    if sys.argv[1:2] and sys.argv[1] in NODE_COMMANDS:
+        os.environ["DJANGO_SETTINGS_MODULE"] = "agent.settings"
+        os.environ.pop("LLMGW_ROLE", None)  # the control plane's switch; a node has none
+    else:
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
     from django.conf import settings
     from django.core.exceptions import ImproperlyConfigured
     from django.core.management import execute_from_command_line
 
+    from contracts.env import SettingError
+
     try:
         settings.INSTALLED_APPS  # noqa: B018 - read the settings now, where a wrong value can be said plainly
-    except ImproperlyConfigured as error:
+    except (ImproperlyConfigured, SettingError) as error:
         sys.exit(f"llmgw cannot start: {error}")
     execute_from_command_line(sys.argv)
 

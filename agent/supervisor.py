@@ -368,9 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, default=0, help="exit when this process (the agent) is gone")
     options = parser.parse_args(argv)
 
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agent.settings")
     django.setup()
-    import llmgw_site.celery  # noqa: F401  (the app reports are sent with, configured from the settings)
+    import agent.celery  # noqa: F401  (the node's app, which reports are sent with)
 
     token = os.environ.get("LLMGW_NODE_TOKEN", "").strip()
     if not token:

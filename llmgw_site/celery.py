@@ -6,6 +6,5 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
 
 app = Celery("llmgw")
 app.config_from_object("django.conf:settings", namespace="CELERY")
+# The control plane's tasks; a node's are the node's own app's (agent/celery.py).
 app.autodiscover_tasks()
-# Engines and replicas have their own task module in the agent app.
-app.autodiscover_tasks(related_name="engine_tasks")

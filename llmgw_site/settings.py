@@ -1,21 +1,36 @@
 """llmgw's settings: every value comes from the environment, with defaults that
 run everything on one machine (SQLite and the mirror under var/, a local Redis).
 
-The byte listener runs the same settings with LLMGW_ROLE=bytes, which swaps in
-its own URLconf and drops sessions, auth and the admin: it serves files and
-manifests to nodes and nothing else. A node's agent runs them with LLMGW_ROLE=node
-(manage.py sets it for `agent` and `fetch`): the agent app alone, and no database.
+LLMGW_ROLE says which of the control plane's processes this is:
+- control (the default): the admin server, the control worker and its beat.
+- bytes: the byte listener; its own URLconf, no sessions, auth or admin: it serves
+  files and manifests to nodes and nothing else.
+A node's agent does not run these settings at all: `manage.py agent` and `fetch` run
+with the node's own, agent.settings (no database, nothing of the control plane).
 """
 
-import os
 from pathlib import Path
 
-from .env import env_addr, env_bool, env_int, env_path, env_str
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from contracts.env import env_addr, env_bool, env_int, env_path, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = env_path("LLMGW_VAR", Path("var"), BASE_DIR)
 
+# The control plane's processes. A node is none of them: its settings are agent.settings.
+ROLES = ("control", "bytes")
 ROLE = env_str("LLMGW_ROLE", "control")
+if ROLE not in ROLES:
+    raise ImproperlyConfigured(
+        f"LLMGW_ROLE must be one of {', '.join(ROLES)}, not {ROLE!r}"
+        + (
+            "; a node runs with its own settings, agent.settings, which manage.py agent and fetch choose"
+            if ROLE == "node"
+            else ""
+        )
+    )
 
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", "")
 if not SECRET_KEY:
@@ -133,7 +148,6 @@ INSTALLED_APPS = [
     "mirror",
     "catalog",
     "fleet",
-    "agent",
     "serving",
     "launcher",
     "gateway",
@@ -151,12 +165,6 @@ MIDDLEWARE = [
     "django_htmx.middleware.HtmxMiddleware",
 ]
 ROOT_URLCONF = "llmgw_site.urls"
-
-if ROLE == "node":
-    # What a node installs (requirements/node.txt) is all a node loads: no admin, no
-    # API, no control-plane app, so a node needs none of their packages.
-    INSTALLED_APPS = ["agent"]
-    MIDDLEWARE = []
 
 if ROLE == "bytes":
     # Files and manifests only: no sessions, no CSRF, no auth. The byte listener
@@ -183,19 +191,13 @@ WSGI_APPLICATION = "llmgw_site.wsgi.application"
 
 # --- database -----------------------------------------------------------------
 
-if ROLE == "node":
-    # A node has no database credentials: what it says goes to the control plane as a task.
-    DATABASES = {}
-else:
-    import dj_database_url
-
-    DATABASES = {
-        "default": dj_database_url.parse(
-            env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'llmgw.sqlite3'}"),
-            conn_max_age=60,
-        )
-    }
-if DATABASES and DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'llmgw.sqlite3'}"),
+        conn_max_age=60,
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes (web, byte listener, the control worker) share one file:
     # wait for a lock rather than failing with "database is locked".
     DATABASES["default"].setdefault("OPTIONS", {}).update(
@@ -291,5 +293,3 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("LLMGW_LOG_LEVEL", "INFO")},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
-
-os.environ.setdefault("LLMGW_ROLE", ROLE)

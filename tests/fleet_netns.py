@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 import requests
 
 from .netns import Fleet, Host
-from .processes import CountingProxy, Process, process_env, unreachable_database_url, wait_for_status, wait_until
+from .processes import CountingProxy, Process, node_env, process_env, wait_for_status, wait_until
 from .services import free_port
 
 # Short, so that a lost node is found out in seconds: a heartbeat a second, lost after three missed.
@@ -75,6 +75,7 @@ class ControlPlane:
         return [f"http://127.0.0.1:{port}" for port in self.admin_ports]
 
     def env(self, **more: str) -> dict:
+        """deploy/env/control.env filled in for this control plane, with the test's short timings."""
         return process_env(
             REDIS_URL=self.redis_url,
             LLMGW_BYTES_URL=self.bytes_url,
@@ -158,13 +159,18 @@ class Node:
         self.agent: Process | None = None
 
     def env(self) -> dict:
-        return self.control.env(
+        """deploy/env/node.env filled in for this node: the fleet's Redis and byte listener, its token and address."""
+        return node_env(
             LLMGW_NODE_TOKEN=self.token,
-            DATABASE_URL=unreachable_database_url(),
+            REDIS_URL=self.control.redis_url,
+            LLMGW_BYTES_URL=self.control.bytes_url,
+            LLMGW_VAR=self.log_dir / f"var-{self.name}",
+            LLMGW_AGENT_CACHE=self.cache,
             # Engines listen on every address of the namespace (its bridge address is the
             # only one beside its own loopback) and replicas advertise the node's address.
             LLMGW_ENGINE_HOST="0.0.0.0",
             LLMGW_ENGINE_ADVERTISE=self.host.address,
+            LLMGW_HEARTBEAT_S=TIMING["LLMGW_HEARTBEAT_S"],
         )
 
     def start_agent(self) -> None:

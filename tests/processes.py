@@ -25,12 +25,94 @@ def test_database_url() -> str:
     return f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
 
 
-def process_env(**extra: str) -> dict:
-    env = dict(os.environ)
-    env["DATABASE_URL"] = test_database_url()
+ENV_FILES = BASE_DIR / "deploy" / "env"
+# What a process needs from the machine it runs on, beside its env file.
+MACHINE = ("PATH", "HOME")
+
+
+def env_file(role: str) -> dict[str, str]:
+    """deploy/env/<role>.env as written for an operator: {name: the example value}."""
+    found = {}
+    for line in (ENV_FILES / f"{role}.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            found[name.strip()] = value.strip()
+    return found
+
+
+def _addr(addr: tuple[str, int]) -> str:
+    return f"{addr[0]}:{addr[1]}"
+
+
+def _fill(role: str) -> dict[str, str | None]:
+    """The values this test session gives each variable the role's env file sets (None: left to its default).
+
+    They are the test process's own settings, so a child agrees with the test about where
+    the database, Redis, the mirror and the byte listener are.
+    """
+    if role == "control":
+        return {
+            "DJANGO_SECRET_KEY": settings.SECRET_KEY,
+            "DJANGO_ALLOWED_HOSTS": ",".join(settings.ALLOWED_HOSTS),
+            "DJANGO_CSRF_TRUSTED_ORIGINS": ",".join(settings.CSRF_TRUSTED_ORIGINS),
+            "LLMGW_HTTPS": "false",
+            "DATABASE_URL": test_database_url(),
+            "REDIS_URL": settings.REDIS_URL,
+            "LLMGW_VAR": os.environ["LLMGW_VAR"],
+            "LLMGW_MIRROR_ROOT": os.environ["LLMGW_MIRROR_ROOT"],
+            "LLMGW_ADMIN_ADDR": _addr(settings.ADMIN_ADDR),
+            "LLMGW_ADMIN_WORKERS": "1",
+            "LLMGW_BYTES_ADDR": _addr(settings.BYTES_ADDR),
+            "LLMGW_BYTES_URL": settings.BYTES_URL,
+            "LLMGW_BYTES_PUBLIC": "false",
+            # One process's /metrics unless a test asks for the shared directory.
+            "PROMETHEUS_MULTIPROC_DIR": None,
+        }
+    if role == "node":
+        return {
+            # The node the test process is enrolled as (the `fleet_node` fixture's), if any;
+            # a test that starts an agent of its own passes that node's token.
+            "LLMGW_NODE_TOKEN": os.environ.get("LLMGW_NODE_TOKEN") or None,
+            "REDIS_URL": settings.REDIS_URL,
+            "LLMGW_BYTES_URL": settings.BYTES_URL,
+            "LLMGW_VAR": os.environ["LLMGW_VAR"],
+            "LLMGW_AGENT_CACHE": str(Path(os.environ["LLMGW_VAR"]) / "agent-cache"),
+            # A test's node is this host: its engines listen on loopback and are reached there.
+            "LLMGW_ENGINE_HOST": "127.0.0.1",
+            "LLMGW_ENGINE_ADVERTISE": "127.0.0.1",
+        }
+    raise ValueError(f"no env file deploy/env/{role}.env for the tests to fill")
+
+
+def role_env(role: str, **extra) -> dict:
+    """The environment an operator gives a process of `role` (deploy/env/<role>.env), filled in for this test.
+
+    Exactly the variables that file sets, with this session's values, plus PATH and HOME,
+    plus `extra` (what the test needs): nothing else of the test process's environment,
+    above all not its DJANGO_SETTINGS_MODULE or LLMGW_ROLE. A variable added to the file
+    that the tests do not know how to fill stops here, rather than being left out unseen.
+    """
+    fill = _fill(role)
+    unknown = set(env_file(role)) - set(fill)
+    if unknown:
+        raise AssertionError(f"deploy/env/{role}.env sets {sorted(unknown)}, which tests/processes.py does not fill")
+    env = {name: os.environ[name] for name in MACHINE if name in os.environ}
+    env.update({name: value for name, value in fill.items() if value is not None})
     env["PYTHONUNBUFFERED"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def process_env(**extra) -> dict:
+    """A control-plane process's environment (deploy/env/control.env, filled in): admin, worker, byte listener, commands."""
+    return role_env("control", **extra)
+
+
+def node_env(**extra) -> dict:
+    """A node's process's environment (deploy/env/node.env, filled in): `manage.py agent` and `manage.py fetch`."""
+    node = {"LLMGW_NODE_NAME": os.environ["LLMGW_NODE_NAME"]} if os.environ.get("LLMGW_NODE_NAME") else {}
+    return role_env("node", **{**node, **extra})
 
 
 class Process:
@@ -294,9 +376,7 @@ def unreachable_database_url() -> str:
 
 def start_agent(node: str, token: str, cache: Path, log_dir: Path, **env: str) -> Process:
     """`manage.py agent --node NODE` as a node runs it: broker, byte listener and token, no database."""
-    environment = process_env(
-        LLMGW_NODE_TOKEN=token, DATABASE_URL=unreachable_database_url(), LLMGW_HEARTBEAT_S=1, **env
-    )
+    environment = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, **env)
     argv = [sys.executable, "manage.py", "agent", "--node", node, "--cache", str(cache), "--labels", "zone=test"]
     process = Process(f"agent-{node}", argv, environment, log_dir)
     wait_until(lambda: "ready." in process.output() or not process.alive(), timeout=60, what=f"agent {node} to start")

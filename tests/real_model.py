@@ -9,6 +9,7 @@ reads it from disk.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -19,12 +20,38 @@ from agent import engines
 from launcher import smollm2
 
 MODEL = smollm2.MODEL
-QUESTION = "What is the capital of France?"
+
+# What the tests ask, chosen so that every CPU the engine is built for answers the same
+# (docs/testing.md, "Assertions on a model's words"). Greedy decoding takes the likeliest
+# token; kernels that round differently (AVX2, AVX-512) move the likelihoods a little, so
+# an answer holds on every kernel mix only where the likeliest token leads the next by a
+# wide margin at every step. Measured here (logprobs, nats, top-1 minus top-2):
+# - QUESTION in chat answers "The capital of France is Paris." with a lead of at least
+#   2.8 at every token (4.8 at " Paris");
+# - PROMPT as a plain completion continues " Paris" with a lead of 2.5;
+# - the README's own question leads by 0.09 at its first token: AVX2 kernels answer
+#   "La femme de France, ..." where AVX-512 ones say Paris, so it is asked in one test
+#   only, with its sampling spelled out (README_SAMPLING).
+QUESTION = "Complete the sentence: The capital of France is"
+PROMPT = "The capital of France is"
+# The word the answers above must hold: a model or a chain that is broken (random weights,
+# a wrong template, a relay that drops text) does not produce it.
+ANSWER = "Paris"
 # Greedy, so the answer is the same every run.
 GREEDY = {"temperature": 0, "seed": 1}
 
+# The README's request, and its sampling made explicit as both engines (PyPI's server and
+# llama.cpp's llama-server) take it: greedy, the single likeliest token, no repeat penalty
+# (PyPI's server defaults to 1.1, llama-server to 1.0).
+README_QUESTION = "What is the capital of France?"
+README_SAMPLING = {"temperature": 0, "top_k": 1, "repeat_penalty": 1.0, "seed": 1}
+
 
 def gguf() -> Path:
+    """SmolLM2's GGUF; LLMGW_TEST_REAL_MODEL names another instead, to see what the tests make of it
+    (docs/testing.md: handed random weights, every test of the model's words fails)."""
+    if os.environ.get("LLMGW_TEST_REAL_MODEL"):
+        return Path(os.environ["LLMGW_TEST_REAL_MODEL"])
     try:
         return smollm2.gguf_path()
     except (smollm2.DemoModelError, OSError, subprocess.SubprocessError) as error:
@@ -40,6 +67,23 @@ SYSTEM = "You are a helpful assistant."
 def ask(question: str = QUESTION, max_tokens: int = 48, **extra) -> dict:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     return {"messages": messages, "max_tokens": max_tokens, **GREEDY, **extra}
+
+
+def complete(prompt: str = PROMPT, max_tokens: int = 4, **extra) -> dict:
+    """A plain text completion (/completions): no chat template, the model's own continuation."""
+    return {"prompt": prompt, "max_tokens": max_tokens, **GREEDY, **extra}
+
+
+def assert_chat_answer(answer: dict) -> str:
+    """The shape of a whole chat answer, its usage added up, and ANSWER in its words; its text."""
+    choice = answer["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length"), answer
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0, usage
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], usage
+    text = choice["message"]["content"]
+    assert ANSWER in text, text
+    return text
 
 
 def start_engine(weights: Path, log_dir: Path, args: list[str] | None = None):

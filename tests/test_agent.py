@@ -243,9 +243,9 @@ def test_the_agent_refuses_to_start_without_a_token_or_a_database(tmp_path):
     import subprocess
     import sys
 
-    from .processes import BASE_DIR, process_env, unreachable_database_url
+    from .processes import BASE_DIR, node_env
 
-    env = process_env(DATABASE_URL=unreachable_database_url())
+    env = node_env()
     env.pop("LLMGW_NODE_TOKEN", None)
     done = subprocess.run(
         [sys.executable, "manage.py", "agent", "--node", "n9", "--cache", str(tmp_path / "c")],

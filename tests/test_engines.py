@@ -26,7 +26,7 @@ from agent import engine_state, engines, supervisor
 from agent.engine_tasks import start_on_node
 from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 
-from .processes import process_env, wait_until
+from .processes import node_env, wait_until
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -407,7 +407,8 @@ def test_engines_outlive_a_killed_supervisor_process_which_a_new_one_adopts(tmp_
     broker = redis.Redis.from_url(settings.REDIS_URL)
     broker.delete("control")
     engine_state.want(cache, 5, "vllm", "http://mirror/m/v1/", weights, [])
-    env = process_env(LLMGW_NODE_TOKEN="llmgw-node-test")
+    # A node's environment, and the stand-in's log (its PATH comes from the machine's, the fixture's).
+    env = node_env(LLMGW_NODE_TOKEN="llmgw-node-test", VLLM_STAND_IN_LOG=vllm_stand_in)
 
     def start_supervisor() -> subprocess.Popen:
         log = open(tmp_path / "supervisor.log", "ab")
@@ -502,7 +503,7 @@ def test_agent_stop_engines_stops_what_this_hosts_agent_started_without_a_token_
     engine_state.want(cache, 3, "vllm", "http://mirror/m/v1/", tmp_path, [])
     with engine_state.locked_state(cache) as state:
         state["replicas"]["3"].update(pid=engine.pid, pid_started=engines.start_time(engine.pid))
-    env = process_env(REDIS_URL="redis://127.0.0.1:9/0")
+    env = node_env(REDIS_URL="redis://127.0.0.1:9/0")
     env.pop("LLMGW_NODE_TOKEN", None)
     argv = [sys.executable, "manage.py", "agent", "--node", "gpu-1", "--cache", str(cache), "--stop-engines"]
     done = subprocess.run(argv, env=env, cwd=BASE_DIR, capture_output=True, text=True, timeout=60)

@@ -13,7 +13,7 @@ from agent.fetch import FetchError, cache_path, fetch_source, is_set
 from agent.progress import Cancelled, Progress
 
 from .conftest import put
-from .processes import BASE_DIR, CountingProxy, as_node, process_env, wait_until
+from .processes import BASE_DIR, CountingProxy, as_node, node_env, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -295,7 +295,7 @@ def test_two_processes_fetching_one_set_take_turns_and_each_byte_is_sent_once(by
     try:
         source = proxy.url + "m/v1/"
         argv = [sys.executable, "manage.py", "fetch", source, "--cache", str(cache)]
-        env = process_env(LLMGW_BYTES_URL=proxy.url)
+        env = node_env(LLMGW_BYTES_URL=proxy.url)
         first = subprocess.Popen(argv, cwd=BASE_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         wait_until(lambda: proxy.body_bytes > 50_000, timeout=30, what="the first fetch to be under way")
         second = subprocess.Popen(argv, cwd=BASE_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -317,7 +317,7 @@ def test_the_fetch_command_exits_non_zero_with_the_sentence(cache):
     done = subprocess.run(
         [sys.executable, "manage.py", "fetch", "http://127.0.0.1:9/m/v1/", "--cache", str(cache)],
         cwd=BASE_DIR,
-        env=process_env(LLMGW_BYTES_URL="http://127.0.0.1:9/"),
+        env=node_env(LLMGW_BYTES_URL="http://127.0.0.1:9/"),
         capture_output=True,
         text=True,
         timeout=60,

@@ -15,7 +15,7 @@ import pytest
 from agent.fetch import FetchError, cache_path, fetch_source
 
 from .conftest import put
-from .processes import BASE_DIR, process_env, start_byte_listener
+from .processes import BASE_DIR, node_env, start_byte_listener
 from .services import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -117,7 +117,7 @@ def test_the_fetch_command_fetches_from_another_host_only_when_allowed(
     try:
         source = other_url + "m/v1/"
         argv = [sys.executable, "manage.py", "fetch", source, "--cache", str(cache), "--quiet"]
-        env = process_env(LLMGW_BYTES_URL=elsewhere.url)
+        env = node_env(LLMGW_BYTES_URL=elsewhere.url)
         refused = subprocess.run(argv, cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1 and "is not on this node's byte listener" in refused.stderr
         assert not cache.exists() or not any(cache.rglob("a.bin"))

@@ -29,7 +29,7 @@ from gateway.keys import create_key
 from mirror import scan
 
 from . import real_model
-from .processes import Process, process_env, wait_until
+from .processes import Process, node_env, wait_until
 from .real_model import MODEL, ask, streamed_whole
 from .test_gateway import until_routed
 
@@ -40,8 +40,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 def agent_n1(tmp_path, mirror_root, byte_listener):
     token = issue_token("n1")
     cache = tmp_path / "cache-n1"
-    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
-    env["DATABASE_URL"] = "postgres://nobody@127.0.0.1:1/none"  # a node has no database
+    env = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)  # no database
     agent = Process(
         "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
     )
@@ -98,7 +97,7 @@ def test_a_streamed_request_for_a_model_at_zero_wakes_it_and_waits_while_its_rep
     comments = [line for line in lines if line.startswith(":")]
     assert comments[0] == f": waiting for a replica of {MODEL}: scaled to zero, waking", comments
     text, usage, finish = streamed_whole([line[len("data: ") :] for line in lines if line.startswith("data: ")])
-    assert "Paris" in text and usage["completion_tokens"] > 0, text
+    assert real_model.ANSWER in text and usage["completion_tokens"] > 0, text
     assert Replica.objects.filter(model_name=MODEL, state="ready").count() == 1
 
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from agent import engine_state, engines
 from agent.metrics import NodeCollector
 
-from .processes import BASE_DIR, process_env, start_agent, unreachable_database_url
+from .processes import BASE_DIR, node_env, start_agent
 from .scrape import samples, value
 from .services import free_port
 
@@ -58,9 +58,8 @@ def test_the_agent_serves_its_nodes_metrics_behind_its_token(enrolled_node, agen
 
 
 def test_an_agent_metrics_address_open_to_other_hosts_needs_a_token(tmp_path):
-    env = process_env(
+    env = node_env(
         LLMGW_NODE_TOKEN="llmgw-node-x",
-        DATABASE_URL=unreachable_database_url(),
         LLMGW_AGENT_METRICS_ADDR=f"0.0.0.0:{free_port()}",
         LLMGW_AGENT_METRICS_TOKEN="",
     )

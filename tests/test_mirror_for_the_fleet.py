@@ -26,6 +26,7 @@ from .processes import (
     CountingProxy,
     NoAuth,
     as_node,
+    node_env,
     process_env,
     start_agent,
     start_byte_listener,
@@ -215,7 +216,7 @@ def test_a_real_agent_whose_token_is_revoked_while_it_waits_to_resume_ends_its_f
 def test_the_fetch_command_takes_the_nodes_pass_from_the_environment(byte_listener, weights, tmp_path, fleet_node):
     name, token = fleet_node
     argv = [sys.executable, "manage.py", "fetch", byte_listener + "m/v1/a.bin", "--cache", str(tmp_path), "--quiet"]
-    env = process_env(LLMGW_BYTES_URL=byte_listener, LLMGW_NODE_NAME=name, LLMGW_NODE_TOKEN=token)
+    env = node_env(LLMGW_BYTES_URL=byte_listener, LLMGW_NODE_NAME=name, LLMGW_NODE_TOKEN=token)
     done = subprocess.run(argv, cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert open(done.stdout.strip(), "rb").read() == WEIGHTS

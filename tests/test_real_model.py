@@ -3,9 +3,10 @@
 Every other engine test runs a generated F32 model whose answers are random; the
 quantized kernels a real model takes are where a build for the wrong CPU dies
 (SIGILL on the first token). So here the real model is started the way the agent
-starts it, asked what the capital of France is, and must say Paris: through the
-supervisor, through the gateway (whole, streamed, with usage, and the engine's own
-400 for a prompt too long), from the mirror through an agent, and with 16 clients
+starts it and must say Paris where every kernel mix says it (tests/real_model.py):
+through the supervisor (a plain completion), through the gateway (whole, streamed, with
+usage, and the engine's own 400 for a prompt too long), with the README's own question
+and its sampling spelled out, from the mirror through an agent, and with 16 clients
 streaming at once for a minute, every answer whole.
 """
 
@@ -28,8 +29,8 @@ from gateway.models import Usage
 from mirror import scan
 
 from . import real_model
-from .processes import Process, process_env, wait_until
-from .real_model import MODEL, ask, streamed_whole
+from .processes import Process, node_env, wait_until
+from .real_model import ANSWER, MODEL, ask, assert_chat_answer, complete, streamed_whole
 from .staff_api import token_session
 
 pytestmark = pytest.mark.engine
@@ -71,14 +72,15 @@ def test_the_real_quantized_model_answers_through_the_agents_own_engine_start(tm
         )
         assert [r[1] for r in reports] == ["starting", "ready"], reports
         endpoint = reports[-1][2]
-        answer = requests.post(endpoint + "/chat/completions", json=ask(), timeout=120)
+        # A plain completion: the model's own continuation of a fact, the same on every kernel mix.
+        answer = requests.post(endpoint + "/completions", json=complete(), timeout=120)
         sup.step()
         # A crash on the first token (SIGILL) ends the engine; the supervisor says so with its code.
         crashed = [r[3] for r in reports if r[1] == "failed"]
         assert not crashed, f"the engine crashed answering: {crashed[0]}"
         assert answer.status_code == 200, answer.text
-        text = answer.json()["choices"][0]["message"]["content"]
-        assert "Paris" in text, text
+        text = answer.json()["choices"][0]["text"]
+        assert text.startswith(" " + ANSWER), text
         assert answer.json()["usage"]["completion_tokens"] > 0
     finally:
         for entry in engine_state.read_state(cache)["replicas"].values():
@@ -113,8 +115,7 @@ def test_through_the_gateway_the_real_model_says_paris_whole_and_streamed_and_bo
     whole = client.post(url + "/v1/chat/completions", json={"model": MODEL, **ask()}, timeout=120)
     assert whole.status_code == 200, whole.text
     answer = whole.json()
-    assert "Paris" in answer["choices"][0]["message"]["content"]
-    assert answer["usage"]["prompt_tokens"] > 0 and answer["usage"]["completion_tokens"] > 0
+    assert_chat_answer(answer)
 
     with client.post(
         url + "/v1/chat/completions", json={"model": MODEL, **ask(), "stream": True}, stream=True, timeout=120
@@ -132,6 +133,24 @@ def test_through_the_gateway_the_real_model_says_paris_whole_and_streamed_and_bo
 
     row = wait_until(counted, timeout=10, what="the usage to be written")
     assert row.completion_tokens == 2 * answer["usage"]["completion_tokens"]
+
+
+def test_the_readmes_own_question_with_its_sampling_spelled_out_says_paris(served):
+    """The README's curl (its system message and question), greedy as both engines take it spelled out."""
+    client, url = served
+    body = {"model": MODEL, **ask(real_model.README_QUESTION), **real_model.README_SAMPLING}
+    answer = client.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert assert_chat_answer(answer.json()) == "The capital of France is Paris."
+
+
+def test_a_plain_completion_through_the_gateway_continues_the_fact(served):
+    client, url = served
+    answer = client.post(url + "/v1/completions", json={"model": MODEL, **complete()}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["text"].startswith(" " + ANSWER) and choice["finish_reason"] == "length", choice
+    assert answer.json()["usage"]["completion_tokens"] == 4
 
 
 def test_a_prompt_longer_than_the_engines_context_is_the_engines_own_400(served):
@@ -197,8 +216,7 @@ def test_sixteen_clients_streaming_at_once_for_a_minute_each_get_their_whole_ans
 def agent_n1(tmp_path, mirror_root, byte_listener):
     token = issue_token("n1")
     cache = tmp_path / "cache-n1"
-    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
-    env["DATABASE_URL"] = "postgres://nobody@127.0.0.1:1/none"  # a node has no database
+    env = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)  # no database
     agent = Process(
         "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
     )
@@ -263,4 +281,4 @@ def test_the_real_model_copied_into_the_mirror_is_served_fetched_started_and_say
     )
     answer = client.post(gateway.url + "/v1/chat/completions", json={"model": MODEL, **ask()}, timeout=120)
     assert answer.status_code == 200, answer.text
-    assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+    assert_chat_answer(answer.json())

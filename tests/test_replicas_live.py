@@ -27,7 +27,7 @@ from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 from mirror import scan
 
 from .conftest import put
-from .processes import Process, engine_secret, process_env, wait_until
+from .processes import Process, engine_secret, node_env, wait_until
 from .staff_api import token_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
@@ -38,9 +38,8 @@ def agent_n1(tmp_path, mirror_root, byte_listener):
     """`manage.py agent --node n1`, enrolled with a token from the control plane, and nothing else."""
     token = issue_token("n1")
     cache = tmp_path / "cache-n1"
-    env = process_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
     # The agent has no database: what it reports goes back through the broker.
-    env["DATABASE_URL"] = "postgres://nobody@127.0.0.1:1/none"
+    env = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
     agent = Process(
         "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
     )

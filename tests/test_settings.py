@@ -1,12 +1,11 @@
 """A wrong setting stops llmgw at start with a sentence naming it, not a traceback."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from .processes import BASE_DIR
+from .processes import BASE_DIR, node_env, process_env
 
 
 @pytest.mark.parametrize(
@@ -21,7 +20,7 @@ from .processes import BASE_DIR
     ],
 )
 def test_a_wrong_setting_is_one_sentence_and_a_failed_start(tmp_path, name, value, sentence):
-    env = dict(os.environ, LLMGW_VAR=str(tmp_path), **{name: value})
+    env = process_env(LLMGW_VAR=str(tmp_path), **{name: value})
     done = subprocess.run(
         [sys.executable, "manage.py", "check"], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60
     )
@@ -30,10 +29,32 @@ def test_a_wrong_setting_is_one_sentence_and_a_failed_start(tmp_path, name, valu
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    "name, value, sentence",
+    [
+        ("LLMGW_HEARTBEAT_S", "often", "LLMGW_HEARTBEAT_S must be a whole number, not 'often'"),
+        ("LLMGW_ALLOW_REMOTE_CODE", "maybe", "LLMGW_ALLOW_REMOTE_CODE must be true or false, not 'maybe'"),
+        ("LLMGW_FETCH_PARALLEL", "0", "LLMGW_FETCH_PARALLEL must be at least 1, not 0"),
+    ],
+)
+def test_a_wrong_node_setting_is_one_sentence_and_the_agent_does_not_start(tmp_path, name, value, sentence):
+    env = node_env(LLMGW_NODE_TOKEN="llmgw-node-x", LLMGW_VAR=str(tmp_path), **{name: value})
+    done = subprocess.run(
+        [sys.executable, "manage.py", "agent", "--node", "n1"],
+        cwd=BASE_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip() == f"llmgw cannot start: {sentence}"
+
+
 def test_a_mirror_root_that_is_a_file_is_reported_by_the_system_check(tmp_path):
     not_a_directory = tmp_path / "mirror"
     not_a_directory.write_text("oops")
-    env = dict(os.environ, LLMGW_VAR=str(tmp_path), LLMGW_MIRROR_ROOT=str(not_a_directory))
+    env = process_env(LLMGW_VAR=str(tmp_path), LLMGW_MIRROR_ROOT=str(not_a_directory))
     done = subprocess.run(
         [sys.executable, "manage.py", "check"], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60
     )

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -27,7 +28,9 @@ def answers(port: int) -> bool:
 @pytest.fixture
 def up(tmp_path):
     ports = {"admin": free_port(), "bytes": free_port(), "redis": free_port()}
-    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "LLMGW_ADMIN_USER", "LLMGW_ADMIN_PASSWORD"}}
+    # A user's shell: none of the test process's Django settings, role, database or staff account.
+    unset = {"DATABASE_URL", "LLMGW_ADMIN_USER", "LLMGW_ADMIN_PASSWORD", "DJANGO_SETTINGS_MODULE", "LLMGW_ROLE"}
+    env = {k: v for k, v in os.environ.items() if k not in unset and not k.startswith("LLMGW_NODE_")}
     env.update(
         LLMGW_VAR=str(tmp_path / "var"),
         LLMGW_MIRROR_ROOT=str(tmp_path / "var" / "mirror"),
@@ -126,6 +129,23 @@ def test_a_hand_copied_file_shows_on_the_byte_listener_and_in_the_admin_and_ctrl
         assert not answers(port), f"something still listens on {port} after Ctrl-C"
 
 
+def started_environment(root: int, argv_tail: list[str]) -> dict[str, str]:
+    """The environment a descendant of `root` whose command line ends with `argv_tail` was started with."""
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+            if argv[-len(argv_tail) :] == argv_tail:
+                raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                return dict(e.decode().partition("=")[::2] for e in raw if e)
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    raise AssertionError(f"no process {' '.join(argv_tail)} under {root}")
+
+
 def manage(process, *args: str) -> str:
     done = subprocess.run(
         [sys.executable, "manage.py", *args], cwd=BASE_DIR, env=process.env, capture_output=True, text=True, timeout=60
@@ -164,6 +184,10 @@ def test_make_runs_own_agent_fetches_and_serves_with_no_extra_step_and_its_engin
         return next((r for r in rows if r["state"] == "ready"), None)
 
     replica = wait_until(ready, timeout=240, interval=1, what=f"a ready replica\n{output()[-3000:]}")
+    # Its agent runs as a node does: a node's variables (deploy/env/node.env's), nothing of the control plane's.
+    agent_env = started_environment(process.pid, ["manage.py", "agent", "--node", "testhost"])
+    assert {"LLMGW_NODE_TOKEN", "REDIS_URL", "LLMGW_BYTES_URL", "LLMGW_VAR"} <= set(agent_env)
+    assert not {"DJANGO_SETTINGS_MODULE", "LLMGW_ROLE", "DATABASE_URL", "PROMETHEUS_MULTIPROC_DIR"} & set(agent_env)
     key = manage(process, "api_key", "create", "up-test")
     client = requests.Session()
     client.headers["Authorization"] = f"Bearer {key}"

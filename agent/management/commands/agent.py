@@ -7,9 +7,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from agent import engine_state, engines, facts, metrics, runtime, supervisor, worker
+from agent.celery import app
 from contracts.names import node_name_problem
 from contracts.tasks import node_queue
-from llmgw_site.celery import app
 
 
 class Command(BaseCommand):

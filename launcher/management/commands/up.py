@@ -8,8 +8,12 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from common.metrics import fresh_multiprocess_dir
+from contracts.env import NODE_VARIABLES
 from fleet.enrolment import issue_token
 from launcher import services
+
+# What a process needs of the machine it runs on, beside its settings.
+MACHINE = ("PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME")
 
 
 class Command(BaseCommand):
@@ -23,7 +27,23 @@ class Command(BaseCommand):
 
         Asked of the agent's own command, not imported: the launcher is control plane.
         """
-        subprocess.run([py, "manage.py", "agent", "--node", node, "--stop-engines"], cwd=settings.BASE_DIR)
+        argv = [py, "manage.py", "agent", "--node", node, "--stop-engines"]
+        subprocess.run(argv, cwd=settings.BASE_DIR, env=self.node_env(node))
+
+    def node_env(self, node: str, token: str = "") -> dict[str, str]:
+        """The agent's environment, a node's as deploy/env/node.env gives it: this host's broker,
+        byte listener and var/, its token, and what of the node's variables the user set;
+        nothing of the control plane's (no database, no Django settings module, no role)."""
+        env = {name: os.environ[name] for name in (*MACHINE, *NODE_VARIABLES) if name in os.environ}
+        env.update(
+            LLMGW_NODE_NAME=node,
+            REDIS_URL=settings.REDIS_URL,
+            LLMGW_BYTES_URL=settings.BYTES_URL,
+            LLMGW_VAR=str(settings.VAR_DIR),
+        )
+        if token:
+            env["LLMGW_NODE_TOKEN"] = token
+        return env
 
     def handle(self, *args, node, **options):
         processes = services.ProcessGroup()
@@ -73,9 +93,7 @@ class Command(BaseCommand):
             ],
         )
         # This host enrols itself: a fresh token each start, handed straight to its agent.
-        agent_env = dict(os.environ, LLMGW_NODE_TOKEN=issue_token(node), LLMGW_NODE_NAME=node)
-        agent_env.pop("PROMETHEUS_MULTIPROC_DIR")  # a node serves its own
-        processes.start("agent", [py, "manage.py", "agent", "--node", node], env=agent_env)
+        processes.start("agent", [py, "manage.py", "agent", "--node", node], env=self.node_env(node, issue_token(node)))
 
         self.stdout.write("")
         self.stdout.write("llmgw is up. Ctrl-C stops everything it started.")

@@ -1,0 +1,84 @@
+"""A node's settings: what `manage.py agent` and `manage.py fetch` run with (manage.py
+chooses them), and the agent's Celery app (agent/celery.py) reads.
+
+Nothing of the control plane: no database (what a node says goes back as a task on the
+control queue or a key in Redis), no URLconf, no admin, and no import of the control
+plane's settings module, so a node needs only what requirements/node.txt installs and
+the variables deploy/env/node.env sets. Every value comes from the environment, read
+with the same readers (contracts.env) and the same defaults as the control plane's
+settings, which read the shared ones (REDIS_URL, LLMGW_BYTES_URL, LLMGW_HEARTBEAT_S, ...)
+for their own side.
+"""
+
+from pathlib import Path
+
+from contracts.env import env_addr, env_bool, env_int, env_path, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = env_path("LLMGW_VAR", Path("var"), BASE_DIR)
+
+ROLE = "node"
+
+# No SECRET_KEY: a node signs nothing with Django's (its proofs are made from its token).
+DEBUG = False
+ALLOWED_HOSTS: list[str] = []
+
+INSTALLED_APPS = ["agent"]
+MIDDLEWARE: list[str] = []
+# A node has no database credentials, and no URLconf: the system checks Celery runs at a
+# worker's start find nothing of the control plane to import.
+DATABASES: dict = {}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+TIME_ZONE = "UTC"
+USE_TZ = True
+USE_I18N = False
+
+# --- where things are ---------------------------------------------------------
+
+# The byte listener as this node reaches it: the one host and port it fetches from.
+_bytes_host, _bytes_port = env_addr("LLMGW_BYTES_ADDR", "127.0.0.1:8001")
+if _bytes_host in {"0.0.0.0", "::", ""}:
+    _bytes_host = "127.0.0.1"
+BYTES_URL = env_str("LLMGW_BYTES_URL", f"http://{_bytes_host}:{_bytes_port}/").rstrip("/") + "/"
+HEARTBEAT_S = env_int("LLMGW_HEARTBEAT_S", 15, minimum=1)
+# How often a running agent probes its installed engines and GPUs again.
+AGENT_REPROBE_S = env_int("LLMGW_AGENT_REPROBE_S", 300, minimum=1)
+# Fetched files and sets, under <host>_<port>/<path>.
+AGENT_CACHE = env_path("LLMGW_AGENT_CACHE", VAR_DIR / "agent-cache", BASE_DIR)
+# Files of one set fetched at once: one TCP stream rarely fills a fast link.
+FETCH_PARALLEL = env_int("LLMGW_FETCH_PARALLEL", 4, minimum=1)
+# Engines may be told to run code shipped with the weights (vLLM's --trust-remote-code)
+# only when this is set: the mirror is a place files are copied into by hand.
+LLMGW_ALLOW_REMOTE_CODE = env_bool("LLMGW_ALLOW_REMOTE_CODE", False)
+# Where engines listen, and the host the gateway reaches them by.
+LLMGW_ENGINE_HOST = env_str("LLMGW_ENGINE_HOST", "127.0.0.1")
+LLMGW_ENGINE_ADVERTISE = env_str("LLMGW_ENGINE_ADVERTISE", "")
+# The node's /metrics (docs/observability.md).
+AGENT_METRICS_ADDR = env_str("LLMGW_AGENT_METRICS_ADDR", "")
+AGENT_METRICS_TOKEN = env_str("LLMGW_AGENT_METRICS_TOKEN", "")
+
+# --- Celery: the node's worker (agent/celery.py) --------------------------------
+
+REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+# What a node sends goes to the control queue, each send naming it (contracts.tasks);
+# nothing a node sends may land on a queue no one reads.
+CELERY_TASK_DEFAULT_QUEUE = "control"
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Longer than the longest fetch: Redis re-delivers an unacknowledged task after this, and
+# a multi-hour download must not be started a second time underneath itself.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("LLMGW_VISIBILITY_TIMEOUT_S", 12 * 3600, minimum=60)}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LLMGW_LOG_LEVEL", "INFO")},
+}

@@ -1,0 +1,126 @@
+"""A node started as deploy/ says: deploy/env/node.env's variables, its values filled in, and nothing else.
+
+The agent is started the way deploy/systemd/llmgw-agent.service starts it (its ExecStart,
+with this interpreter and a node name for %H), in an environment holding exactly what
+node.env sets (plus PATH and HOME, which systemd gives every service): no
+DJANGO_SETTINGS_MODULE, no LLMGW_ROLE, no DATABASE_URL. Its token is made the way
+docs/fleet.md says, with `manage.py node_token` on the control plane. The node must enrol
+and serve a replica of the tiny GGUF.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from agent import engine_state, engines
+from fleet.models import Node, Replica
+from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
+from mirror import scan
+
+from .conftest import put
+from .processes import BASE_DIR, Process, engine_secret, env_file, process_env, wait_until
+from .staff_api import token_session
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
+
+NODE = "n-deployed"
+
+
+def unit_argv(node: str) -> list[str]:
+    """deploy/systemd/llmgw-agent.service's ExecStart, with this interpreter and `node` for %H."""
+    unit = (BASE_DIR / "deploy" / "systemd" / "llmgw-agent.service").read_text()
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    argv = shlex.split(exec_start.removeprefix("ExecStart="))
+    assert argv[0].endswith("/python"), exec_start
+    return [sys.executable, *[node if a == "%H" else a for a in argv[1:]]]
+
+
+@pytest.fixture
+def deployed_agent(tmp_path, settings, byte_listener):
+    made = subprocess.run(
+        [sys.executable, "manage.py", "node_token", NODE],
+        cwd=BASE_DIR,
+        env=process_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    cache = tmp_path / "var" / "agent-cache"
+    values = {
+        "LLMGW_NODE_TOKEN": made.stdout.strip(),
+        "REDIS_URL": settings.REDIS_URL,
+        "LLMGW_BYTES_URL": byte_listener,
+        "LLMGW_VAR": str(tmp_path / "var"),
+        "LLMGW_AGENT_CACHE": str(cache),
+        "LLMGW_ENGINE_HOST": "127.0.0.1",
+        "LLMGW_ENGINE_ADVERTISE": "127.0.0.1",
+    }
+    names = set(env_file("node"))
+    assert names == set(values), f"deploy/env/node.env now sets {sorted(names ^ set(values))}: fill it in here"
+    env = {**values, "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)}
+    agent = Process("agent-deployed", unit_argv(NODE), env, tmp_path)
+    yield agent, cache
+    agent.stop()
+    for entry in engine_state.read_state(cache)["replicas"].values():
+        if entry.get("pid") and engines.group_alive(entry["pid"]):
+            engines.stop_group(entry["pid"], grace=3)
+
+
+def test_an_agent_with_only_node_env_enrols_and_serves(
+    settings, tmp_path, mirror_root, byte_listener, control_worker, deployed_agent, live_server
+):
+    agent, cache = deployed_agent
+    settings.BYTES_URL = byte_listener
+
+    def enrolled():
+        if not agent.alive():
+            raise AssertionError(f"the agent started from node.env exited:\n{agent.output()[-4000:]}")
+        node = Node.objects.filter(name=NODE).first()
+        return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
+
+    wait_until(enrolled, timeout=90, interval=0.5, what=f"{NODE}'s first heartbeat\n{agent.output()[-3000:]}")
+
+    write_tiny_llama(tmp_path / "gguf")
+    put(mirror_root, "tiny", "v1", {p.name: p.read_bytes() for p in (tmp_path / "gguf").glob("*.gguf")})
+    scan.scan_mirror()
+    api = token_session()
+    plan = api.get(live_server.url + "/api/serve/plan/?model=tiny&version=v1").json()
+    served = api.post(
+        live_server.url + "/api/serve/",
+        json={
+            "name": "tiny",
+            "source": plan["source"],
+            "engine": plan["engine"],
+            "profile": plan["profile"],
+            "context_length": 256,
+            "ctx_size": 256,
+            "replicas": 1,
+            "min_memory_gb": plan["min_memory_gb"],
+        },
+    )
+    assert served.status_code == 201, served.text
+    replica = wait_until(
+        lambda: Replica.objects.filter(model_name="tiny", state="ready").first(),
+        timeout=240,
+        interval=0.5,
+        what=f"a ready replica: {list(Replica.objects.values('state', 'reason'))}\n{agent.output()[-3000:]}",
+    )
+    assert replica.node.name == NODE and replica.endpoint.startswith("http://127.0.0.1:")
+    answer = requests.post(
+        replica.endpoint + "/chat/completions",
+        headers=engine_secret(replica),
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8,
+            "logit_bias": {str(EOS_TOKEN_ID): -100},
+        },
+        timeout=60,
+    ).json()
+    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] > 0
+    assert any(cache.rglob(".complete")), "the weights were fetched into node.env's LLMGW_AGENT_CACHE"
