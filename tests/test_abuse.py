@@ -17,9 +17,11 @@ from gateway.intake import LONGEST_TOKEN_CHARS
 from gateway.keys import create_key
 from gateway.models import Usage
 
-from .processes import as_node, node_pass, start_byte_listener, wait_until
-from .test_engines import Reports, engine_cleanup, step_until, tiny_gguf  # noqa: F401
-from .test_gateway import add_model, add_replica, client, error_of, replicas, until_routed  # noqa: F401
+from .processes import as_node, node_pass, start_byte_listener
+from .support.engines import Reports, step_until
+from .support.factories import add_model, add_replica
+from .support.gateway import client, error_of, until_routed
+from .support.waiting import wait_until
 
 # --- 2. a prompt that cannot fit its model's context --------------------------------
 

@@ -22,9 +22,10 @@ from gateway.keys import create_key
 from gateway.models import Usage
 
 from .fake_replica import FakeReplica
-from .processes import start_admin_server, wait_until
-from .test_gateway import add_model, add_replica, client, until_routed
-from .test_gateway_limits import clear_of_minute_boundary
+from .processes import start_admin_server
+from .support.factories import add_model, add_replica
+from .support.gateway import clear_of_minute_boundary, client, until_routed
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -35,20 +36,6 @@ def two_workers(transactional_db, tmp_path):
     workers = wait_until(lambda: _workers(process.popen.pid), timeout=30, what="two worker processes")
     yield url, workers
     process.stop()
-
-
-@pytest.fixture
-def replicas():
-    made = []
-
-    def make(name: str = "fake") -> FakeReplica:
-        made.append(FakeReplica(name))
-        return made[-1]
-
-    yield make
-    for replica in made:
-        replica.release.set()
-        replica.stop()
 
 
 def _workers(pid: int) -> list[int] | None:

@@ -7,21 +7,12 @@ from catalog.models import Model
 from gateway.keys import create_key
 
 from .staff_api import token_session
-from .test_gateway import add_model, add_replica, client, error_of, until_routed
+from .support.factories import add_model, add_replica, new_model
+from .support.gateway import client, error_of, until_routed
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 NESTED = "[" * 100_000 + "]" * 100_000
-
-
-def new_model(**fields) -> dict:
-    return {
-        "name": "m",
-        "source": "http://127.0.0.1:8001/m/v/",
-        "context_length": 1024,
-        "profiles": [{"name": "cpu", "engine": "llamacpp"}],
-        **fields,
-    }
 
 
 @pytest.fixture

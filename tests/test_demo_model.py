@@ -12,8 +12,8 @@ from mirror import disk, scan
 from mirror.models import MirrorVersion
 from serving.services import plan_for
 
-from .conftest import put
 from .processes import BASE_DIR
+from .support.mirror import put
 
 pytestmark = pytest.mark.django_db
 

@@ -12,8 +12,9 @@ import pytest
 from agent.fetch import FetchError, cache_path, fetch_source, is_set
 from agent.progress import Cancelled, Progress
 
-from .conftest import put
-from .processes import BASE_DIR, CountingProxy, as_node, process_env, wait_until
+from .processes import BASE_DIR, CountingProxy, as_node, process_env
+from .support.mirror import put
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

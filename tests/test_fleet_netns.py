@@ -45,8 +45,8 @@ from gateway.keys import create_key  # noqa: E402
 from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama  # noqa: E402
 
 from .fleet_netns import Asker, ControlPlane, Node, chat_requests_in, endpoint_host, wait_for  # noqa: E402
-from .processes import wait_until  # noqa: E402
 from .staff_api import token_session  # noqa: E402
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -13,8 +13,8 @@ from django.utils import timezone
 from mirror import scan
 from mirror.models import MirrorFile, MirrorVersion
 
-from .conftest import put
-from .processes import wait_until
+from .support.mirror import put
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 

@@ -24,9 +24,10 @@ from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from launcher.demo_model import write_tiny_llama
 
-from .conftest import put
-from .processes import engine_secret, start_agent, wait_until
+from .processes import engine_secret, start_agent
 from .services import free_port
+from .support.mirror import put
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

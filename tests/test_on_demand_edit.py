@@ -9,7 +9,7 @@ from catalog import config
 from catalog.models import Model, Profile
 
 from .staff_api import token_session
-from .test_bounds import new_model
+from .support.factories import new_model
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,8 +8,8 @@ from catalog.models import Model
 from fleet.models import Node
 from mirror import scan
 
-from .conftest import put
 from .staff_browser import chromium_page, log_in_as_staff, screenshot
+from .support.mirror import put
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
