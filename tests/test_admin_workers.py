@@ -143,7 +143,9 @@ def test_a_catalog_change_reaches_both_workers_routing(two_workers, replicas):
         timeout=10,
         what="both workers to route the new model",
     )
-    time.sleep(0.5)  # five of the gateway's refreshes here (100 ms): each worker has read the change
+    # A fixed pause to prove an absence below: five of the gateway's refreshes here (100 ms), so each
+    # worker has read the change, and none routes to the stopped replica after it.
+    time.sleep(0.5)
     held = _both_route_to(url, secret, workers, new, "chat")
     assert len(old.requests) == seen_by_old, "a worker still routed to the stopped replica"
     new.release.set()

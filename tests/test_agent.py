@@ -213,7 +213,7 @@ def test_staff_ask_for_a_fetch_and_cancel_it_and_the_node_stops(
         )
         assert "cancelled by staff" in live(redis_client, source, name)["error"]
         sent = proxy.body_bytes
-        time.sleep(1.5)
+        time.sleep(1.5)  # proving an absence: no more bytes over the proxy for a while after the cancel
         assert proxy.body_bytes - sent < 100_000  # at most what was in flight
         wait_until(
             lambda: Fetch.objects.get(pk=fetch.pk).finished_at and "cancelled" in Fetch.objects.get(pk=fetch.pk).error,

@@ -159,7 +159,7 @@ def test_a_body_longer_than_promised_is_an_error_and_the_part_never_grows_past_i
                 largest[0] = max(largest[0], part.stat().st_size)
             except OSError:
                 pass
-            time.sleep(0.005)
+            time.sleep(0.005)  # sampling the part's size while it is written
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()

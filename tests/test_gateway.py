@@ -387,5 +387,5 @@ def test_a_client_that_hangs_up_mid_stream_closes_the_replicas_connection_and_le
     # Sockets and tasks are gone: the process holds what it held before.
     wait_until(lambda: open_descriptors(pid) <= before, timeout=5, what=f"descriptors back to {before}")
     replica.release.set()
-    time.sleep(0.2)
+    time.sleep(0.2)  # a moment for the released replica; nothing says when it is done
     assert chat(client(secret), gateway.url).status_code == 200

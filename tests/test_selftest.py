@@ -153,7 +153,7 @@ def test_an_engine_that_hangs_is_reported_unusable_and_its_re_probes_never_stop_
         until = time.monotonic() + 9
         while time.monotonic() < until:
             beats.add(Node.objects.get(name=name).last_heartbeat)
-            time.sleep(0.2)
+            time.sleep(0.2)  # sampling the beats over nine seconds, to count them
         assert len(beats) >= 6, sorted(beats)
         assert agent.output().count("llama.cpp is installed but unusable") >= 2
     finally:
