@@ -183,6 +183,50 @@ def vllm_stand_in(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.fixture
+def broker():
+    """The tests' Redis as Celery's broker, emptied before and after the test."""
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+@pytest.fixture
+def api(live_server, settings):
+    """A staff member's token session on pytest-django's live server (`api.base`), the byte listener at :8001."""
+    from .staff_api import token_session
+
+    settings.BYTES_URL = "http://127.0.0.1:8001/"
+    session = token_session()
+    session.base = live_server.url
+    return session
+
+
+@pytest.fixture
+def cache(tmp_path) -> Path:
+    """Where a fetch in this test keeps what it fetched."""
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def demo_on(settings):
+    settings.DEMO_MODEL = True
+
+
+@pytest.fixture
+def staff_page(live_server):
+    """Chromium, logged in to the live server as staff."""
+    from .staff_browser import chromium_page, log_in_as_staff
+
+    with chromium_page() as page:
+        log_in_as_staff(page, live_server)
+        yield page
+
+
+@pytest.fixture
 def agent_n1(tmp_path, mirror_root, byte_listener):
     """`manage.py agent --node n1`, enrolled with a token from the control plane, and nothing else."""
     from agent import engine_state, engines

@@ -33,14 +33,6 @@ def elsewhere():
     server.stop()
 
 
-@pytest.fixture
-def cache(tmp_path):
-    return tmp_path / "cache"
-
-
-# --- 1b: only the byte listener the node is configured with -------------------------------
-
-
 @pytest.mark.parametrize("path", ["m/v1/", "m/v1/a.gguf"])
 def test_a_source_on_another_port_of_this_machine_is_refused_before_any_request(
     settings, byte_listener, elsewhere, cache, path

@@ -39,3 +39,9 @@ def test_each_setting_has_one_row_in_the_reference():
     rows = [line for line in (ROOT / "docs" / "settings.md").read_text().splitlines() if line.startswith("| `")]
     named = [name for row in rows for name in re.findall(r"`([A-Z_]+)`", row.split("|")[1])]
     assert len(named) == len(set(named)), sorted(n for n in named if named.count(n) > 1)
+
+
+def test_every_test_the_failure_table_names_is_there():
+    named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", (ROOT / "docs" / "failures.md").read_text())
+    missing = [f"{f}::{t}" for f, t in named if f"def {t}(" not in (ROOT / "tests" / f).read_text()]
+    assert len(named) > 20 and missing == []

@@ -21,11 +21,6 @@ from .support.mirror import put
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def demo_on(settings):
-    settings.DEMO_MODEL = True
-
-
 def sha256(path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

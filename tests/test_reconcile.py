@@ -31,13 +31,6 @@ def tiny(replicas: int = 1) -> list[ModelView]:
     return [ModelView("tiny", SOURCE, replicas, (CPU,))]
 
 
-@pytest.fixture
-def broker():
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    client.flushdb()
-    return client
-
-
 def start_of(replica_id: int, args: tuple[str, ...] = ("--ctx-size", "512")) -> tuple:
     # The catalog's name goes with it: a vLLM engine serves under it, and refuses any other.
     # And the nonce of the engine's secret: the replica's creation time (contracts.credentials).

@@ -12,3 +12,8 @@ def put(root: Path, model: str, version: str, files: dict[str, bytes]) -> Path:
     for name, content in files.items():
         (directory / name).write_bytes(content)
     return directory
+
+
+def listing(directory: Path) -> list[str]:
+    """The names in a directory, sorted."""
+    return sorted(p.name for p in directory.iterdir())
