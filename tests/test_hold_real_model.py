@@ -29,10 +29,9 @@ from gateway.keys import create_key
 from mirror import scan
 
 from . import real_model
-from .processes import Process, process_env
+from .processes import Process, process_env, wait_until
 from .real_model import MODEL, ask, streamed_whole
 from .support.gateway import until_routed
-from .support.waiting import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 

@@ -28,10 +28,9 @@ from gateway.models import Usage
 from mirror import scan
 
 from . import real_model
-from .processes import Process, process_env
+from .processes import Process, process_env, wait_until
 from .real_model import MODEL, ask, streamed_whole
 from .staff_api import token_session
-from .support.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
