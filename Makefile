@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.requirements-installed
 DEV    := $(VENV)/.dev-requirements-installed
 ENGINE := $(VENV)/.engine-installed
 
-.PHONY: run test venv engine test-deps lint bench bench-gateway clean
+.PHONY: run test test-fast venv engine test-deps lint bench bench-gateway clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,12 @@ test: test-deps lint
 	$(PY) manage.py makemigrations --check --dry-run
 	$(PY) -m pytest
 	LLMGW_TEST_DATABASE=sqlite $(PY) -m pytest $(SQLITE_TESTS)
+
+# The fast tier, for the edit-run loop: the tests that start no process (pure functions,
+# forms, serializers, rules, the database-only ones), on the tests' PostgreSQL and Redis.
+# tests/conftest.py marks the others `processes`; docs/testing.md says which tier a test is in.
+test-fast: $(DEV)
+	LLMGW_TEST_TIER=fast $(PY) -m pytest -m "not processes" -q
 
 bench: venv
 	$(PY) bench/bytes.py

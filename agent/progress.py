@@ -19,6 +19,7 @@ from django.conf import settings
 from tqdm import tqdm
 
 from contracts.progress import KEEP_S, SOURCES_KEY, STATES, cancel_key, progress_key
+from contracts.redis_client import redis_client as pooled_client
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,9 @@ class RedisProgress(Throttled):
             raise Cancelled(f"the fetch of {self.source} onto {self.node} was cancelled by staff")
 
 
-def redis_client():
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+def redis_client() -> redis.Redis:
+    """The node's Redis: a client on this process's one pool (contracts.redis_client)."""
+    return pooled_client(settings.REDIS_URL)
 
 
 def human_bytes(n: float) -> str:

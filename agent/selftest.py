@@ -34,6 +34,8 @@ from pathlib import Path
 
 import requests
 
+from contracts import tiny_gguf
+
 from . import engines
 
 log = logging.getLogger(__name__)
@@ -66,8 +68,7 @@ def stop_running() -> None:
 
 # --- the model ----------------------------------------------------------------------
 
-WIDTH, LAYERS, HEADS, FEED_FORWARD, CONTEXT = 64, 2, 4, 128, 256
-SPECIALS = ["<unk>", "<s>", "</s>"]
+CONTEXT = tiny_gguf.CONTEXT
 
 
 def write_quantized_llama(path: Path) -> Path:
@@ -77,73 +78,10 @@ def write_quantized_llama(path: Path) -> Path:
     where a build turns it on): the F32 test model never reaches them, which is how
     a build that crashes on every real model passed every test. Every matrix is
     32 wide or a multiple of it, as those kernels need. Written to a temporary name
-    and renamed, so a second agent never loads half of it.
+    and renamed, so a second agent never loads half of it. contracts.tiny_gguf writes
+    it, as it writes the demo model.
     """
-    import numpy as np
-    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
-    from gguf.quants import quantize
-
-    vocab = len(SPECIALS) + 256
-    rng = np.random.default_rng(4321)
-
-    def weight(*shape: int):
-        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    writer = GGUFWriter(tmp, "llama")
-    writer.add_name("llmgw-selftest")
-    writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(WIDTH)
-    writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(FEED_FORWARD)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(HEADS)
-    writer.add_rope_dimension_count(WIDTH // HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    writer.add_file_type(7)  # mostly Q8_0
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([s.encode() for s in SPECIALS] + [f"<0x{b:02X}>".encode() for b in range(256)])
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_types([TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-
-    writer.add_tensor("token_embd.weight", weight(vocab, WIDTH))
-    for layer, qtype in enumerate([GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0][:LAYERS]):
-        block = f"blk.{layer}"
-        matrices = {
-            "attn_q": (WIDTH, WIDTH),
-            "attn_k": (WIDTH, WIDTH),
-            "attn_v": (WIDTH, WIDTH),
-            "attn_output": (WIDTH, WIDTH),
-            "ffn_gate": (FEED_FORWARD, WIDTH),
-            "ffn_up": (FEED_FORWARD, WIDTH),
-            "ffn_down": (WIDTH, FEED_FORWARD),
-        }
-        writer.add_tensor(f"{block}.attn_norm.weight", np.ones(WIDTH, dtype=np.float32))
-        writer.add_tensor(f"{block}.ffn_norm.weight", np.ones(WIDTH, dtype=np.float32))
-        for name, shape in matrices.items():
-            writer.add_tensor(f"{block}.{name}.weight", quantize(weight(*shape), qtype), raw_dtype=qtype)
-    writer.add_tensor("output_norm.weight", np.ones(WIDTH, dtype=np.float32))
-    writer.add_tensor("output.weight", weight(vocab, WIDTH))
-
-    # The writer logs what it plans at INFO; in an agent's log that is noise.
-    writer_log = logging.getLogger("gguf.gguf_writer")
-    level = writer_log.level
-    writer_log.setLevel(logging.WARNING)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    finally:
-        writer_log.setLevel(level)
-        tmp.unlink(missing_ok=True)
-    return path
+    return tiny_gguf.write_llama(path, "llmgw-selftest", seed=4321, layer_types=("Q4_0", "Q8_0"))[0]
 
 
 def selftest_model(workdir: Path) -> Path:

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from django.core.exceptions import ValidationError
 from django.db import transaction
 
+from . import defaults
 from .models import Engine, Kind, Model, Profile
-from .rules import alias_problem, args_problem, name_problem, scaling_problem, selector_problem, target_load_problem
+from .rules import name_problem
 
 MODEL_KEYS = {
     "name",
@@ -30,6 +32,17 @@ MODEL_KEYS = {
 }
 SCALING_KEYS = {"min", "max", "target_load", "quiet_s", "idle_s", "priority"}
 PROFILE_KEYS = {"name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus"}
+# Where in an entry of the file a model's field is written, when it is not under its own name.
+FILE_KEYS = {
+    "scaling_min": "scaling.min",
+    "scaling_max": "scaling",  # the rule is about both bounds
+    "target_load": "scaling",
+    "quiet_s": "scaling.quiet_s",
+    "idle_s": "scaling.idle_s",
+    "priority": "scaling.priority",
+}
+# Fields the file does not write: set by loading it, or the profile's model, made when it is saved.
+NOT_FROM_THE_FILE = ["added_by", "added_at", "declared", "model"]
 
 
 class CatalogFileError(Exception):
@@ -93,45 +106,36 @@ def _model(path, index: int, entry) -> dict:
         raise CatalogFileError(
             f"{where}: {unknown[0]} is not a field of a model (fields: {', '.join(sorted(MODEL_KEYS))})"
         )
-    source = entry.get("source")
-    if not isinstance(source, str) or not source.startswith(("http://", "https://")):
-        raise CatalogFileError(f"{where}: source must be an http:// or https:// address")
-    aliases = entry.get("aliases") or []
-    if problem := alias_problem(aliases):
-        raise CatalogFileError(f"{where}: aliases: {problem}")
     scaling = entry.get("scaling") or {}
     if not isinstance(scaling, dict) or set(scaling) - SCALING_KEYS:
         raise CatalogFileError(
             f"{where}: scaling must be written {{min: N, max: N}}, with optionally "
             "target_load, quiet_s, idle_s and priority"
         )
-    scaling_min = _whole(where, "scaling.min", scaling.get("min"), 1)
+    scaling_min = _whole(where, "scaling.min", scaling.get("min"), defaults.SCALING_MIN)
     scaling_max = _whole(where, "scaling.max", scaling.get("max"), scaling_min)
-    if problem := scaling_problem(scaling_min, scaling_max):
-        raise CatalogFileError(f"{where}: scaling: {problem}")
-    target_load = _whole(where, "scaling.target_load", scaling.get("target_load"), 1)
-    if problem := target_load_problem(target_load):
-        raise CatalogFileError(f"{where}: scaling: {problem}")
     profiles = entry.get("profiles")
     if not isinstance(profiles, list) or not profiles:
         raise CatalogFileError(f"{where}: profiles must list at least one profile (engine, args, ...)")
     model = {
         "name": name,
         "description": str(entry.get("description") or ""),
-        "aliases": aliases,
-        "source": source,
+        "aliases": entry.get("aliases") or [],
+        "source": entry.get("source"),
         "context_length": _whole(where, "context_length", entry.get("context_length"), minimum=1),
         "max_output": _whole(where, "max_output", entry.get("max_output"), 0),
         "kind": _kind(where, entry.get("kind")),
         "routing_profile": str(entry.get("routing_profile") or "chat"),
         "scaling_min": scaling_min,
         "scaling_max": scaling_max,
-        "target_load": target_load,
-        "quiet_s": _whole(where, "scaling.quiet_s", scaling.get("quiet_s"), 300),
-        "idle_s": _whole(where, "scaling.idle_s", scaling.get("idle_s"), 900),
-        "priority": _whole(where, "scaling.priority", scaling.get("priority"), 100),
-        "profiles": [_profile(where, i, p) for i, p in enumerate(profiles)],
+        "target_load": _whole(where, "scaling.target_load", scaling.get("target_load"), defaults.TARGET_LOAD),
+        "quiet_s": _whole(where, "scaling.quiet_s", scaling.get("quiet_s"), defaults.QUIET_S),
+        "idle_s": _whole(where, "scaling.idle_s", scaling.get("idle_s"), defaults.IDLE_S),
+        "priority": _whole(where, "scaling.priority", scaling.get("priority"), defaults.PRIORITY),
     }
+    # The rules the admin and the API ask (Model.problems, then the fields' own), before the profiles'.
+    _refuse(where, Model(declared=True, **model), FILE_KEYS)
+    model["profiles"] = [_profile(where, i, p) for i, p in enumerate(profiles)]
     profile_names = [p["name"] for p in model["profiles"]]
     if len(set(profile_names)) != len(profile_names):
         raise CatalogFileError(f"{where}: two profiles have the same name")
@@ -164,25 +168,49 @@ def _profile(model_where: str, index: int, entry) -> dict:
     if isinstance(args, list):
         # YAML reads `--ctx-size, 8192` as a string and a number; the engine gets strings.
         args = [str(a) if isinstance(a, int | float) and not isinstance(a, bool) else a for a in args]
-    if problem := args_problem(args, engine):
-        raise CatalogFileError(f"{where}: args: {problem}")
     selector = entry.get("node_selector") or {}
     if isinstance(selector, dict):
         selector = {
             k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for k, v in selector.items()
         }
-    if problem := selector_problem(selector):
-        raise CatalogFileError(f"{where}: node_selector: {problem}")
-    return {
+    profile = {
         "name": name,
         "engine": engine,
         "args": args,
-        "weight": _whole(where, "weight", entry.get("weight"), 1),
-        "priority": _whole(where, "priority", entry.get("priority"), 100),
-        "min_memory_gb": _whole(where, "min_memory_gb", entry.get("min_memory_gb"), 0),
+        "weight": _whole(where, "weight", entry.get("weight"), defaults.WEIGHT),
+        "priority": _whole(where, "priority", entry.get("priority"), defaults.PRIORITY),
+        "min_memory_gb": _whole(where, "min_memory_gb", entry.get("min_memory_gb"), defaults.MIN_MEMORY_GB),
         "node_selector": selector,
         "gpus": _whole(where, "gpus", entry.get("gpus"), 1 if engine == Engine.VLLM else 0),
     }
+    _refuse(where, Profile(**profile), {})
+    return profile
+
+
+def _refuse(where: str, instance: Model | Profile, keys: dict[str, str]) -> None:
+    """Raise CatalogFileError with the first sentence the admin and the API would say of this instance.
+
+    The catalog's rules first (`problems()`, what `clean()` asks), then the fields' own
+    (lengths, choices), as the admin's form runs them; what needs the database (a name
+    taken by another model) is asked when the file is applied, by `full_clean()`.
+    """
+    errors = instance.problems()
+    if not errors:
+        try:
+            instance.clean_fields(exclude=NOT_FROM_THE_FILE)
+        except ValidationError as error:
+            errors = {field: " ".join(messages) for field, messages in error.message_dict.items()}
+    for field_name, sentence in errors.items():
+        raise CatalogFileError(f"{where}: {keys.get(field_name, field_name)}: {sentence}")
+
+
+def _full_clean(instance: Model | Profile, where: str) -> None:
+    """The whole of the admin's validation, database included, as a CatalogFileError."""
+    try:
+        instance.full_clean()
+    except ValidationError as error:
+        field_name, messages = next(iter(error.message_dict.items()))
+        raise CatalogFileError(f"{where}: {FILE_KEYS.get(field_name, field_name)}: {' '.join(messages)}") from None
 
 
 def _check_names_unique(path, entries: list[dict]) -> None:
@@ -201,16 +229,8 @@ def apply(entries: list[dict]) -> LoadReport:
     """Make the declared models in the catalog match these entries."""
     report = LoadReport()
     declared_names = {e["name"] for e in entries}
-    file_names = {n for e in entries for n in [e["name"], *e["aliases"]]}
-    # A model added in the admin keeps its name: the file cannot quietly take
-    # an alias from it, because clients already use that alias for that model.
-    for name, aliases in (
-        Model.objects.filter(declared=False).exclude(name__in=declared_names).values_list("name", "aliases")
-    ):
-        for taken in {name, *aliases} & file_names:
-            raise CatalogFileError(
-                f"{taken} in the catalog file is already a name or alias of {name}, added in the admin"
-            )
+    # A model added in the admin keeps its name and aliases: the file cannot quietly take one
+    # from it, because clients already use it for that model. Model.full_clean says so, below.
     for gone in Model.objects.filter(declared=True).exclude(name__in=declared_names):
         report.removed.append(gone.name)
         gone.delete()
@@ -229,7 +249,14 @@ def apply(entries: list[dict]) -> LoadReport:
             model.save()
             model.profiles.all().delete()
             report.updated.append(model.name)
-        Profile.objects.bulk_create([Profile(model=model, **p) for p in entry["profiles"]])
+        profiles = [Profile(model=model, **p) for p in entry["profiles"]]
+        for profile in profiles:
+            _full_clean(profile, f"model {model.name}: profile {profile.name}")
+        Profile.objects.bulk_create(profiles)
+    # Each model again as the admin checks it (Model.full_clean), against the catalog as it now
+    # is: a clash with another model is seen whichever order the file lists them in.
+    for model in Model.objects.filter(declared=True, name__in=declared_names):
+        _full_clean(model, f"model {model.name}")
     return report
 
 

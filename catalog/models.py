@@ -7,11 +7,13 @@ from django.core.validators import MaxLengthValidator
 from django.db import models
 from django.utils import timezone
 
+from . import defaults
 from .rules import (
     MAX_DESCRIPTION,
     alias_problem,
     args_problem,
     clash,
+    declared_source_problem,
     name_problem,
     scaling_problem,
     selector_problem,
@@ -53,27 +55,27 @@ class Model(models.Model):
         "rerank /v1/rerank. The engine is started for it.",
     )
     routing_profile = models.CharField(max_length=50, default="chat")
-    scaling_min = models.PositiveIntegerField("fewest replicas", default=1)
-    scaling_max = models.PositiveIntegerField("most replicas", default=1)
+    scaling_min = models.PositiveIntegerField("fewest replicas", default=defaults.SCALING_MIN)
+    scaling_max = models.PositiveIntegerField("most replicas", default=defaults.SCALING_MAX)
     # Between fewest and most the count follows the load the gateway sees (fleet.autoscale).
     target_load = models.PositiveIntegerField(
         "target load",
-        default=1,
+        default=defaults.TARGET_LOAD,
         help_text="Requests in flight per ready replica before another is added. 1 for llama.cpp as the agent "
         "runs it (one answer at a time); N for llama-server with --parallel N.",
     )
     quiet_s = models.PositiveIntegerField(
         "quiet period (s)",
-        default=300,
+        default=defaults.QUIET_S,
         help_text="How long the load must stay below what the replicas serve before one of them is stopped.",
     )
     idle_s = models.PositiveIntegerField(
         "idle time (s)",
-        default=900,
+        default=defaults.IDLE_S,
         help_text="With fewest 0: how long without a request before the last replica stops.",
     )
     priority = models.PositiveIntegerField(
-        default=100,
+        default=defaults.PRIORITY,
         help_text="When a model waking fits on no node, idle replicas of lower priority are stopped first to "
         "make room, and never one of a model of higher priority than the one waking.",
     )
@@ -89,18 +91,27 @@ class Model(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    def clean(self) -> None:
+    def problems(self) -> dict[str, str]:
+        """What the catalog's rules find wrong with this model on its own, by field; no other model is asked.
+
+        The admin and the API (through clean()) and the configuration file (catalog.config) all ask this.
+        """
         errors = {}
         if problem := name_problem(self.name):
             errors["name"] = problem
-        if problem := alias_problem(self.aliases):
+        if problem := alias_problem(self.aliases, self.name):
             errors["aliases"] = problem
         if problem := scaling_problem(self.scaling_min, self.scaling_max):
             errors["scaling_max"] = problem
         if problem := target_load_problem(self.target_load):
             errors["target_load"] = problem
-        if not self.declared and (problem := source_problem(self.source)):
+        # A declared model's source is written by whoever runs the machine, and may be any address.
+        if problem := (declared_source_problem if self.declared else source_problem)(self.source):
             errors["source"] = problem
+        return errors
+
+    def clean(self) -> None:
+        errors = self.problems()
         others = Model.objects.exclude(pk=self.pk).values_list("name", "aliases", "declared")
         if not errors and (problem := clash(self.name, self.aliases, others)):
             errors[problem[0]] = problem[1]
@@ -114,9 +125,11 @@ class Profile(models.Model):
     name = models.CharField(max_length=100)
     engine = models.CharField(max_length=20, choices=Engine.choices)
     args = models.JSONField(default=list, blank=True, help_text="Extra engine arguments: a list of strings.")
-    weight = models.PositiveIntegerField(default=1)
-    priority = models.PositiveIntegerField(default=100)
-    min_memory_gb = models.PositiveIntegerField("min memory (GB)", default=0, help_text="Host RAM a node must have.")
+    weight = models.PositiveIntegerField(default=defaults.WEIGHT)
+    priority = models.PositiveIntegerField(default=defaults.PRIORITY)
+    min_memory_gb = models.PositiveIntegerField(
+        "min memory (GB)", default=defaults.MIN_MEMORY_GB, help_text="Host RAM a node must have."
+    )
     node_selector = models.JSONField(
         default=dict, blank=True, help_text="Labels a node must carry, as {key: value}; empty for any node."
     )
@@ -129,11 +142,15 @@ class Profile(models.Model):
     def __str__(self) -> str:
         return f"{self.model.name}/{self.name}"
 
-    def clean(self) -> None:
+    def problems(self) -> dict[str, str]:
+        """What the catalog's rules find wrong with this profile, by field (see Model.problems)."""
         errors = {}
         if problem := args_problem(self.args, self.engine):
             errors["args"] = problem
         if problem := selector_problem(self.node_selector):
             errors["node_selector"] = problem
-        if errors:
+        return errors
+
+    def clean(self) -> None:
+        if errors := self.problems():
             raise ValidationError(errors)

@@ -41,7 +41,8 @@ def name_problem(name: str, what: str = "a model's name") -> str | None:
     return None
 
 
-def alias_problem(aliases) -> str | None:
+def alias_problem(aliases, name: str | None = None) -> str | None:
+    """Why these are not aliases of the model called `name`, or None; other models are clash()'s to ask."""
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         return "aliases must be a list of names"
     if len(aliases) > MAX_LIST:
@@ -54,6 +55,8 @@ def alias_problem(aliases) -> str | None:
             )
     if len(set(aliases)) != len(aliases):
         return "an alias is listed twice"
+    if name is not None and name in aliases:
+        return f"{name} is the model's own name, not an alias"
     return None
 
 
@@ -99,6 +102,13 @@ def source_problem(source: str, byte_base: str | None = None) -> str | None:
     return None
 
 
+def declared_source_problem(source) -> str | None:
+    """Why this is not a source the configuration file may name, or None: any http:// or https:// address."""
+    if not isinstance(source, str) or not source.startswith(("http://", "https://")):
+        return "the source must be an http:// or https:// address"
+    return None
+
+
 def args_problem(args, engine: str | None = None) -> str | None:
     """Why these are not arguments a profile of `engine` may give, or None.
 
@@ -138,8 +148,6 @@ def clash(name: str, aliases: list[str], others: Iterable[tuple[str, list[str], 
     names and aliases alike, so one string meaning two models would send requests
     to whichever it happened to find first.
     """
-    if name in aliases:
-        return "aliases", f"{name} is the model's own name, not an alias"
     taken: dict[str, str] = {}
     declared: set[str] = set()
     for other_name, other_aliases, is_declared in others:

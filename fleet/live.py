@@ -3,9 +3,12 @@
 import redis
 from django.conf import settings
 
+from contracts.redis_client import redis_client as pooled_client
+
 
 def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+    """The control plane's Redis: a client on this process's one pool (contracts.redis_client)."""
+    return pooled_client(settings.REDIS_URL)
 
 
 # When the control plane began hearing the fleet, and its last reconcile pass: a hash in Redis.

@@ -145,7 +145,7 @@ def reconcile(now: datetime | None = None, models: list[ModelView] | None = None
 
     `models` is the catalog as snapshots, read from the catalog app when not given.
     """
-    client = redis.Redis.from_url(settings.REDIS_URL)
+    client = redis_client()
     lock = client.lock(LOCK_NAME, timeout=LOCK_TIMEOUT_S, blocking_timeout=0)
     if not lock.acquire(blocking=False):
         if not _break_foreign_lock(client):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from catalog import defaults
+
 # What a replica stopped for another model's room says (fleet.room).
 MAKING_ROOM = "stopped to make room for "
 # Replica states, as fleet.Replica spells them.
@@ -36,9 +38,9 @@ class ProfileView:
     name: str
     engine: str
     args: tuple[str, ...] = ()
-    weight: int = 1
-    priority: int = 100
-    min_memory_gb: int = 0
+    weight: int = defaults.WEIGHT
+    priority: int = defaults.PRIORITY
+    min_memory_gb: int = defaults.MIN_MEMORY_GB
     node_selector: dict[str, str] = field(default_factory=dict)
     gpus: int = 0
 
@@ -47,12 +49,12 @@ class ProfileView:
 class Scaling:
     """A model's bounds and pace from the catalog, for the autoscaler (fleet.autoscale)."""
 
-    fewest: int = 1
-    most: int = 1
-    target_load: int = 1
-    quiet_s: int = 300
-    idle_s: int = 900
-    priority: int = 100
+    fewest: int = defaults.SCALING_MIN
+    most: int = defaults.SCALING_MAX
+    target_load: int = defaults.TARGET_LOAD
+    quiet_s: int = defaults.QUIET_S
+    idle_s: int = defaults.IDLE_S
+    priority: int = defaults.PRIORITY
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import redis
 from django.conf import settings
 from django.contrib.auth import get_user_model
 
+from contracts.redis_client import redis_client as pooled_client
 from mirror import scan
 
 from . import demo_model, smollm2
@@ -30,7 +31,7 @@ class StartError(Exception):
 
 def redis_answers(url: str) -> bool:
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping())
+        return bool(pooled_client(url, timeout=1).ping())
     except (redis.RedisError, OSError, ValueError):
         return False
 

@@ -1,4 +1,13 @@
+"""The fixtures every test module may use; what they share that is not a fixture is in tests/support/.
+
+Fixtures that start a process (a server, a worker, an agent, an engine) are named in
+PROCESS_FIXTURES: a test that uses one, directly or through another fixture, is marked
+`processes` and left out of `make test-fast` (docs/testing.md, "Which tier a test is in").
+"""
+
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,15 +49,6 @@ def mirror_root(settings, shared_mirror_dir) -> Path:
             child.unlink()
     settings.MIRROR_ROOT = shared_mirror_dir
     return shared_mirror_dir
-
-
-def put(root: Path, model: str, version: str, files: dict[str, bytes]) -> Path:
-    """Copy files into the mirror by hand, the way an operator does."""
-    directory = root / model / version
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, content in files.items():
-        (directory / name).write_bytes(content)
-    return directory
 
 
 @pytest.fixture(scope="session")
@@ -126,6 +126,223 @@ def redis_client():
     yield client
     for key in client.scan_iter("llmgw:*"):
         client.delete(key)
+
+
+@pytest.fixture
+def replicas():
+    """Make fake replicas (`replicas(name)`, real HTTP servers in this process); all stopped afterwards."""
+    from .fake_replica import FakeReplica
+
+    made = []
+
+    def make(name: str = "fake") -> FakeReplica:
+        made.append(FakeReplica(name))
+        return made[-1]
+
+    yield make
+    for replica in made:
+        replica.stop()
+
+
+@pytest.fixture
+def engine_cleanup(tmp_path):
+    """Whatever engines a test leaves in its cache are stopped by their recorded pid."""
+    from agent import engine_state, engines
+
+    yield
+    for cache in tmp_path.glob("cache*"):
+        for entry in engine_state.read_state(cache)["replicas"].values():
+            if entry.get("pid"):
+                engines.stop_group(entry["pid"], grace=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """The tiny three-file GGUF llama.cpp serves in the tests (launcher.demo_model)."""
+    from launcher.demo_model import write_tiny_llama
+
+    directory = tmp_path_factory.mktemp("weights")
+    write_tiny_llama(directory)
+    return directory
+
+
+@pytest.fixture
+def vllm_stand_in(tmp_path, monkeypatch) -> Path:
+    """A `vllm` on PATH that records its arguments (tests/support/engines.py STAND_IN); the log's path."""
+    from .support.engines import STAND_IN
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "vllm"
+    script.write_text(STAND_IN.format(python=sys.executable))
+    script.chmod(0o755)
+    calls = tmp_path / "vllm-calls.jsonl"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("VLLM_STAND_IN_LOG", str(calls))
+    return calls
+
+
+@pytest.fixture
+def broker():
+    """The tests' Redis as Celery's broker, emptied before and after the test."""
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+@pytest.fixture
+def api(live_server, settings):
+    """A staff member's token session on pytest-django's live server (`api.base`), the byte listener at :8001."""
+    from .staff_api import token_session
+
+    settings.BYTES_URL = "http://127.0.0.1:8001/"
+    session = token_session()
+    session.base = live_server.url
+    return session
+
+
+@pytest.fixture
+def cache(tmp_path) -> Path:
+    """Where a fetch in this test keeps what it fetched."""
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def demo_on(settings):
+    settings.DEMO_MODEL = True
+
+
+@pytest.fixture
+def staff_page(live_server):
+    """Chromium, logged in to the live server as staff."""
+    from .staff_browser import chromium_page, log_in_as_staff
+
+    with chromium_page() as page:
+        log_in_as_staff(page, live_server)
+        yield page
+
+
+@pytest.fixture
+def agent_n1(tmp_path, mirror_root, byte_listener):
+    """`manage.py agent --node n1`, enrolled with a token from the control plane, and nothing else."""
+    from agent import engine_state, engines
+    from fleet.enrolment import issue_token
+
+    from .processes import Process, node_env
+
+    token = issue_token("n1")
+    cache = tmp_path / "cache-n1"
+    env = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
+    # The agent has no database: what it reports goes back through the broker.
+    env["DATABASE_URL"] = "postgres://nobody@127.0.0.1:1/none"
+    agent = Process(
+        "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
+    )
+    yield agent, cache
+    agent.stop()
+    for entry in engine_state.read_state(cache)["replicas"].values():
+        if entry.get("pid") and engines.group_alive(entry["pid"]):
+            engines.stop_group(entry["pid"], grace=3)
+
+
+# --- the two tiers ---------------------------------------------------------------------
+#
+# `make test` runs every test; `make test-fast` (LLMGW_TEST_TIER=fast, -m "not processes")
+# only those that start no process. A test is marked `processes` here, at collection, when
+# it or any fixture it uses (directly or through other fixtures) starts one: it uses a
+# fixture of PROCESS_FIXTURES, carries a marker of PROCESS_MARKERS, or its code, or the
+# code of a function of the tests it calls, names a process starter (PROCESS_STARTERS, or
+# the `subprocess` module). So a new test lands in its tier by itself. Should one slip
+# through, the fast tier fails it at its first process start with a sentence saying so.
+
+PROCESS_FIXTURES = {
+    "byte_listener_process",  # gunicorn
+    "control_worker",  # a Celery worker
+    "gateway",  # uvicorn
+    "agent_n1",  # manage.py agent
+    "engine_cleanup",  # the engines a supervisor starts
+    "vllm_stand_in",  # vLLM's stand-in, started as an engine
+}
+PROCESS_MARKERS = {"browser", "engine"}
+PROCESS_STARTERS = {"Process", "Popen", "CountingProxy", "chromium_page", "Fleet", "Host", "build_fleet", "Supervisor"}
+PROCESS_MODULES = {"subprocess", "tests.fleet_netns", "tests.netns", "multiprocessing"}
+
+
+def _starts_a_process(function, seen: set) -> bool:
+    """Whether `function`'s code (its inner functions and lambdas too) names a process starter, or calls
+    a function of the tests that does."""
+    code = getattr(function, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    namespace = getattr(function, "__globals__", {})
+    codes = [code]
+    while codes:
+        current = codes.pop()
+        codes.extend(c for c in current.co_consts if hasattr(c, "co_names"))
+        for name in current.co_names:
+            if name.startswith("start_") or name in PROCESS_STARTERS or name in PROCESS_MODULES:
+                return True
+            value = namespace.get(name)
+            if getattr(value, "__name__", None) in PROCESS_MODULES:
+                return True
+            module = getattr(value, "__module__", "") or ""
+            if module.startswith("tests.") and callable(value) and _starts_a_process(value, seen):
+                return True
+    return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "processes: starts a process (a server, a worker, an engine); not in make test-fast"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("processes"):
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        names = set(info.names_closure) if info else set()
+        seen: set = set()
+        functions = [getattr(item, "function", None)]
+        if info:
+            for name in names:
+                for definition in info.name2fixturedefs.get(name, ()):
+                    module = getattr(definition.func, "__module__", "") or ""
+                    if module.startswith("tests.") and definition.argname != "_the_fast_tier_starts_no_process":
+                        functions.append(definition.func)
+        if (
+            names & PROCESS_FIXTURES
+            or any(item.get_closest_marker(m) for m in PROCESS_MARKERS)
+            or any(_starts_a_process(f, seen) for f in functions if f is not None)
+        ):
+            item.add_marker(pytest.mark.processes)
+
+
+@pytest.fixture(autouse=True)
+def _the_fast_tier_starts_no_process(request, monkeypatch):
+    """In `make test-fast`, a test that starts a process after all fails with a sentence, not a slow run."""
+    if os.environ.get("LLMGW_TEST_TIER") != "fast":
+        yield
+        return
+    import subprocess
+
+    started = subprocess.Popen.__init__
+
+    def refuse(self, args, *a, **kw):
+        raise AssertionError(
+            f"{request.node.nodeid} starts a process ({args!r}) in the fast tier: mark it "
+            "@pytest.mark.processes, or name what starts it in tests/conftest.py's PROCESS_* sets"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    yield
+    monkeypatch.setattr(subprocess.Popen, "__init__", started)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

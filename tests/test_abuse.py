@@ -17,9 +17,11 @@ from gateway.intake import LONGEST_TOKEN_CHARS
 from gateway.keys import create_key
 from gateway.models import Usage
 
-from .processes import as_node, node_pass, start_byte_listener, wait_until
-from .test_engines import Reports, engine_cleanup, step_until, tiny_gguf  # noqa: F401
-from .test_gateway import add_model, add_replica, client, error_of, replicas, until_routed  # noqa: F401
+from .processes import as_node, node_pass, start_byte_listener
+from .support.engines import Reports, step_until
+from .support.factories import add_model, add_replica
+from .support.gateway import client, error_of, until_routed
+from .support.waiting import wait_until
 
 # --- 2. a prompt that cannot fit its model's context --------------------------------
 
@@ -182,7 +184,8 @@ def test_a_thousand_slow_clients_do_not_stop_a_download_from_starting_within_a_s
     process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_HEADER_TIMEOUT_S=60)
     try:
         slow = slow_clients(url, 1000, every=3)
-        time.sleep(1)  # every one of them has been accepted and is waiting for its head
+        # A fixed pause: the listener tells nobody what it has accepted; a second to take all 1000 in.
+        time.sleep(1)
         assert slow.open() == 1000
 
         started = time.monotonic()
@@ -208,7 +211,7 @@ def test_slow_and_idle_connections_to_the_byte_listener_are_closed_after_the_hea
         slow = slow_clients(url, 20, every=0.5)
         host, port = url.split("//")[1].rstrip("/").split(":")
         idle += [socket.create_connection((host, int(port))) for _ in range(20)]  # they send nothing at all
-        time.sleep(0.5)
+        time.sleep(0.5)  # proving an absence: none of them is closed half a second on
         assert slow.open() == 20 and still_open(idle) == 20
 
         def all_closed():
@@ -261,7 +264,7 @@ def test_an_engine_busy_reading_a_long_prompt_is_not_killed_by_its_liveness_chec
     sender.start()
     while sender.is_alive():
         sup.step()
-        time.sleep(0.2)
+        time.sleep(0.2)  # the supervisor's pace while the long prompt is read, as an agent steps it
 
     assert "error" not in outcome, f"the engine went away mid-request: {outcome['error']}"
     assert outcome["took"] > 6, "the engine was not busy past the liveness window: the test proves nothing"
@@ -291,7 +294,7 @@ def test_clients_that_stop_reading_mid_download_do_not_hold_up_the_next_download
                 f"GET /m/v1/large.bin HTTP/1.1\r\nHost: mirror\r\nAuthorization: {authorization}\r\n\r\n".encode()
             )
             stalled.append(sock)  # and never read from
-        time.sleep(2)
+        time.sleep(2)  # a fixed pause: their buffers fill, which nothing outside the listener can see
         started = time.monotonic()
         download = as_node.get(url + "m/v1/weights.bin", stream=True, timeout=10)
         first_byte = time.monotonic() - started

@@ -22,9 +22,10 @@ from gateway.keys import create_key
 from gateway.models import Usage
 
 from .fake_replica import FakeReplica
-from .processes import start_admin_server, wait_until
-from .test_gateway import add_model, add_replica, client, until_routed
-from .test_gateway_limits import clear_of_minute_boundary
+from .processes import start_admin_server
+from .support.factories import add_model, add_replica
+from .support.gateway import clear_of_minute_boundary, client, until_routed
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -35,20 +36,6 @@ def two_workers(transactional_db, tmp_path):
     workers = wait_until(lambda: _workers(process.popen.pid), timeout=30, what="two worker processes")
     yield url, workers
     process.stop()
-
-
-@pytest.fixture
-def replicas():
-    made = []
-
-    def make(name: str = "fake") -> FakeReplica:
-        made.append(FakeReplica(name))
-        return made[-1]
-
-    yield make
-    for replica in made:
-        replica.release.set()
-        replica.stop()
 
 
 def _workers(pid: int) -> list[int] | None:
@@ -156,7 +143,9 @@ def test_a_catalog_change_reaches_both_workers_routing(two_workers, replicas):
         timeout=10,
         what="both workers to route the new model",
     )
-    time.sleep(0.5)  # five of the gateway's refreshes here (100 ms): each worker has read the change
+    # A fixed pause to prove an absence below: five of the gateway's refreshes here (100 ms), so each
+    # worker has read the change, and none routes to the stopped replica after it.
+    time.sleep(0.5)
     held = _both_route_to(url, secret, workers, new, "chat")
     assert len(old.requests) == seen_by_old, "a worker still routed to the stopped replica"
     new.release.set()

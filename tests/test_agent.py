@@ -6,16 +6,15 @@ import signal
 import time
 
 import pytest
-from celery import current_app
 
 from agent import progress
 from agent.fetch import cache_path
-from contracts import progress as contracts_progress
-from contracts import signing
 from fleet.models import Fetch, Node
 
-from .conftest import put
-from .processes import CountingProxy, as_node, children_of, start_agent, wait_until
+from .processes import CountingProxy, as_node, children_of, start_agent
+from .support.fleet import live, send_fetch
+from .support.mirror import put
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -44,17 +43,6 @@ def no_tasks_left_from_another_test():
     """
     client = progress.redis_client()
     client.delete("unacked", "unacked_index", "node.n1")
-
-
-def send_fetch(node: str, source: str) -> None:
-    """A fetch as the control plane sends it: with its proof, for that node."""
-    key = Node.objects.get(name=node).token_hash
-    kwargs = signing.with_proof(key, "agent.fetch", node, [source])
-    current_app.send_task("agent.fetch", args=[source], kwargs=kwargs, queue=f"node.{node}")
-
-
-def live(redis_client, source: str, node: str) -> dict:
-    return contracts_progress.read(redis_client, source).get(node, {})
 
 
 def test_the_agent_heartbeats_with_no_database_reachable(enrolled_node, control_worker, agent_cache, tmp_path):
@@ -225,7 +213,7 @@ def test_staff_ask_for_a_fetch_and_cancel_it_and_the_node_stops(
         )
         assert "cancelled by staff" in live(redis_client, source, name)["error"]
         sent = proxy.body_bytes
-        time.sleep(1.5)
+        time.sleep(1.5)  # proving an absence: no more bytes over the proxy for a while after the cancel
         assert proxy.body_bytes - sent < 100_000  # at most what was in flight
         wait_until(
             lambda: Fetch.objects.get(pk=fetch.pk).finished_at and "cancelled" in Fetch.objects.get(pk=fetch.pk).error,

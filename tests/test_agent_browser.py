@@ -6,18 +6,11 @@ from django.utils import timezone
 from agent import progress
 from mirror.models import MirrorVersion
 
-from .staff_browser import chromium_page, log_in_as_staff, screenshot
+from .staff_browser import screenshot
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 SOURCE = "http://127.0.0.1:8001/m/v1/"
-
-
-@pytest.fixture
-def staff_page(live_server):
-    with chromium_page() as page:
-        log_in_as_staff(page, live_server)
-        yield page
 
 
 def publish(client, done: int, state: str = "fetching") -> None:

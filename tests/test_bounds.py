@@ -6,30 +6,12 @@ import requests
 from catalog.models import Model
 from gateway.keys import create_key
 
-from .staff_api import token_session
-from .test_gateway import add_model, add_replica, client, error_of, until_routed
+from .support.factories import add_model, add_replica, new_model
+from .support.gateway import client, error_of, until_routed
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 NESTED = "[" * 100_000 + "]" * 100_000
-
-
-def new_model(**fields) -> dict:
-    return {
-        "name": "m",
-        "source": "http://127.0.0.1:8001/m/v/",
-        "context_length": 1024,
-        "profiles": [{"name": "cpu", "engine": "llamacpp"}],
-        **fields,
-    }
-
-
-@pytest.fixture
-def api(live_server, settings):
-    settings.BYTES_URL = "http://127.0.0.1:8001/"
-    session = token_session()
-    session.base = live_server.url
-    return session
 
 
 def test_a_20_mb_description_is_refused_with_a_sentence_and_nothing_is_written(api):

@@ -7,8 +7,8 @@ from urllib.parse import urlparse
 import pytest
 import requests
 
-from .conftest import put
 from .processes import as_node, node_pass
+from .support.mirror import put
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -84,7 +84,7 @@ def test_loading_again_makes_the_catalog_match_the_file(tmp_path):
         ([entry(name="")], "models[0]: name: a model's name cannot be empty"),
         ([entry(name="has space")], "models[0]: name: a model's name 'has space' may hold only"),
         ([entry(context_length="lots")], "model m: context_length must be a whole number of at least 1"),
-        ([entry(source="ftp://x/m/")], "model m: source must be an http:// or https:// address"),
+        ([entry(source="ftp://x/m/")], "model m: source: the source must be an http:// or https:// address"),
         ([entry(scaling={"min": 3, "max": 1})], "model m: scaling: the most replicas (1) cannot be fewer"),
         ([entry(profiles=[])], "model m: profiles must list at least one profile"),
         ([entry(profiles=[{"engine": "ollama"}])], "model m: profiles[0]: engine must be llamacpp or vllm"),
@@ -120,7 +120,9 @@ def test_yaml_that_does_not_parse_names_the_line(tmp_path):
 @pytest.mark.django_db
 def test_a_file_cannot_take_an_alias_from_a_model_added_here(tmp_path):
     Model.objects.create(name="mine", aliases=["tiny"], source="http://127.0.0.1:8001/m/v/", context_length=1)
-    with pytest.raises(config.CatalogFileError, match="tiny in the catalog file is already a name or alias of mine"):
+    with pytest.raises(
+        config.CatalogFileError, match="model small: aliases: the alias tiny is already a name or alias of mine"
+    ):
         config.load(write(tmp_path, VALID))
     assert not Model.objects.filter(declared=True).exists()
 

@@ -18,8 +18,9 @@ import requests
 from gateway.keys import create_key
 from gateway.models import Usage
 
-from .processes import wait_until
-from .test_gateway import add_model, add_replica, client, replicas, until_routed  # noqa: F401 (a fixture)
+from .support.factories import add_model, add_replica
+from .support.gateway import client, until_routed
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

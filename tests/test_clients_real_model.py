@@ -20,7 +20,7 @@ from gateway.models import Usage
 from . import real_model
 from .processes import wait_until
 from .real_model import ANSWER, GREEDY, MODEL, QUESTION, SYSTEM
-from .test_gateway import client, until_routed
+from .support.gateway import client, until_routed
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 

@@ -12,21 +12,12 @@ from mirror import disk, scan
 from mirror.models import MirrorVersion
 from serving.services import plan_for
 
-from .conftest import put
 from .processes import BASE_DIR
+from .support.mirror import listing, put
 
 pytestmark = pytest.mark.django_db
 
 PARTS = ["tiny-00001-of-00003.gguf", "tiny-00002-of-00003.gguf", "tiny-00003-of-00003.gguf"]
-
-
-@pytest.fixture
-def demo_on(settings):
-    settings.DEMO_MODEL = True
-
-
-def listing(directory):
-    return sorted(p.name for p in directory.iterdir())
 
 
 def test_the_demo_model_is_written_once_as_three_gguf_parts_and_the_admin_shows_it_at_once(mirror_root, demo_on):

@@ -139,8 +139,9 @@ def _start_nginx(work: Path, https_port: int, http_port: int, admin_port: int) -
 
 @pytest.mark.skipif(not (shutil.which("nginx") or os.path.exists("/usr/sbin/nginx")), reason="nginx is not installed")
 def test_the_tls_proxy_of_the_fleet_doc_serves_the_admin_port_over_https_only(tmp_path, transactional_db):
-    from .processes import start_admin_server, wait_until
+    from .processes import start_admin_server
     from .services import free_port
+    from .support.waiting import wait_until
 
     admin, url = start_admin_server(tmp_path, LLMGW_HTTPS="true")
     https_port, http_port = free_port(), free_port()

@@ -23,12 +23,11 @@ from gateway.keys import create_key
 from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 from mirror import scan
 
-from .conftest import put
-from .processes import engine_secret, wait_until
+from .processes import engine_secret
 from .staff_api import token_session
-from .test_engines import Reports, engine_cleanup, step_until, vllm_stand_in  # noqa: F401
-from .test_gateway import replicas  # noqa: F401  (a fixture)
-from .test_replicas_live import agent_n1  # noqa: F401  (a fixture)
+from .support.engines import Reports, step_until
+from .support.mirror import put
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -224,7 +223,8 @@ def test_the_gateway_presents_each_replicas_secret_and_an_engine_refusing_it_is_
     gateway,
     replicas,  # noqa: F811
 ):
-    from .test_gateway import add_model, client, until_routed
+    from .support.factories import add_model
+    from .support.gateway import client, until_routed
 
     node = Node.objects.create(name="locked", token_hash=signing.token_hash("llmgw-node-locked"))
     add_model("chat")

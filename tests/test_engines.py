@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -24,42 +23,13 @@ from django.conf import settings
 
 from agent import engine_state, engines, supervisor
 from agent.engine_tasks import start_on_node
-from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
+from launcher.demo_model import EOS_TOKEN_ID
 
-from .processes import node_env, wait_until
+from .processes import node_env
+from .support.engines import Reports, step_until
+from .support.waiting import wait_until
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-
-
-class Reports(list):
-    """What the supervisor told the control plane, in order."""
-
-    def __call__(self, replica_id, state, endpoint, reason):
-        self.append((replica_id, state, endpoint, reason))
-
-    def states(self, replica_id: int = 1) -> list[str]:
-        return [r[1] for r in self if r[0] == replica_id]
-
-    def last(self, replica_id: int = 1):
-        return [r for r in self if r[0] == replica_id][-1]
-
-
-def step_until(sup: supervisor.Supervisor, condition, timeout: float, what: str):
-    def stepped():
-        sup.step()
-        return condition()
-
-    return wait_until(stepped, timeout=timeout, interval=0.2, what=what)
-
-
-@pytest.fixture
-def engine_cleanup(tmp_path):
-    """Whatever engines a test leaves in its cache are stopped by their recorded pid."""
-    yield
-    for cache in tmp_path.glob("cache*"):
-        for entry in engine_state.read_state(cache)["replicas"].values():
-            if entry.get("pid"):
-                engines.stop_group(entry["pid"], grace=3)
 
 
 # --- argument lists ------------------------------------------------------------
@@ -252,13 +222,6 @@ def test_an_engine_recorded_before_names_were_kept_is_not_restarted_by_a_start_w
 # --- a real llama.cpp ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("weights")
-    write_tiny_llama(directory)
-    return directory
-
-
 def chat(endpoint: str) -> dict:
     r = requests.post(
         endpoint + "/chat/completions",
@@ -326,55 +289,6 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
 
 
 # --- vLLM, by a stand-in ---------------------------------------------------------
-
-STAND_IN = textwrap.dedent(
-    """\
-    #!{python}
-    # A STAND-IN for vLLM, which needs a GPU this machine does not have: it records
-    # its arguments and answers /v1/models the way an engine does, and like vLLM
-    # refuses a request to /v1/ without the key in VLLM_API_KEY, when that is set.
-    import json, os, sys
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    with open(os.environ["VLLM_STAND_IN_LOG"], "a") as f:
-        f.write(json.dumps(sys.argv[1:]) + "\\n")
-    port = int(sys.argv[sys.argv.index("--port") + 1])
-    key = os.environ.get("VLLM_API_KEY")
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            if key and self.headers.get("Authorization") != "Bearer " + key:
-                body = json.dumps({{"error": "Unauthorized"}}).encode()
-                self.send_response(401)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-                return
-            body = json.dumps({{"object": "list", "data": [{{"id": sys.argv[2], "object": "model"}}]}}).encode()
-            self.send_response(200 if self.path == "/v1/models" else 404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-
-    HTTPServer(("127.0.0.1", port), Handler).serve_forever()
-    """
-)
-
-
-@pytest.fixture
-def vllm_stand_in(tmp_path, monkeypatch) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    script = bin_dir / "vllm"
-    script.write_text(STAND_IN.format(python=sys.executable))
-    script.chmod(0o755)
-    calls = tmp_path / "vllm-calls.jsonl"
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("VLLM_STAND_IN_LOG", str(calls))
-    return calls
 
 
 def calls_of(log: Path) -> list[list[str]]:

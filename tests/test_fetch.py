@@ -12,8 +12,9 @@ import pytest
 from agent.fetch import FetchError, cache_path, fetch_source, is_set
 from agent.progress import Cancelled, Progress
 
-from .conftest import put
-from .processes import BASE_DIR, CountingProxy, as_node, node_env, wait_until
+from .processes import BASE_DIR, CountingProxy, as_node, node_env
+from .support.mirror import listing, put
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -39,15 +40,6 @@ def proxy(byte_listener, settings):
     settings.BYTES_URL = p.url
     yield p
     p.stop()
-
-
-@pytest.fixture
-def cache(tmp_path):
-    return tmp_path / "cache"
-
-
-def listing(directory):
-    return sorted(p.name for p in directory.iterdir())
 
 
 def test_a_four_file_set_is_fetched_whole_into_one_directory(proxy, four_files, cache):

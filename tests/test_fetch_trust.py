@@ -3,7 +3,6 @@ address, and how much of a body it takes. Every server here is on this machine's
 
 from __future__ import annotations
 
-import http.server
 import json
 import subprocess
 import sys
@@ -14,48 +13,11 @@ import pytest
 
 from agent.fetch import FetchError, cache_path, fetch_source
 
-from .conftest import put
 from .processes import BASE_DIR, node_env, start_byte_listener
-from .services import free_port
+from .support.mirror import put
+from .support.servers import LoopbackServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class LoopbackServer:
-    """A small real HTTP server on another loopback port; `handle(handler, method)` answers,
-    and every request is remembered."""
-
-    def __init__(self, handle):
-        self.requests: list[tuple[str, str]] = []
-        self.sent = 0
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.0"
-
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                server.requests.append(("GET", self.path))
-                try:
-                    handle(self, "GET")
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-            def do_HEAD(self):
-                server.requests.append(("HEAD", self.path))
-                handle(self, "HEAD")
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.httpd.daemon_threads = True
-        self.httpd.handle_error = lambda *a: None
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def not_found(handler, method):
@@ -69,14 +31,6 @@ def elsewhere():
     server = LoopbackServer(not_found)
     yield server
     server.stop()
-
-
-@pytest.fixture
-def cache(tmp_path):
-    return tmp_path / "cache"
-
-
-# --- 1b: only the byte listener the node is configured with -------------------------------
 
 
 @pytest.mark.parametrize("path", ["m/v1/", "m/v1/a.gguf"])
@@ -197,7 +151,7 @@ def test_a_body_longer_than_promised_is_an_error_and_the_part_never_grows_past_i
                 largest[0] = max(largest[0], part.stat().st_size)
             except OSError:
                 pass
-            time.sleep(0.005)
+            time.sleep(0.005)  # sampling the part's size while it is written
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()

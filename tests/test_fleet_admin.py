@@ -8,18 +8,11 @@ from catalog.models import Model, Profile
 from fleet.enrolment import node_for_token
 from fleet.models import Node
 
-from .staff_browser import chromium_page, log_in_as_staff, screenshot
+from .staff_browser import screenshot
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 TOKEN = re.compile(r"llmgw-node-[A-Za-z0-9_-]{40,}")
-
-
-@pytest.fixture
-def staff_page(live_server):
-    with chromium_page() as page:
-        log_in_as_staff(page, live_server)
-        yield page
 
 
 def test_adding_a_node_shows_its_enrolment_token_once(staff_page, live_server):

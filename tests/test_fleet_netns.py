@@ -45,8 +45,8 @@ from gateway.keys import create_key  # noqa: E402
 from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama  # noqa: E402
 
 from .fleet_netns import Asker, ControlPlane, Node, chat_requests_in, endpoint_host, wait_for  # noqa: E402
-from .processes import wait_until  # noqa: E402
 from .staff_api import token_session  # noqa: E402
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -137,6 +137,17 @@ def placed_at_most(model: str, count: int, seen: list[int]) -> None:
     rows = Replica.objects.filter(model_name=model).count()
     seen.append(rows)
     assert rows <= count, f"{model} has {rows} replicas placed, the catalog says {count}"
+
+
+def answered_more(asker: Asker, n: int, timeout: float = 60) -> None:
+    """Wait until the client has had `n` more answers than it has now: it asked on through what came before."""
+    start = sum(1 for o in asker.outcomes if o[1] == 200)
+    wait_for(
+        lambda: sum(1 for o in asker.outcomes if o[1] == 200) >= start + n,
+        timeout,
+        lambda: f"{n} more answers to the client; its last outcomes: {asker.outcomes[-3:]}",
+        interval=0.1,
+    )
 
 
 def routed(control: ControlPlane, key: str, model: str = "tiny") -> None:
@@ -262,7 +273,7 @@ def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_g
     routed(control, client_key)
     seen: list[int] = []
     with Asker(control.admin_urls, client_key, {"model": "tiny", **ASK}) as asker:
-        time.sleep(2)
+        answered_more(asker, 5)  # asking, on kept-alive connections, before the cut
         cut_at = time.monotonic()
         n1.host.cut()
         n1.kill_everything()
@@ -277,7 +288,7 @@ def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_g
             return len(replicas) == 4 and all(r.node.name == "n2" for r in replicas)
 
         wait_for(all_on_n2, 240, lambda: f"n1's replicas on n2: {state([n1, n2])}")
-        time.sleep(2)
+        answered_more(asker, 5)  # and answered once all four are on n2
     # Every request answered: those sent to n1 after the cut (on a kept-alive connection,
     # which no connect timeout guards) and the one n1 had when its link went down, too.
     after_cut = [o for o in asker.outcomes if o[0] >= cut_at]
@@ -327,7 +338,7 @@ def test_a_node_that_comes_back_stops_its_old_engines_and_the_gateway_never_rout
             return not n2.engines()
 
         wait_for(stale_gone, 120, lambda: f"n2 to stop its old engines: {state([n1, n2])}")
-        time.sleep(2)
+        answered_more(asker, 5)  # and answered once they are gone
     after = {replica_id: chat_requests_in(n2.engine_log(replica_id)) for replica_id in stale_ids}
     assert after == before, f"the gateway sent requests to n2's stale engines: {before} then {after}"
     assert not asker.failures(), f"{len(asker.failures())} of {len(asker.outcomes)} failed: {asker.failures()[:3]}"
@@ -344,24 +355,25 @@ def test_the_control_plane_killed_and_started_again_while_replicas_serve_answers
     assert len(rows_before) == 4 and all(row[4] == "ready" for row in rows_before), rows_before
     routed(control, client_key)
     with Asker(control.admin_urls, client_key, {"model": "tiny", **ASK}) as asker:
-        time.sleep(2)
+        answered_more(asker, 5)  # asking before anything is killed
         # Everything but one admin server, at once: control worker and beat, byte listener,
         # Redis, admin server 0.
         for process in (control.worker, control.byte_listener, control.admins[0]):
             process.kill()
         control.redis.kill()
         control.redis.wait(timeout=10)
-        time.sleep(3)
+        time.sleep(3)  # a fixed pause on purpose: the control plane stays down a while, as in an outage
         control.start_redis()
         control.start_byte_listener()
         control.start_worker()
         control.start_admin(0)
-        # Reconcile passes on the new worker, with the nodes' reports of what they run.
+        # Reconcile passes on the new worker, with the nodes' reports of what they run: eight
+        # seconds of them (one a second) to prove an absence, that none of them places anything again.
         time.sleep(8)
         control.admins[1].kill()
-        time.sleep(3)
+        time.sleep(3)  # a fixed pause on purpose: admin server 1 stays down a while, the others answering
         control.start_admin(1)
-        time.sleep(5)
+        answered_more(asker, 10)  # and answered once everything is back
     assert len(asker.outcomes) > 20, asker.outcomes
     assert not asker.failures(), f"{len(asker.failures())} of {len(asker.outcomes)} failed: {asker.failures()[:3]}"
     # Both gateways answered in turn, the restarted ones included.

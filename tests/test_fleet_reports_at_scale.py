@@ -12,6 +12,8 @@ from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from fleet.tasks import heartbeat, replica_report
 
+from .support.queries import writes
+
 pytestmark = pytest.mark.django_db
 
 FACTS = {
@@ -23,10 +25,6 @@ FACTS = {
     "agent_version": "0.1.0",
     "labels": {"zone": "eu"},
 }
-
-
-def writes(queries) -> list[str]:
-    return [q["sql"] for q in queries if q["sql"].split(None, 1)[0].upper() in {"INSERT", "UPDATE", "DELETE"}]
 
 
 @pytest.fixture

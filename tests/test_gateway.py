@@ -10,92 +10,16 @@ import time
 import pytest
 import requests
 
-from catalog.models import Model, Profile
-from fleet.models import Node, Replica
+from catalog.models import Model
 from gateway.keys import create_key
 from gateway.models import ApiKey, Usage
 
-from .fake_replica import FakeReplica
-from .processes import wait_until
 from .services import free_port
+from .support.factories import add_model, add_replica
+from .support.gateway import chat, client, error_of, held_stream, until_routed
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def replicas():
-    made = []
-
-    def make(name: str = "fake") -> FakeReplica:
-        replica = FakeReplica(name)
-        made.append(replica)
-        return replica
-
-    yield make
-    for replica in made:
-        replica.stop()
-
-
-def add_model(name="chat", aliases=(), context_length=1024, max_output=0, profiles=(("cpu", 1),)) -> Model:
-    model = Model.objects.create(
-        name=name,
-        aliases=list(aliases),
-        source=f"http://127.0.0.1:1/{name}/v1/",
-        context_length=context_length,
-        max_output=max_output,
-    )
-    for profile, weight in profiles:
-        Profile.objects.create(model=model, name=profile, engine="llamacpp", weight=weight)
-    return model
-
-
-def add_replica(model: str, endpoint: str, state="ready", profile="cpu", reason="", source="") -> Replica:
-    node, _ = Node.objects.get_or_create(name="n1")
-    return Replica.objects.create(
-        model_name=model, profile_name=profile, node=node, state=state, endpoint=endpoint, reason=reason, source=source
-    )
-
-
-def client(key: str) -> requests.Session:
-    session = requests.Session()
-    session.headers["Authorization"] = f"Bearer {key}"
-    return session
-
-
-def until_routed(session, url, model="chat"):
-    """The gateway re-reads its table every 100 ms here; wait for the model to be routed."""
-
-    def ready():
-        models = session.get(url + "/v1/models").json().get("data", [])
-        return any(m["id"] == model and m["ready"] for m in models)
-
-    wait_until(ready, timeout=10, what=f"{model} to be routed")
-
-
-def held_stream(url: str, secret: str) -> requests.Response:
-    """A streamed chat the fake replica holds open after its first chunk, until released."""
-    return requests.post(
-        url + "/v1/chat/completions",
-        json={"model": "chat", "messages": [], "stream": True, "hold": True},
-        headers={"Authorization": f"Bearer {secret}"},
-        stream=True,
-        timeout=30,
-    )
-
-
-def chat(session, url, **body):
-    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], **body}
-    return session.post(url + "/v1/chat/completions", json=body, timeout=30)
-
-
-def error_of(response) -> dict:
-    assert response.headers["content-type"] == "application/json"
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    return error
-
-
-# --- keys ------------------------------------------------------------------------
 
 
 def test_a_request_without_a_key_or_with_a_wrong_one_is_refused_in_openais_shape(gateway):
@@ -463,5 +387,5 @@ def test_a_client_that_hangs_up_mid_stream_closes_the_replicas_connection_and_le
     # Sockets and tasks are gone: the process holds what it held before.
     wait_until(lambda: open_descriptors(pid) <= before, timeout=5, what=f"descriptors back to {before}")
     replica.release.set()
-    time.sleep(0.2)
+    time.sleep(0.2)  # a moment for the released replica; nothing says when it is done
     assert chat(client(secret), gateway.url).status_code == 200

@@ -35,6 +35,6 @@ def test_a_key_added_in_the_admin_is_shown_once_and_opens_the_gateway(live_serve
     def refused():
         return requests.get(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"}).status_code
 
-    from .processes import wait_until
+    from .support.waiting import wait_until
 
     wait_until(lambda: refused() == 401, timeout=5, what="the turned-off key to be refused")

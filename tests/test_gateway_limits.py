@@ -14,33 +14,13 @@ from gateway.keys import create_key
 from gateway.limits import used_now
 from gateway.models import ApiKey
 
-from .fake_replica import FakeReplica
-from .processes import start_admin_server, wait_until
+from .processes import start_admin_server
 from .staff_api import token_session
-from .test_gateway import (  # noqa: F401
-    add_model,
-    add_replica,
-    chat,
-    client,
-    error_of,
-    held_stream,
-    until_routed,
-)
+from .support.factories import add_model, add_replica
+from .support.gateway import chat, clear_of_minute_boundary, client, error_of, held_stream, until_routed
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def replicas():
-    made = []
-
-    def make(name: str = "fake") -> FakeReplica:
-        made.append(FakeReplica(name))
-        return made[-1]
-
-    yield make
-    for replica in made:
-        replica.stop()
 
 
 @pytest.fixture
@@ -49,13 +29,6 @@ def second_gateway(transactional_db, tmp_path):
     process, url = start_admin_server(tmp_path / "second")
     yield url
     process.stop()
-
-
-def clear_of_minute_boundary(needed_s: float = 20) -> None:
-    """Fixed windows: a burst that straddles a new minute is counted in two. Start it early in a minute."""
-    into = time.time() % 60
-    if into > 60 - needed_s:
-        time.sleep(60 - into + 0.2)
 
 
 def test_a_key_at_60_requests_a_minute_sending_100_gets_60_answered_and_40_refused_across_two_admin_servers(

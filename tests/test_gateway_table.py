@@ -9,24 +9,14 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from catalog.models import Model, Profile
-from fleet.models import Node, Replica
+from fleet.models import Replica
 from gateway import routes
 from gateway.keys import create_key, hash_key
 from gateway.models import ApiKey, TableChange
 
+from .support.factories import add_model, add_replica
+
 pytestmark = pytest.mark.django_db
-
-
-def add_model(name="chat", weights=(("cpu", 1),)) -> Model:
-    model = Model.objects.create(name=name, source=f"http://127.0.0.1:1/{name}/v1/", context_length=1024)
-    for profile, weight in weights:
-        Profile.objects.create(model=model, name=profile, engine="llamacpp", weight=weight)
-    return model
-
-
-def add_replica(model="chat", state="ready", endpoint="http://127.0.0.1:9/v1") -> Replica:
-    node, _ = Node.objects.get_or_create(name="n1")
-    return Replica.objects.create(model_name=model, profile_name="cpu", node=node, state=state, endpoint=endpoint)
 
 
 def same_as_a_whole_read(table: routes.Table) -> None:
@@ -69,7 +59,7 @@ def test_a_read_with_nothing_changed_reads_no_key_model_or_replica_and_keeps_the
 
 
 def test_a_replica_profile_or_model_change_is_routed_by_the_next_read():
-    model = add_model(weights=(("cpu", 1), ("gpu", 3)))
+    model = add_model(profiles=(("cpu", 1), ("gpu", 3)))
     reader = routes.TableReader()
     assert reader.read().routes["chat"].upstreams == ()
     replica = add_replica(state="starting", endpoint="")

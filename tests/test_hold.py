@@ -25,24 +25,12 @@ from contracts import progress as contracts_progress
 from fleet.models import Replica
 from gateway.keys import create_key
 
-from .fake_replica import FakeReplica
-from .processes import start_admin_server, wait_until
-from .test_gateway import add_model, add_replica, client, error_of
+from .processes import start_admin_server
+from .support.factories import add_model, add_replica
+from .support.gateway import client, error_of
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def replicas():
-    made = []
-
-    def make(name: str = "fake") -> FakeReplica:
-        made.append(FakeReplica(name))
-        return made[-1]
-
-    yield make
-    for replica in made:
-        replica.stop()
 
 
 def start_gateway(tmp_path, **env):

@@ -31,7 +31,7 @@ from mirror import scan
 from . import real_model
 from .processes import Process, node_env, wait_until
 from .real_model import MODEL, ask, streamed_whole
-from .test_gateway import until_routed
+from .support.gateway import until_routed
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 

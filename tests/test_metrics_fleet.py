@@ -18,8 +18,8 @@ from fleet.metrics import reason_kind
 from fleet.models import Fetch, Node, Replica
 from mirror import bytes_views
 
-from .conftest import put
 from .scrape import samples, total, value
+from .support.mirror import put
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

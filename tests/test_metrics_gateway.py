@@ -14,11 +14,12 @@ from catalog.models import Model
 from gateway.keys import create_key
 from gateway.metrics import HOUR_PREFIX
 
-from .fake_replica import FakeReplica
-from .processes import start_admin_server, wait_until
+from .processes import start_admin_server
 from .scrape import samples, total, value
 from .services import free_port
-from .test_gateway import add_model, add_replica, chat, client, held_stream, until_routed
+from .support.factories import add_model, add_replica
+from .support.gateway import chat, client, held_stream, until_routed
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -34,19 +35,6 @@ def observed(transactional_db, tmp_path):
     )
     yield SimpleNamespace(url=url, process=process, log=log)
     process.stop()
-
-
-@pytest.fixture
-def replicas():
-    made = []
-
-    def make(name: str = "fake") -> FakeReplica:
-        made.append(FakeReplica(name))
-        return made[-1]
-
-    yield make
-    for replica in made:
-        replica.stop()
 
 
 def scrape(url: str) -> dict:

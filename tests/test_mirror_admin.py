@@ -7,7 +7,7 @@ import pytest
 from mirror import scan
 from mirror.models import MirrorVersion
 
-from .conftest import put
+from .support.mirror import put
 
 pytestmark = pytest.mark.django_db
 

@@ -7,7 +7,7 @@ from rest_framework.test import APIClient
 
 from mirror import scan
 
-from .conftest import put
+from .support.mirror import put
 
 pytestmark = pytest.mark.django_db
 

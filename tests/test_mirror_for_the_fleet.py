@@ -20,7 +20,6 @@ from agent.progress import Progress
 from contracts import credentials, signing
 from fleet.enrolment import issue_token, revoke_token
 
-from .conftest import put
 from .processes import (
     BASE_DIR,
     CountingProxy,
@@ -30,10 +29,11 @@ from .processes import (
     process_env,
     start_agent,
     start_byte_listener,
-    wait_until,
 )
-from .test_agent import live, send_fetch
-from .test_fetch_trust import LoopbackServer
+from .support.fleet import live, send_fetch
+from .support.mirror import put
+from .support.servers import LoopbackServer
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

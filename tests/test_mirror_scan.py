@@ -13,8 +13,9 @@ from django.utils import timezone
 from mirror import scan
 from mirror.models import MirrorFile, MirrorVersion
 
-from .conftest import put
-from .processes import wait_until
+from .support.mirror import put
+from .support.queries import writes
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -121,10 +122,6 @@ def test_a_celery_worker_scans_and_hashes_in_the_background(mirror_root, control
 
 
 # --- a scan costs what changed, not what exists ------------------------------------
-
-
-def writes(queries) -> list[str]:
-    return [q["sql"] for q in queries if q["sql"].split(None, 1)[0].upper() in {"INSERT", "UPDATE", "DELETE"}]
 
 
 def test_a_scan_of_an_unchanged_mirror_reads_the_index_once_and_writes_nothing(mirror_root):

@@ -22,11 +22,12 @@ from serving.planning import FileFacts, build_model, plan_serve
 from serving.services import header_kind
 
 from .fake_replica import FakeReplica
-from .processes import wait_until
 from .services import free_port
-from .test_gateway import add_model, add_replica, client, until_routed
-from .test_reconcile import node, sent
-from .test_replicas_live import agent_n1  # noqa: F401  (a fixture)
+from .support.factories import add_model, add_replica
+from .support.factories import add_node as node
+from .support.fleet import sent
+from .support.gateway import client, until_routed
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -233,8 +234,8 @@ def test_an_embedding_model_served_through_the_api_is_started_by_the_agent_with_
     from fleet.models import Node
     from mirror import scan
 
-    from .conftest import put
     from .staff_api import token_session
+    from .support.mirror import put
 
     agent, _ = agent_n1
     settings.BYTES_URL = byte_listener
@@ -298,8 +299,8 @@ def test_an_embedding_model_served_through_the_api_is_started_by_the_agent_with_
 def test_the_serve_plan_of_a_mirrored_gguf_with_a_pooling_type_offers_embedding(live_server, mirror_root, admin_client):
     from mirror import scan
 
-    from .conftest import put
     from .staff_api import token_session
+    from .support.mirror import put
 
     write_header_only(mirror_root / "bge.gguf", "bert", 2)
     put(mirror_root, "bge", "v1", {"bge.gguf": (mirror_root / "bge.gguf").read_bytes()})

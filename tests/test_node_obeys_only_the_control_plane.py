@@ -24,9 +24,10 @@ from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from launcher.demo_model import write_tiny_llama
 
-from .conftest import put
-from .processes import engine_secret, start_agent, wait_until
+from .processes import engine_secret, start_agent
 from .services import free_port
+from .support.mirror import put
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -116,7 +117,7 @@ def test_a_forged_start_is_dropped_and_logged_and_fetches_nothing_and_starts_not
     assert "carries no proof that the control plane sent it" in output
     assert "its proof does not match" in output
     assert "its proof expired" in output
-    time.sleep(1)
+    time.sleep(1)  # proving an absence: the dropped tasks fetch nothing from elsewhere a second on
     assert elsewhere.requests == []
     assert engine_state.read_state(agent_cache)["replicas"] == {}
     assert not redis_client.exists("llmgw:progress:" + source)
@@ -167,7 +168,7 @@ def test_a_forged_stop_does_not_stop_a_running_replica_and_the_control_planes_do
     other_key = signing.token_hash("llmgw-node-somebody-else")
     forge("agent.stop_replica", [replica.pk], signing.with_proof(other_key, "agent.stop_replica", "n1", [replica.pk]))
     wait_until(lambda: dropped(agent_n1, "agent.stop_replica", 2), timeout=30, what="the forged stops to be dropped")
-    time.sleep(2)
+    time.sleep(2)  # proving an absence: the forged stops are not obeyed two seconds on
     entry = engine_state.read_state(agent_cache)["replicas"][str(replica.pk)]
     assert entry["wanted"] and engines.group_alive(entry["pid"])
     assert (

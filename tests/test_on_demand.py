@@ -31,9 +31,10 @@ from fleet.live import redis_client
 from fleet.models import Node, Replica, Scale
 
 from . import real_model
-from .processes import CountingProxy, engine_secret, start_agent, wait_until
+from .processes import CountingProxy, engine_secret, start_agent
 from .real_model import MODEL, ask
 from .staff_api import token_session
+from .support.waiting import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
@@ -247,7 +248,7 @@ def test_load_above_target_adds_replicas_up_to_most_and_quiet_removes_them_one_a
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         one_pass()
-        time.sleep(0.5)
+        time.sleep(0.5)  # passes for five seconds, proving an absence: no replica below fewest
     assert list(Replica.objects.values_list("pk", "state")) == [(busy.pk, "ready")]
 
 

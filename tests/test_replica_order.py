@@ -8,8 +8,6 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
-import redis
-from django.conf import settings
 from django.utils import timezone
 
 from agent import engine_state, replica_reports, runtime, supervisor
@@ -24,14 +22,6 @@ from fleet.tasks import heartbeat, replica_report
 pytestmark = pytest.mark.django_db(transaction=True)
 
 TINY = [ModelView("tiny", "http://127.0.0.1:8001/tiny/v1/", 1, (ProfileView("cpu", "llamacpp", min_memory_gb=1),))]
-
-
-@pytest.fixture
-def broker():
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    client.flushdb()
-    yield client
-    client.flushdb()
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@
 import json
 
 import pytest
-import redis
-from django.conf import settings
 from django.utils import timezone
 
 from fleet.enrolment import issue_token
@@ -12,13 +10,6 @@ from fleet.models import Node, Replica
 from fleet.tasks import replica_report
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def broker():
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    client.flushdb()
-    return client
 
 
 def queued(broker, queue: str) -> list[tuple[str, list]]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 
 import pytest
 import requests
@@ -21,33 +20,16 @@ import requests
 from agent import engine_state, engines
 from agent.fetch import cache_path
 from catalog.models import Model
-from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 from mirror import scan
 
-from .conftest import put
-from .processes import Process, engine_secret, node_env, wait_until
+from .processes import engine_secret
 from .staff_api import token_session
+from .support.mirror import put
+from .support.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
-
-
-@pytest.fixture
-def agent_n1(tmp_path, mirror_root, byte_listener):
-    """`manage.py agent --node n1`, enrolled with a token from the control plane, and nothing else."""
-    token = issue_token("n1")
-    cache = tmp_path / "cache-n1"
-    # The agent has no database: what it reports goes back through the broker.
-    env = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)
-    agent = Process(
-        "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
-    )
-    yield agent, cache
-    agent.stop()
-    for entry in engine_state.read_state(cache)["replicas"].values():
-        if entry.get("pid") and engines.group_alive(entry["pid"]):
-            engines.stop_group(entry["pid"], grace=3)
 
 
 def test_a_served_gguf_is_fetched_started_answers_and_comes_back_after_its_engine_is_killed(

@@ -22,7 +22,8 @@ from fleet.placement import ModelView, ProfileView
 from serving.planning import FileFacts, NodeFacts, plan_serve
 
 from . import fake_llama_server
-from .processes import start_agent, wait_until
+from .processes import start_agent
+from .support.waiting import wait_until
 
 SIGILL_SENTENCE = "llama.cpp crashed with SIGILL on this CPU"
 
@@ -50,6 +51,7 @@ def test_the_selftest_model_has_the_quantized_matrices_that_reach_the_kernels_a_
     assert [p.name for p in tmp_path.iterdir()] == [selftest.MODEL_NAME]
 
 
+@pytest.mark.processes  # the self-test starts an engine (from the app's code, out of the collection hook's sight)
 def test_an_engine_that_dies_by_sigill_on_its_first_token_is_unusable_and_says_so(tmp_path):
     fake = fake_llama_server.install(tmp_path / "bin", "sigill")
     reason = selftest.check_llamacpp(tmp_path / "selftest", timeout=30, which=lambda name: str(fake))
@@ -57,6 +59,7 @@ def test_an_engine_that_dies_by_sigill_on_its_first_token_is_unusable_and_says_s
     assert "scripts/build-engine.sh" in reason
 
 
+@pytest.mark.processes  # the self-test starts an engine (from the app's code, out of the collection hook's sight)
 def test_an_engine_that_never_answers_is_unusable_after_the_timeout_and_is_not_left_running(tmp_path):
     fake = fake_llama_server.install(tmp_path / "bin", "hang")
     started = time.monotonic()
@@ -66,6 +69,7 @@ def test_an_engine_that_never_answers_is_unusable_after_the_timeout_and_is_not_l
     assert not running(fake)
 
 
+@pytest.mark.processes  # the self-test starts an engine (from the app's code, out of the collection hook's sight)
 def test_an_unusable_engine_is_tested_again_at_the_next_probe(tmp_path, monkeypatch):
     fake = fake_llama_server.install(tmp_path / "bin", "sigill")
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
@@ -149,7 +153,7 @@ def test_an_engine_that_hangs_is_reported_unusable_and_its_re_probes_never_stop_
         until = time.monotonic() + 9
         while time.monotonic() < until:
             beats.add(Node.objects.get(name=name).last_heartbeat)
-            time.sleep(0.2)
+            time.sleep(0.2)  # sampling the beats over nine seconds, to count them
         assert len(beats) >= 6, sorted(beats)
         assert agent.output().count("llama.cpp is installed but unusable") >= 2
     finally:

@@ -10,8 +10,8 @@ from fleet.enrolment import issue_token
 from fleet.models import Node
 from mirror import scan
 
-from .conftest import put
 from .staff_api import staff_session, token_session
+from .support.mirror import put
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

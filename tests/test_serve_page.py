@@ -8,17 +8,10 @@ from catalog.models import Model
 from fleet.models import Node
 from mirror import scan
 
-from .conftest import put
-from .staff_browser import chromium_page, log_in_as_staff, screenshot
+from .staff_browser import screenshot
+from .support.mirror import put
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture
-def staff_page(live_server):
-    with chromium_page() as page:
-        log_in_as_staff(page, live_server)
-        yield page
 
 
 SHARD = 1_600_000_000  # three of these are 4.8 GB: 4.47 GiB × 1.5 + 2 asks for 8 GB

@@ -11,8 +11,8 @@ from catalog.models import Model, Profile
 from fleet.models import Node
 from mirror import scan
 
-from .conftest import put
 from .staff_browser import ARTIFACTS
+from .support.mirror import put
 
 pytestmark = pytest.mark.django_db
 

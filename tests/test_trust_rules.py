@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import redis
-from django.conf import settings as django_settings
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
@@ -21,18 +19,11 @@ from fleet.models import Node, Replica
 from fleet.placement import ModelView, ProfileView
 
 from .staff_api import token_session
+from .support.engines import Reports
 
 # --- 1c: the reconcile lock ------------------------------------------------------------------
 
 TINY = [ModelView("tiny", "http://127.0.0.1:8001/tiny/v1/", 1, (ProfileView("cpu", "llamacpp", min_memory_gb=1),))]
-
-
-@pytest.fixture
-def broker():
-    client = redis.Redis.from_url(django_settings.REDIS_URL)
-    client.flushdb()
-    yield client
-    client.flushdb()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -153,11 +144,6 @@ def test_the_admin_and_the_configuration_file_refuse_it_too(tmp_path):
     )
     with pytest.raises(config.CatalogFileError, match="--config is not an argument llmgw gives vllm"):
         config.load(path)
-
-
-class Reports(list):
-    def __call__(self, replica_id, state, endpoint, reason):
-        self.append((replica_id, state, endpoint, reason))
 
 
 @pytest.mark.parametrize("args", [["--trust_remote_code"], ["--trust-remote-cod"], ["--config", "x.yaml"]])

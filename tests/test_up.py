@@ -13,8 +13,9 @@ import requests
 
 from agent.download import NodePass
 
-from .processes import BASE_DIR, NoAuth, wait_until
+from .processes import BASE_DIR, NoAuth
 from .services import free_port
+from .support.waiting import wait_until
 
 
 def answers(port: int) -> bool:
