@@ -165,7 +165,12 @@ def test_every_answer_carries_a_request_id_that_reaches_the_engine_and_the_acces
     refused = requests.post(observed.url + "/v1/chat/completions", json={"model": "chat"})
     assert refused.status_code == 401 and refused.headers["x-request-id"]
 
-    wait_until(lambda: len(access_lines(observed.log)) >= 5, what="the access log lines")
+    wanted = {"trace-42.abc", mine, new_id, refused.headers["x-request-id"]}
+    wait_until(
+        lambda: len(access_lines(observed.log)) >= 5
+        and wanted <= {line["request_id"] for line in access_lines(observed.log)},
+        what=lambda: f"the access log lines of {sorted(wanted)}: {[line['request_id'] for line in access_lines(observed.log)]}",
+    )
     lines = {line["request_id"]: line for line in access_lines(observed.log)}
     line = lines["trace-42.abc"]
     assert line["model"] == "chat" and line["key"] == "team-b" and line["status"] == 200
@@ -192,5 +197,7 @@ def test_answers_are_counted_per_hour_in_redis_for_the_overviews_last_24_hours(o
         return redis_client.hgetall(hour)
 
     # Written within a second of the last answer, with no further request to carry it.
-    found = wait_until(lambda: counted().get(b"chat\trequests") == b"3" and counted(), timeout=5, what="the hour")
+    found = wait_until(
+        lambda: counted().get(b"chat\trequests") == b"3" and counted(), timeout=5, what=lambda: f"the hour: {counted()}"
+    )
     assert found[b"chat\tprompt"] == b"33" and found[b"chat\tcompletion"] == b"9"
