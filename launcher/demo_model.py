@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter, TokenType
 
+from mirror import disk
+
 WIDTH = 64
 LAYERS = 2
 HEADS = 4
@@ -117,6 +119,8 @@ def seed_mirror(mirror_root: Path) -> Path | None:
     writer_log.setLevel(logging.WARNING)
     try:
         write_tiny_llama(staging / DEMO_VERSION)
+        # Whole when it appears: not held back as "still being written" (docs/mirror.md).
+        disk.mark_settled(staging)
         try:
             staging.rename(target)
         except OSError:
