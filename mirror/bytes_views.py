@@ -16,7 +16,7 @@ from email.utils import formatdate
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.utils.cache import get_conditional_response
 
-from . import disk, readiness
+from . import disk, readiness, torrent
 from .metrics import BYTES_SERVED, FILES_SERVED
 
 
@@ -88,10 +88,28 @@ def manifest(request: HttpRequest, model: str, version: str) -> JsonResponse:
             entry["sha256"] = status.hashes[f.name]
         entries.append(entry)
     body = {"model": model, "version": version, "files": entries, "bytes": sum(f.bytes for f in files)}
+    if status.ready and status.info_hash:
+        body["torrent"] = {
+            "info_hash": status.info_hash,
+            "url": request.build_absolute_uri(request.path) + "?torrent",
+            "piece_bytes": torrent.PIECE_BYTES,
+        }
+    if status.ready and "torrent" in request.GET:
+        return _torrent(model, version, files, status)
     if status.ready:
         return JsonResponse(body)
     response = JsonResponse({**body, "ready": False, "error": status.problem}, status=503)
     response["Retry-After"] = str(status.retry_after)
+    return response
+
+
+def _torrent(model: str, version: str, files: list[disk.DiskFile], status: readiness.Readiness) -> HttpResponse:
+    """`/<model>/<version>/?torrent`: the version's v2 torrent, for exactly the files the manifest gives now."""
+    data = torrent.stored(model, version, [(f.name, f.bytes, status.hashes[f.name]) for f in files])
+    if data is None:
+        return _error(503, f"the torrent of {model}/{version}/ is still being computed", Retry_After="5")
+    response = HttpResponse(data, content_type="application/x-bittorrent")
+    response["Content-Disposition"] = f'attachment; filename="{version}.torrent"'
     return response
 
 

@@ -22,7 +22,7 @@ from urllib.parse import unquote
 from django.conf import settings
 from django.db import DatabaseError, connections
 
-from . import disk, scan
+from . import disk, scan, torrent
 from .models import MirrorFile
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ class Readiness:
     hashes: dict[str, str] = field(default_factory=dict)  # name -> sha256, for the files as they are now
     problem: str = ""
     retry_after: int = 0
+    # The v2 info-hash of the version's torrent, once it is computed for exactly these files.
+    info_hash: str = ""
 
     @property
     def ready(self) -> bool:
@@ -131,7 +133,10 @@ def prepare(model: str, version: str, files: list[disk.DiskFile]) -> Readiness:
         return Readiness({}, "the mirror's index cannot be read, so the files' sha256 are not known", 10)
     unhashed = [f for f in files if f.name not in hashes]
     if not unhashed:
-        return Readiness(hashes)
+        try:
+            return Readiness(hashes, info_hash=_torrent_now_or_later(model, version, files, hashes))
+        except DatabaseError:
+            return Readiness(hashes)
     changed = _changed_since(model, version, unhashed)
     if changed:
         return Readiness(hashes, f"{changed} changed while it was being hashed: it is still being written", 1)
@@ -144,6 +149,50 @@ def prepare(model: str, version: str, files: list[disk.DiskFile]) -> Readiness:
         "a version is served only with a sha256 for every file",
         wait,
     )
+
+
+def _torrent_now_or_later(model: str, version: str, files: list[disk.DiskFile], hashes: dict[str, str]) -> str:
+    """The torrent's info-hash when it is stored for these files; computed here when the version is small
+    enough to read inside the request, else in the background (the manifest offers it once it is there)."""
+    triples = [(f.name, f.bytes, hashes[f.name]) for f in files]
+    row = torrent.current(model, version, triples)
+    if row is not None:
+        return row.torrent_info_hash
+    if sum(f.bytes for f in files) <= settings.MIRROR_HASH_INLINE_BYTES:
+        return _blocking(lambda: torrent.ensure(model, version, triples))
+    _in_background(lambda: torrent.ensure(model, version, triples))
+    return ""
+
+
+def torrent_when_hashed(model: str, version: str) -> str:
+    """After a file is hashed (the scan's hash task): the version's torrent, once every file has its sha256."""
+    files = disk.version_files(model, version)
+    if not files or being_written(files) is not None:
+        return ""
+    hashes = _known(model, version, files)
+    if len(hashes) != len(files):
+        return ""
+    return torrent.ensure(model, version, [(f.name, f.bytes, hashes[f.name]) for f in files])
+
+
+def _blocking(work: Callable[[], str]) -> str:
+    """`work()` off gevent's hub when under the byte listener (it reads files), else here."""
+    try:
+        from gevent import monkey
+
+        if monkey.is_module_patched("threading"):
+            import gevent
+
+            def run() -> str:
+                try:
+                    return work()
+                finally:
+                    connections.close_all()
+
+            return gevent.get_hub().threadpool.apply(run)
+    except ImportError:
+        pass
+    return work()
 
 
 def _changed_since(model: str, version: str, files: list[disk.DiskFile]) -> str:
