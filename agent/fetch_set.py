@@ -65,11 +65,17 @@ def fetch_set(source: str, cache: Path, progress: Progress, parallel: int) -> Pa
 def manifest_when_ready(
     session: requests.Session, source: str, progress: Progress, deadline: float, timeout=None
 ) -> list[Entry]:
-    """The version's manifest once the mirror says it is whole, waiting on its Retry-After meanwhile."""
+    """The version's manifest once the mirror says it is whole, waiting on its Retry-After meanwhile.
+
+    While it waits, a dropped connection (the listener closing an idle kept-alive one, a
+    restart) is asked again a few times rather than ending a wait of hours.
+    """
+    waited, dropped = False, 0
     while True:
         try:
             return read_manifest(session, source, **({"timeout": timeout} if timeout else {}))
         except NotReady as not_ready:
+            waited, dropped = True, 0
             if time.monotonic() + not_ready.retry_after > deadline:
                 raise FetchError(
                     f"{not_ready}; a fetch waits at most {settings.FETCH_WAIT_S} s (LLMGW_FETCH_WAIT_S) and "
@@ -79,8 +85,13 @@ def manifest_when_ready(
             until = time.monotonic() + not_ready.retry_after
             while time.monotonic() < until:
                 # Said every second: a cancel from staff arrives with an update.
-                progress.not_ready(f"{not_ready}; asking again in {max(1, round(until - time.monotonic()))} s")
+                progress.not_ready(str(not_ready))
                 time.sleep(min(1.0, max(0.0, until - time.monotonic())))
+        except FetchError as error:
+            if not (waited and error.transient and dropped < 3 and time.monotonic() < deadline):
+                raise
+            dropped += 1
+            time.sleep(1.0)
 
 
 def _cached_set_holds(session: requests.Session, source: str, cache: Path, directory: Path) -> bool:

@@ -168,6 +168,29 @@ def test_a_file_appended_while_a_node_fetches_never_ends_in_a_complete_set_and_t
     assert marker.exists()
 
 
+def test_one_file_fetched_while_it_is_written_waits_and_arrives_whole(byte_listener, mirror_root, tmp_path, settings):
+    """A one-file version is served as the file's own address: checked against its version's manifest too."""
+    settings.BYTES_URL = byte_listener
+    final = data("one.gguf", 8 * MIB)
+    directory = put(mirror_root, "m", "v1", {})
+    started = threading.Event()
+
+    def copy_in():
+        with open(directory / "one.gguf", "wb") as out:
+            for i in range(8):
+                out.write(final[i * MIB : (i + 1) * MIB])
+                out.flush()
+                started.set()
+                time.sleep(0.3)
+
+    writer = threading.Thread(target=copy_in, daemon=True)
+    writer.start()
+    assert started.wait(10)
+    target = fetch_source(byte_listener + "m/v1/one.gguf", tmp_path / "cache")
+    assert not writer.is_alive()  # it waited for the copy to end
+    assert target.read_bytes() == final
+
+
 # --- what a node holds --------------------------------------------------------------------------
 
 

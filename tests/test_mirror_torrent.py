@@ -146,3 +146,33 @@ def test_a_torrent_with_another_info_hash_than_the_manifest_or_none_at_all_is_re
     with pytest.raises(FetchError) as refused:
         checked_torrent(b"<html>", "http://mirror/m/v1/", "v1", entries, info_hash)
     assert "is not a torrent" in str(refused.value)
+
+
+def test_the_byte_listener_takes_a_nodes_pass_as_the_basic_credentials_a_web_seed_sends(
+    byte_listener, mirror_root, fleet_node
+):
+    """libtorrent sends a web seed URL's `user:password@` as HTTP Basic: the node's name and its pass."""
+    import time
+
+    from contracts import credentials, signing
+
+    put(mirror_root, "m", "v1", FILES)
+    name, token = fleet_node
+    key = signing.token_hash(token)
+    url = byte_listener + "m/v1/config.json"
+    good = requests.get(url, auth=(name, credentials.bytes_pass(key, name)), timeout=5)
+    assert good.status_code == 200 and good.content == FILES["config.json"]
+    ranged = requests.get(
+        url, auth=(name, credentials.bytes_pass(key, name)), headers={"Range": "bytes=1-3"}, timeout=5
+    )
+    assert ranged.status_code == 206 and ranged.content == FILES["config.json"][1:4]
+
+    def refused(user: str, password: str) -> str:
+        answer = requests.get(url, auth=(user, password), timeout=5)
+        assert answer.status_code == 401, (user, password)
+        return answer.json()["error"]
+
+    assert "names the node as its user" in refused(name, token)
+    assert "names the node as its user" in refused("other", credentials.bytes_pass(key, name))
+    assert "expired" in refused(name, credentials.bytes_pass(key, name, now=time.time() - 7200))
+    assert "not one of node" in refused(name, credentials.bytes_pass(signing.token_hash("a guess"), name))
