@@ -23,7 +23,7 @@ from contracts.digest import sha256_file
 from . import runtime
 from .fetch_state import read_validator, write_validator
 from .progress import Progress, human_bytes
-from .sources import TIMEOUT, Entry, FetchError, describe, origin, status_error
+from .sources import TIMEOUT, Entry, FetchError, MirrorChanged, describe, origin, status_error
 
 CHUNK = 1 << 20
 
@@ -120,6 +120,7 @@ def fetch_file(
     entry: Entry | None = None,
     cancel: threading.Event | None = None,
     size: int | None = None,
+    need_sha256: bool = False,
 ) -> None:
     """Download url into target through <target>.part, resuming a part left by an earlier attempt.
 
@@ -135,7 +136,7 @@ def fetch_file(
                 if _content_range(response)[1] == have:
                     # The part is already whole: an earlier attempt died between the
                     # last byte and the rename.
-                    _finish(url, part, target, have, entry, progress)
+                    _finish(url, part, target, have, entry, progress, need_sha256)
                     return
                 # The part is longer than the file now is: it was a part of something else.
                 part.unlink()
@@ -146,10 +147,9 @@ def fetch_file(
             # Before the validator is touched: a part must never be paired with the
             # validator of a file it is not the start of.
             if entry is not None and total is not None and total != entry.bytes:
-                raise FetchError(
+                raise MirrorChanged(
                     f"{url} is {total:,} bytes but the mirror's manifest said {entry.bytes:,}: the file changed on "
-                    "the mirror since the manifest was read; fetch again",
-                    transient=True,
+                    "the mirror since the manifest was read; fetch again"
                 )
             if mode == "wb":
                 part.unlink(missing_ok=True)
@@ -164,7 +164,9 @@ def fetch_file(
                     "the next attempt resumes from there",
                     transient=True,
                 )
-            _finish(url, part, target, total if total is not None else part.stat().st_size, entry, progress)
+            _finish(
+                url, part, target, total if total is not None else part.stat().st_size, entry, progress, need_sha256
+            )
             return
     raise FetchError(f"{url} kept refusing the range of an earlier attempt; the part was removed, fetch again")
 
@@ -271,8 +273,10 @@ def _copy_body(
             progress.advanced(len(chunk))
 
 
-def _finish(url: str, part: Path, target: Path, total: int, entry: Entry | None, progress: Progress) -> None:
-    """Rename a part into place, only when it is whole: its size, and its sha256 where known."""
+def _finish(
+    url: str, part: Path, target: Path, total: int, entry: Entry | None, progress: Progress, need_sha256: bool = False
+) -> None:
+    """Rename a part into place, only when it is whole: its size, and its sha256 where known (or `need_sha256`)."""
     size = part.stat().st_size
     if size > total:
         # Longer than the file: no later attempt could make it right by appending.
@@ -287,9 +291,15 @@ def _finish(url: str, part: Path, target: Path, total: int, entry: Entry | None,
         )
     if entry is not None and entry.bytes != total:
         part.unlink()
-        raise FetchError(
+        raise MirrorChanged(
             f"{url} is {total:,} bytes but the mirror's manifest said {entry.bytes:,}: the file changed on the "
-            "mirror during the fetch; fetch again",
+            "mirror during the fetch; fetch again"
+        )
+    if need_sha256 and (entry is None or not entry.sha256):
+        # A size is not a proof: a file still being copied in has a size too.
+        raise FetchError(
+            f"{url}: the mirror gives no sha256 for it, and a file is taken as whole only when its sha256 agrees "
+            "with the mirror's; the part is kept and the next attempt asks again",
             transient=True,
         )
     if entry is not None and entry.sha256:

@@ -69,3 +69,41 @@ def write_validator(cache: Path, target: Path, etag: str, last_modified: str, to
     _validator_path(cache, target).write_text(
         json.dumps({"etag": etag, "last_modified": last_modified, "total": total})
     )
+
+
+# --- what was verified: so a cached set is checked against its manifest without re-hashing it ---
+
+# name -> (bytes, mtime_ns, sha256): each file of a set (or a single file) as it was when its
+# sha256 was found to agree with the mirror's, with the local size and mtime it had then.
+Verified = dict[str, tuple[int, int, str]]
+
+
+def _verified_path(cache: Path, target: Path) -> Path:
+    return Path(cache) / STATE_DIR / f"{_key(target)}.verified.json"
+
+
+def read_verified(cache: Path, target: Path) -> Verified:
+    """What was verified of `target` (a set's directory or one file); {} when nothing was (a set from before)."""
+    try:
+        raw = json.loads(_verified_path(cache, target).read_text())
+        return {name: (int(b), int(m), str(h)) for name, (b, m, h) in raw.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def write_verified(cache: Path, target: Path, verified: Verified) -> None:
+    path = _verified_path(cache, target)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({name: list(v) for name, v in verified.items()}))
+    os.replace(tmp, path)
+
+
+def still_verified(path: Path, recorded: tuple[int, int, str] | None, size: int, sha256: str) -> bool:
+    """Whether the file at `path` is the one verified as (size, sha256), by its size and mtime alone."""
+    if recorded is None or not sha256 or recorded[0] != size or recorded[2] != sha256:
+        return False
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return (st.st_size, st.st_mtime_ns) == (recorded[0], recorded[1])

@@ -47,6 +47,8 @@ class Progress:
         self.files_total = 0
         self.current_file = ""
         self.error = ""
+        # Why the fetch is waiting on the mirror ("" when it is not): the version is not whole yet.
+        self.waiting_for = ""
         self.started = time.time()
         self._rate_mark = self._begin_mark = (time.monotonic(), 0)
         self.rate = 0.0
@@ -89,10 +91,18 @@ class Progress:
         this address, and a second voice would overwrite its numbers.
         """
 
+    def not_ready(self, sentence: str) -> None:
+        """The mirror says the version is not whole yet: queued, saying why, until it is."""
+        with self._lock:
+            self.state, self.waiting_for = "queued", sentence
+        self._publish(force=True)
+
     def set_state(self, state: str) -> None:
         assert state in STATES, state
         with self._lock:
             self.state = state
+            if state != "queued":
+                self.waiting_for = ""
         self._publish(force=True)
 
     def failed(self, sentence: str) -> None:
@@ -137,6 +147,7 @@ class Progress:
                 "current_file": self.current_file,
                 "rate": round(self.rate),
                 "error": self.error,
+                "waiting_for": self.waiting_for,
                 "started": self.started,
                 "updated": time.time(),
             }
@@ -245,7 +256,15 @@ class TerminalProgress(Throttled):
             self.stream.write(f"waiting for another fetch of {self.source} on this host to finish\n")
             self.stream.flush()
 
+    def not_ready(self, sentence: str) -> None:
+        if sentence != self.waiting_for:
+            self.stream.write(f"waiting: {sentence}\n")
+            self.stream.flush()
+        super().not_ready(sentence)
+
     def send(self, s: dict) -> None:
+        if s["state"] == "queued":
+            return  # nothing to draw while the mirror is not ready; not_ready said why
         if self._bar is None:
             if s["state"] == "failed" and not s["bytes_total"]:
                 return  # failed before there was anything to show; the command prints the sentence

@@ -38,6 +38,29 @@ class FetchError(Exception):
         self.transient = transient
 
 
+class NotReady(FetchError):
+    """The mirror says the version is not whole yet (a file still being written, hashes not yet
+    computed): `retry_after` seconds from now it may be. A fetch waits on it rather than failing."""
+
+    def __init__(self, sentence: str, retry_after: int):
+        super().__init__(sentence, transient=True)
+        self.retry_after = retry_after
+
+
+class MirrorChanged(FetchError):
+    """A file changed on the mirror while it was fetched: the set is read again from its manifest."""
+
+    def __init__(self, sentence: str):
+        super().__init__(sentence, transient=True)
+
+
+def retry_after_of(response: requests.Response, default: int = 10) -> int:
+    """The answer's Retry-After in seconds (delta form), kept between 1 s and 5 min."""
+    value = (response.headers.get("Retry-After") or "").strip()
+    seconds = int(value) if value.isdigit() else default
+    return min(300, max(1, seconds))
+
+
 def status_error(url: str, status: int, response: requests.Response | None = None) -> FetchError:
     if status == 404:
         return FetchError(f"{url} is not on the mirror (404)")
@@ -109,13 +132,21 @@ def refuse_other_hosts(source: str, byte_listener: str) -> None:
         )
 
 
-def read_manifest(session: requests.Session, source: str) -> list[Entry]:
-    """Ask the mirror what a version consists of, and refuse anything unsafe in the answer."""
+def read_manifest(session: requests.Session, source: str, timeout=TIMEOUT) -> list[Entry]:
+    """Ask the mirror what a version consists of, and refuse anything unsafe in the answer.
+
+    Raises NotReady when the mirror answers that the version is not whole yet (503,
+    `"ready": false`, `Retry-After`): a file still being copied in, hashes not computed.
+    """
     try:
-        response = session.get(source, timeout=TIMEOUT, stream=True, headers={"Accept": "application/json"})
+        response = session.get(source, timeout=timeout, stream=True, headers={"Accept": "application/json"})
     except requests.RequestException as error:
         raise FetchError(f"asking {source} what it holds: {describe(error)}", transient=True) from None
     with response:
+        if response.status_code == 503:
+            not_ready = _not_ready(source, response)
+            if not_ready is not None:
+                raise not_ready
         if response.status_code != 200:
             raise status_error(source, response.status_code, response)
         try:
@@ -164,6 +195,18 @@ def read_manifest(session: requests.Session, source: str) -> list[Entry]:
             raise FetchError(f"{source}: the mirror gave {name!r} a sha256 that is not one")
         entries.append(Entry(name, size, sha.lower()))
     return entries
+
+
+def _not_ready(source: str, response: requests.Response) -> NotReady | None:
+    """The mirror's "not ready yet" (503 with `"ready": false`), or None for any other 503."""
+    try:
+        said = json.loads(response.raw.read(MANIFEST_LIMIT, decode_content=True) or b"{}")
+    except Exception:  # not JSON, or the connection went: an ordinary 503
+        return None
+    if not isinstance(said, dict) or said.get("ready") is not False:
+        return None
+    why = said.get("error") if isinstance(said.get("error"), str) else "it is not whole yet"
+    return NotReady(f"{source} is not ready on the mirror: {why}", retry_after_of(response))
 
 
 def describe(error: Exception) -> str:

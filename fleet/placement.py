@@ -179,6 +179,10 @@ def _place_missing(
 
     unplaced = 0
     for replica_id in to_place:
+        if model.not_ready:
+            unplaced += 1
+            plan.unplaced.append(Unplaced(replica_id, model.name, model.not_ready, model.cause))
+            continue
         assignment = _place_one(model, replica_id, usable_by_engine, on_node, per_profile)
         if assignment is None:
             unplaced += 1

@@ -17,6 +17,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from catalog.models import Model
+from mirror.readiness import source_being_written
 
 from . import autoscale, drain
 from .live import listening_since, redis_client
@@ -106,6 +107,7 @@ def model_views() -> list[ModelView]:
                 )
                 for p in m.profiles.all()
             ),
+            not_ready=source_being_written(m.source, settings.BYTES_URL),
         )
         for m in Model.objects.prefetch_related("profiles")
     ]

@@ -73,6 +73,9 @@ class ModelView:
     stop_reason: str = ""
     make_room: bool = False
     last_request: float = 0.0
+    # The mirror's sentence when the model's version is not whole yet (a file still being
+    # written): no replica is placed until it is (issue 21).
+    not_ready: str = ""
 
 
 @dataclass(frozen=True)

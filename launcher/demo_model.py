@@ -20,6 +20,8 @@ from contracts.tiny_gguf import EOS_TOKEN_ID, write_llama
 
 __all__ = ["EOS_TOKEN_ID", "seed_mirror", "write_tiny_llama"]
 
+from mirror import disk
+
 
 def write_tiny_llama(directory: Path, name: str = "tiny", files: int = 3) -> list[Path]:
     """Write the model into `directory` as `files` parts; returns them sorted by name.
@@ -52,6 +54,8 @@ def seed_mirror(mirror_root: Path) -> Path | None:
     shutil.rmtree(staging, ignore_errors=True)
     try:
         write_tiny_llama(staging / DEMO_VERSION)
+        # Whole when it appears: not held back as "still being written" (docs/mirror.md).
+        disk.mark_settled(staging)
         try:
             staging.rename(target)
         except OSError:

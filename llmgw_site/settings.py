@@ -100,6 +100,15 @@ BYTES_HEADER_TIMEOUT_S = env_int("LLMGW_BYTES_HEADER_TIMEOUT_S", 10, minimum=1)
 # gunicorn's worker heartbeat timeout; it bounds a stuck worker, not a long download (the hub beats between sends).
 BYTES_WORKER_TIMEOUT_S = env_int("LLMGW_BYTES_WORKER_TIMEOUT_S", 120, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
+# --- a version offered whole or not at all (docs/mirror.md, "Not ready yet") ---
+# A file modified less than this long ago is taken to be still being copied in: its
+# version's manifest says "not ready" (503, Retry-After) until it has been still this long.
+MIRROR_SETTLE_S = env_int("LLMGW_MIRROR_SETTLE_S", 10)
+# Unhashed bytes the byte listener hashes inside a manifest request; more is hashed in the
+# background while the manifest says "not ready" with a Retry-After.
+MIRROR_HASH_INLINE_BYTES = env_int("LLMGW_MIRROR_HASH_INLINE_BYTES", 256 * 1024 * 1024)
+# How long a node's fetch waits on a version the mirror says is not ready before it fails.
+FETCH_WAIT_S = env_int("LLMGW_FETCH_WAIT_S", 6 * 3600, minimum=1)
 # `manage.py up` puts a tiny demo GGUF into the mirror (tiny-demo/v1) unless one is there.
 DEMO_MODEL = env_bool("LLMGW_DEMO_MODEL", True)
 # Models declared in configuration (YAML), loaded at migrate and by `manage.py catalog_load`.

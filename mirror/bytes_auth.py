@@ -13,6 +13,8 @@ node's token hash is handed in by the byte listener's URLconf (`llmgw_site.urls_
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 from collections.abc import Callable
 
@@ -37,11 +39,25 @@ def _refused(status: int, sentence: str) -> JsonResponse:
 
 
 def problem_of(request: HttpRequest, key_of: Callable[[str], str | None]) -> str | None:
-    """Why this request may not read the mirror, or None."""
+    """Why this request may not read the mirror, or None.
+
+    The pass comes as `Bearer NODE:EXPIRES:MAC`, or as HTTP Basic with the node's name as
+    the user and the pass as the password: what a BitTorrent web seed (libtorrent) sends
+    for a URL's `user:password@` (issue 24). The same pass either way, checked the same way.
+    """
     scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not presented.strip():
+    presented = presented.strip()
+    if scheme.lower() == "basic" and presented:
+        try:
+            user, colon, password = base64.b64decode(presented, validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return "the Basic credential is not base64 of NODE:PASS"
+        if not colon or not password.startswith(user + ":"):
+            return "a Basic credential names the node as its user and carries the node's pass (NODE:EXPIRES:MAC)"
+        return bytes_pass_problem(password, key_of)
+    if scheme.lower() != "bearer" or not presented:
         return ANONYMOUS
-    return bytes_pass_problem(presented.strip(), key_of)
+    return bytes_pass_problem(presented, key_of)
 
 
 def only_the_fleet(view, key_of: Callable[[str], str | None]):

@@ -13,13 +13,11 @@ import socket
 import stat
 from email.utils import formatdate
 
-from django.db import DatabaseError
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.utils.cache import get_conditional_response
 
-from . import disk
+from . import disk, readiness, torrent
 from .metrics import BYTES_SERVED, FILES_SERVED
-from .scan import known_hashes
 
 
 def _error(status: int, sentence: str, **headers) -> JsonResponse:
@@ -72,25 +70,47 @@ def manifest(request: HttpRequest, model: str, version: str) -> JsonResponse:
     second records that disagree the first time somebody copies a file in by hand.
     The index only lends a sha256, and only for a file whose size and mtime are
     the ones that were hashed.
+
+    Offered whole or not at all: a version with a file still being written, or one
+    whose sha256 is not known yet, is answered 503 with `Retry-After`, `"ready":
+    false` and the sentence why (`readiness.prepare`); nodes wait on it.
     """
     if model not in disk.model_names():
         return not_found(request)
     files = disk.version_files(model, version)
     if files is None:
         return not_found(request)
-    try:
-        hashes = known_hashes(model, version)
-    except DatabaseError:
-        # The manifest is still right without hashes; fetches then check sizes only.
-        hashes = {}
+    status = readiness.prepare(model, version, files)
     entries = []
     for f in files:
         entry = {"name": f.name, "bytes": f.bytes}
-        known = hashes.get(f.name)
-        if known and known[0] == f.bytes and known[1] == f.mtime_ns:
-            entry["sha256"] = known[2]
+        if f.name in status.hashes:
+            entry["sha256"] = status.hashes[f.name]
         entries.append(entry)
-    return JsonResponse({"model": model, "version": version, "files": entries, "bytes": sum(f.bytes for f in files)})
+    body = {"model": model, "version": version, "files": entries, "bytes": sum(f.bytes for f in files)}
+    if status.ready and status.info_hash:
+        body["torrent"] = {
+            "info_hash": status.info_hash,
+            "url": request.build_absolute_uri(request.path) + "?torrent",
+            "piece_bytes": torrent.PIECE_BYTES,
+        }
+    if status.ready and "torrent" in request.GET:
+        return _torrent(model, version, files, status)
+    if status.ready:
+        return JsonResponse(body)
+    response = JsonResponse({**body, "ready": False, "error": status.problem}, status=503)
+    response["Retry-After"] = str(status.retry_after)
+    return response
+
+
+def _torrent(model: str, version: str, files: list[disk.DiskFile], status: readiness.Readiness) -> HttpResponse:
+    """`/<model>/<version>/?torrent`: the version's v2 torrent, for exactly the files the manifest gives now."""
+    data = torrent.stored(model, version, [(f.name, f.bytes, status.hashes[f.name]) for f in files])
+    if data is None:
+        return _error(503, f"the torrent of {model}/{version}/ is still being computed", Retry_After="5")
+    response = HttpResponse(data, content_type="application/x-bittorrent")
+    response["Content-Disposition"] = f'attachment; filename="{version}.torrent"'
+    return response
 
 
 class _RangeFile:

@@ -114,3 +114,18 @@ def _stat_inside(path: Path) -> os.stat_result | None:
         return os.stat(path)
     except OSError:
         return None
+
+
+def mark_settled(staging: Path) -> None:
+    """Date the files of a copy staged under a hidden name back past LLMGW_MIRROR_SETTLE_S.
+
+    For a writer that stages a version and renames it into place in one step (the
+    demo models): it is whole when it appears, which the mirror can otherwise only
+    tell by the clock, and would hold back as "still being written" for a while.
+    """
+    import time
+
+    then = time.time_ns() - (settings.MIRROR_SETTLE_S + 1) * 10**9
+    for path in Path(staging).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.utime(path, ns=(then, then))

@@ -31,6 +31,13 @@ class MirrorVersion(models.Model):
     # unchanged mirror writes nothing, however many versions it holds.
     scanned_at = models.DateTimeField(help_text="When a scan last found it new or changed on disk.")
 
+    # The version as a BitTorrent v2 torrent (issue 24), computed from the directory when its
+    # files are hashed, for exactly the files, sizes and sha256s `torrent_of` fingerprints:
+    # kept here, in the index, never in a file beside the weights.
+    torrent = models.BinaryField(blank=True, default=b"", editable=False)
+    torrent_info_hash = models.CharField(max_length=64, blank=True, default="", help_text="BitTorrent v2 info-hash.")
+    torrent_of = models.CharField(max_length=64, blank=True, default="", editable=False)
+
     objects = MirrorVersionQuerySet.as_manager()
 
     class Meta:

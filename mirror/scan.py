@@ -135,10 +135,13 @@ def walk(report: ScanReport) -> dict[tuple[str, str], Listing]:
 IndexedFiles = dict[str, tuple[int, int, int, bool]]
 
 
-def read_index() -> dict[tuple[str, str], tuple[int, IndexedFiles]]:
-    """(model, version) -> (version id, its files), in one query."""
+def read_index(only: tuple[str, str] | None = None) -> dict[tuple[str, str], tuple[int, IndexedFiles]]:
+    """(model, version) -> (version id, its files), in one query; `only` one version."""
     index: dict[tuple[str, str], tuple[int, IndexedFiles]] = {}
-    rows = MirrorVersion.objects.order_by().values_list(
+    versions = MirrorVersion.objects.order_by()
+    if only is not None:
+        versions = versions.filter(model=only[0], version=only[1])
+    rows = versions.values_list(
         "pk", "model", "version", "files__pk", "files__name", "files__bytes", "files__mtime_ns", "files__sha256"
     )
     for version_id, model, version, file_id, name, size, mtime_ns, sha256 in rows.iterator(chunk_size=2000):
@@ -163,11 +166,30 @@ def scan_mirror() -> ScanReport:
     return report
 
 
-def _scan() -> ScanReport:
+# --- one version, now: what the byte listener does before it answers a manifest -------
+
+
+def index_version(model: str, version: str) -> ScanReport:
+    """Make the index of one version match its directory now, as a scan would (issue 21).
+
+    The byte listener calls it before a manifest, so the hashes it gives are for
+    the files as they are at that moment, not as the last scan found them.
+    """
+    try:
+        return _scan(only=(model, version))
+    except IntegrityError:
+        return _scan(only=(model, version))
+
+
+def _scan(only: tuple[str, str] | None = None) -> ScanReport:
     report = ScanReport()
     now = timezone.now()
-    on_disk = walk(report)
-    index = read_index()
+    if only is None:
+        on_disk = walk(report)
+    else:
+        listing = _slow_listing(*only)
+        on_disk = {} if listing is None else {only: listing}
+    index = read_index(only)
 
     new_versions: list[MirrorVersion] = []
     new_files: list[MirrorFile] = []

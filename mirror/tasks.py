@@ -1,6 +1,7 @@
 from celery import shared_task
 
-from . import scan
+from . import readiness, scan
+from .models import MirrorFile
 
 
 @shared_task(name="mirror.scan", ignore_result=True)
@@ -15,3 +16,7 @@ def scan_task() -> str:
 def hash_task(file_id: int) -> None:
     # Safe to run twice: a file already hashed, gone or changed is left alone.
     scan.hash_file(file_id)
+    # And when it was the version's last, the version's torrent (issue 24), computed once per content.
+    row = MirrorFile.objects.filter(pk=file_id).values_list("version__model", "version__version").first()
+    if row is not None:
+        readiness.torrent_when_hashed(*row)

@@ -102,11 +102,14 @@ def plan_serve(
     fleet: Sequence[NodeFacts] | None,
     catalog: CatalogFacts | None,
     header_kind: str = "",
+    not_ready: str = "",
 ) -> ServePlan:
     """Work out what serving this version would mean.
 
     `header_kind` is the kind the weights' header says (a GGUF with a pooling type
-    is an embedding or rerank model), "" when nobody read one.
+    is an embedding or rerank model), "" when nobody read one. `not_ready` is the
+    mirror's sentence for a version that is not whole yet (a file still being
+    written), "" when it is: such a version is not offered.
     """
     files = sorted(files, key=lambda f: f.name)
     plan = ServePlan(model=model, version=version, file_names=[f.name for f in files])
@@ -136,6 +139,10 @@ def plan_serve(
 
     if not plan.engine:
         plan.refusal = f"nothing here reads {ext_of(deciding.name)} files"
+        return plan
+    if not_ready:
+        # Offered now, a node would fetch a file cut short; the mirror says when to look again.
+        plan.refusal = f"this version is not ready yet: {not_ready}; reload the page when the copy is done"
         return plan
     plan.profile = "cpu" if plan.engine == Engine.LLAMACPP else "gpu"
 

@@ -11,6 +11,7 @@ from django.db import IntegrityError, transaction
 from catalog.models import Kind, Model, Profile
 from fleet.models import Node
 from mirror.models import MirrorVersion
+from mirror.readiness import not_ready_on_disk
 
 from .planning import CatalogFacts, FileFacts, NodeFacts, ServeError, ServePlan, plan_serve
 
@@ -41,7 +42,10 @@ def fleet_facts() -> list[NodeFacts]:
 
 def plan_for(mirror_version: MirrorVersion) -> ServePlan:
     """The serve plan of one mirror version, from the database as it is now."""
-    files = [FileFacts(name, size) for name, size in mirror_version.files.values_list("name", "bytes")]
+    indexed = {
+        name: (size, mtime_ns) for name, size, mtime_ns in mirror_version.files.values_list("name", "bytes", "mtime_ns")
+    }
+    files = [FileFacts(name, size) for name, (size, _) in indexed.items()]
     ggufs = sorted(name for name, _ in ((f.name, f.bytes) for f in files) if name.lower().endswith(".gguf"))
     kind = (
         header_kind(Path(settings.MIRROR_ROOT) / mirror_version.model / mirror_version.version / ggufs[0])
@@ -56,6 +60,7 @@ def plan_for(mirror_version: MirrorVersion) -> ServePlan:
         fleet_facts(),
         catalog_facts(),
         header_kind=kind,
+        not_ready=not_ready_on_disk(mirror_version.model, mirror_version.version, indexed) if indexed else "",
     )
 
 

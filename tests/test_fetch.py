@@ -60,11 +60,12 @@ def _manifest_bytes(proxy) -> int:
     return len(as_node.get(proxy.upstream.geturl() + "m/v1/").content)
 
 
-def test_a_complete_set_is_not_asked_for_again(proxy, four_files, cache):
+def test_a_complete_set_is_not_fetched_again_only_its_manifest_is_asked(proxy, four_files, cache):
     fetch_source(proxy.url + "m/v1/", cache)
     proxy.reset_counts()
     fetch_source(proxy.url + "m/v1/", cache)
-    assert proxy.requests == []
+    # The manifest, to see the set is still the mirror's (issue 21); no file.
+    assert proxy.requests == [("GET", "/m/v1/", "")]
 
 
 def test_files_already_there_at_the_right_size_are_not_fetched_again(proxy, four_files, cache):
@@ -97,7 +98,8 @@ def test_a_truncated_body_keeps_the_part_and_the_next_attempt_sends_only_the_res
     proxy.truncate_after = None
     proxy.reset_counts()
     assert fetch_source(source, cache).read_bytes() == data
-    assert proxy.body_bytes == 500_000 - 123_456
+    # The rest of the file, and its version's manifest (its size and sha256, issue 21).
+    assert proxy.body_bytes - _manifest_bytes(proxy) == 500_000 - 123_456
     assert ("GET", "/m/v1/one.gguf", "bytes=123456-") in proxy.requests
     assert not target.with_name("one.gguf.part").exists()
 
@@ -113,7 +115,7 @@ def test_a_server_that_ignores_range_makes_the_file_start_over_never_append(prox
     proxy.ignore_range = True
     proxy.reset_counts()
     assert fetch_source(source, cache).read_bytes() == data
-    assert proxy.body_bytes == 400_000
+    assert proxy.body_bytes - _manifest_bytes(proxy) == 400_000
 
 
 def test_a_file_that_changes_on_the_mirror_between_attempts_is_fetched_new_and_whole(proxy, mirror_root, cache):
@@ -129,7 +131,7 @@ def test_a_file_that_changes_on_the_mirror_between_attempts_is_fetched_new_and_w
     proxy.reset_counts()
     # If-Range carries the old file's ETag, so the byte listener answers the new file whole.
     assert fetch_source(source, cache).read_bytes() == new
-    assert proxy.body_bytes == 300_000
+    assert proxy.body_bytes - _manifest_bytes(proxy) == 300_000
 
 
 def test_a_set_whose_file_changed_size_between_attempts_is_fetched_new_and_whole(proxy, four_files, mirror_root, cache):
@@ -166,7 +168,7 @@ def test_a_part_that_is_already_whole_is_renamed_after_the_416(proxy, mirror_roo
     proxy.reset_counts()
     assert fetch_source(source, cache).read_bytes() == data
     assert ("GET", "/m/v1/one.gguf", "bytes=200000-") in proxy.requests
-    assert proxy.body_bytes < 200  # the 416's short JSON sentence, and no file bytes
+    assert proxy.body_bytes - _manifest_bytes(proxy) < 200  # the 416's short JSON sentence, and no file bytes
 
 
 def test_a_file_that_does_not_match_its_sha256_is_removed_and_never_renamed(proxy, four_files, cache):

@@ -1,6 +1,7 @@
 """The serve page in a real browser: from a mirrored version to a catalog entry."""
 
 import os
+import time
 
 import pytest
 
@@ -25,6 +26,8 @@ def three_part_gguf(mirror_root, settings):
         # Sparse: the size is what the plan reads, and nothing here hashes it.
         with open(directory / f"qwen2.5-7b-q4_k_m-0000{i}-of-00003.gguf", "wb") as f:
             os.truncate(f.fileno(), SHARD)
+        # Copied in a while ago: a file still being written is not offered (issue 21).
+        os.utime(directory / f"qwen2.5-7b-q4_k_m-0000{i}-of-00003.gguf", (time.time() - 60, time.time() - 60))
     put(mirror_root, "notes", "v1", {"readme.txt": b"not weights", "licence.txt": b"MIT"})
     scan.scan_mirror()
 
