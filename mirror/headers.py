@@ -54,6 +54,7 @@ CONFIG_KEYS = {
     "embedding": ("hidden_size", "n_embd", "d_model"),
     "head_dim": ("head_dim",),
     "trained_context": ("max_position_embeddings", "n_positions", "max_seq_len"),
+    "vocab": ("vocab_size",),
 }
 
 
@@ -78,6 +79,14 @@ def _gguf_value(field):
         return bytes(part).decode("utf-8", "replace")
     value = part[0]
     return value.item() if hasattr(value, "item") else value
+
+
+def _vocab_size(reader, declared) -> int | None:
+    """How many tokens: the architecture's own key, else the length of the tokenizer's list."""
+    if declared:
+        return declared
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return len(tokens.data) if tokens is not None and tokens.data else None
 
 
 def read_gguf(path: Path) -> dict:
@@ -123,6 +132,7 @@ def read_gguf(path: Path) -> dict:
         "sliding_window": of_arch("attention.sliding_window"),
         "pooling_type": of_arch("pooling_type"),
         "split_count": values.get("split.count"),
+        "vocab": _vocab_size(reader, of_arch("vocab_size")),
         "tensors": len(reader.tensors),
         "tensor_types": dict(sorted(types.items(), key=lambda kv: -kv[1])),
         "weights_bytes": weights,
