@@ -6,14 +6,14 @@ shows it beside what the agents measure. Here rather than in `serving`, because 
 fleet's pages need it too and the fleet sits below serving.
 
 llama.cpp: the weights (every tensor's bytes: the file is mapped, and a model's
-matrices are all read for each token), the KV cache for the context pool (layers × KV
+matrices are all read for each token; twice for the types the CPU backend repacks), the KV cache for the context pool (layers × KV
 heads × (key + value head size) × pool × bytes per element of the cache type; the pool
 is shared by the slots, not multiplied by them), the compute buffers (the activations
 of one micro-batch) and the engine's own footprint. vLLM: the weights plus the KV cache
 for --max-model-len, or, on a card, what --gpu-memory-utilization takes of it
 (vLLM reserves that share whatever the model needs).
 
-The two constants below were measured here by bench/memory.py (docs/benchmarks.md).
+The llama.cpp constants below were measured here by bench/memory.py (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,8 +25,19 @@ GB = 1 << 30
 MB = 1 << 20
 
 # The llama.cpp engine's own resident memory beside weights, KV cache and compute
-# buffers: the server, its libraries and its allocator (bench/memory.py, docs/benchmarks.md).
-LLAMACPP_FOOTPRINT_BYTES = 110 * MB
+# buffers: the server, its libraries and its allocator. Measured on a model of no size
+# (bench/memory.py, docs/benchmarks.md).
+LLAMACPP_FOOTPRINT_BYTES = 90 * MB
+# What each token of the vocabulary costs the engine at the default micro-batch: the
+# logits of a micro-batch in the compute buffer, the server's own copy of them, the
+# tokenizer's tables. Measured at two vocabularies (49,152 and 151,936 tokens): 6.8 KB
+# each, to within 1%, whatever the width (bench/memory.py, docs/benchmarks.md).
+LLAMACPP_BYTES_PER_VOCAB_TOKEN = 7000
+# Tensor types llama.cpp's CPU backend repacks at load into its interleaved layouts
+# (q4_K_8x8, q4_0_8x8, iq4_nl_4x4 on x86 with AVX2): a second copy in the engine's own
+# memory, while the mapped file's pages stay resident too. Measured: a 1.5B Q4_K model
+# of 828 MB held 828 MB more than one whose matrices are Q8_0 (docs/benchmarks.md).
+LLAMACPP_REPACKED_TYPES = ("Q4_0", "Q4_K", "IQ4_NL")
 # vLLM's beside its share of the card: CUDA context, the Python process, the graphs.
 VLLM_FOOTPRINT_BYTES = 2 * GB
 # llama.cpp's default micro-batch, and the pool it takes when a profile gives none.
@@ -138,13 +149,14 @@ def _llamacpp(header: dict, weights: int, args: list[str], parallel: int) -> Est
     per_token = kv_bytes_per_token(header, CACHE_TYPE_BYTES.get(k_type, 2.0), CACHE_TYPE_BYTES.get(v_type, 2.0))
     missing = "" if per_token else "the header does not give layers, KV heads and head size: no KV cache counted"
     ubatch = int(_number(arg_value(args, "--ubatch-size", "-ub", "--n_ubatch"), LLAMACPP_UBATCH))
-    embedding = int(header.get("embedding") or 0)
     vocab = int(header.get("vocab") or 0)
-    # One micro-batch's activations (a few rows of the embedding width each), and each
-    # slot's logits.
-    compute = ubatch * embedding * 4 * 8 + parallel * vocab * 4
+    # The vocabulary's share scales with the micro-batch (its logits are a micro-batch
+    # of rows); each further slot keeps a row of logits of its own.
+    compute = int(vocab * LLAMACPP_BYTES_PER_VOCAB_TOKEN * ubatch / LLAMACPP_UBATCH) + (parallel - 1) * vocab * 4
+    types = header.get("tensor_types") or {}
+    repacked = sum(int(types.get(name, 0)) for name in LLAMACPP_REPACKED_TYPES)
     return Estimate(
-        weights=weights,
+        weights=weights + repacked,
         kv_cache=int(per_token * pool),
         overhead=compute + LLAMACPP_FOOTPRINT_BYTES,
         pool=pool,

@@ -12,6 +12,7 @@ from catalog.models import Kind, Model, Profile
 from fleet.models import Node
 from mirror.models import MirrorVersion
 
+from . import memory
 from .planning import CatalogFacts, FileFacts, NodeFacts, ServeError, ServePlan, plan_serve
 
 
@@ -48,14 +49,19 @@ def plan_for(mirror_version: MirrorVersion) -> ServePlan:
         if ggufs
         else ""
     )
-    return plan_serve(
-        mirror_version.model,
-        mirror_version.version,
-        files,
-        settings.BYTES_URL,
-        fleet_facts(),
-        catalog_facts(),
-        header_kind=kind,
+    fleet, catalog = fleet_facts(), catalog_facts()
+    return memory.plan_with_estimate(
+        lambda estimated_gb: plan_serve(
+            mirror_version.model,
+            mirror_version.version,
+            files,
+            settings.BYTES_URL,
+            fleet,
+            catalog,
+            header_kind=kind,
+            estimated_gb=estimated_gb,
+        ),
+        mirror_version.headers,
     )
 
 
