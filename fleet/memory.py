@@ -190,14 +190,34 @@ def estimate_for(headers: dict | None, engine: str, args: Iterable[str], paralle
 
 
 def under_asking() -> list[tuple[MeasuredMemory, int]]:
-    """(measured figure, the profile's min memory) for every profile whose replicas use more than it asks for."""
-    asked = {(m, p): gb for m, p, gb in Profile.objects.values_list("model__name", "name", "min_memory_gb")}
+    """(measured figure, the profile's min memory) for every profile whose replicas use more than it asks for.
+
+    Only figures measured of what the profile runs now (same weights, engine, arguments).
+    """
+    profiles = {
+        (m, p): (gb, source, engine, args or [])
+        for m, p, gb, source, engine, args in Profile.objects.values_list(
+            "model__name", "name", "min_memory_gb", "model__source", "engine", "args"
+        )
+    }
     out = []
     for peak in MeasuredMemory.objects.order_by("model_name", "profile_name"):
-        gb = asked.get((peak.model_name, peak.profile_name))
-        if gb is not None and peak.host_gb > gb:
+        profile = profiles.get((peak.model_name, peak.profile_name))
+        if profile is None:
+            continue
+        gb, source, engine, args = profile
+        if measured_gb_for(peak, source, engine, args) > gb:
             out.append((peak, gb))
     return out
+
+
+def asked_gb(peak: MeasuredMemory) -> int | None:
+    """What the profile measured asks for now; None when the profile is gone."""
+    return (
+        Profile.objects.filter(model__name=peak.model_name, name=peak.profile_name)
+        .values_list("min_memory_gb", flat=True)
+        .first()
+    )
 
 
 def warning(peak: MeasuredMemory, asked_gb: int) -> str:
