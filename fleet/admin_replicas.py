@@ -11,7 +11,7 @@ from django.contrib import admin, messages
 from django.db import transaction
 from django.utils.html import format_html, format_html_join
 
-from catalog.memory import GB
+from catalog.memory import GB, MB
 from common.admin import RecordAdmin
 
 from . import memory, reconcile
@@ -23,7 +23,7 @@ _page = threading.local()
 
 
 def _gb(size: int) -> str:
-    return f"{size / GB:.1f} GB"
+    return f"{size / GB:.1f} GB" if size >= GB else f"{size / MB:.0f} MB"
 
 
 @admin.register(Replica)
