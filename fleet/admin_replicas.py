@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils.html import format_html, format_html_join
 
 from catalog.memory import GB, MB
+from catalog.models import Model
 from common.admin import RecordAdmin
 
 from . import memory, reconcile
@@ -192,6 +193,17 @@ class MeasuredMemoryAdmin(RecordAdmin):
         "bench_table",
         "bench_at",
     ]
+    actions = ["set_target_load"]
+
+    @admin.action(description="Set each model's target load per replica from its last bench")
+    def set_target_load(self, request, queryset) -> None:
+        for record in queryset:
+            suggested = (record.bench or {}).get("suggested_target_load")
+            if not suggested:
+                self.message_user(request, f"{record}: no bench yet (manage.py bench_replica)", messages.WARNING)
+                continue
+            Model.objects.filter(name=record.model_name).update(target_load=int(suggested))
+            self.message_user(request, f"The target load of {record.model_name} is now {suggested}.", messages.SUCCESS)
 
     def changelist_view(self, request, extra_context=None):
         for peak, asked in memory.under_asking():
@@ -225,6 +237,9 @@ class MeasuredMemoryAdmin(RecordAdmin):
         )
         body = format_html_join("", "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", rows)
         return format_html(
-            '<table id="bench"><tr><th>concurrent</th><th>tokens/s</th><th>TTFT p50 (ms)</th><th>memory</th></tr>{}</table>',
+            '<table id="bench"><tr><th>concurrent</th><th>tokens/s</th><th>TTFT p50 (ms)</th><th>memory</th></tr>{}'
+            '</table><p>Suggested target load per replica: <strong id="suggested-target-load">{}</strong> '
+            "(set it with this list's action, or manage.py bench_replica --set-target-load)</p>",
             body,
+            obj.bench.get("suggested_target_load", "—"),
         )

@@ -9,11 +9,13 @@ agent's reading of `--query-compute-apps` is tested against nvidia-smi's own for
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
 
 import pytest
+from django.core.management import CommandError, call_command
 
 from agent import engine_state, engines
 from catalog.models import Model, Profile
@@ -67,8 +69,8 @@ def agent_with_mock_gpu(tmp_path, mirror_root, byte_listener):
             engines.stop_group(entry["pid"], grace=3)
 
 
-def test_a_running_replica_s_measured_memory_reaches_the_replicas_page(
-    settings, tmp_path, mirror_root, byte_listener, control_worker, agent_with_mock_gpu, admin_client
+def test_a_running_replica_s_measured_memory_reaches_the_replicas_page_and_bench_replica_records_it(
+    settings, tmp_path, mirror_root, byte_listener, control_worker, agent_with_mock_gpu, admin_client, gateway
 ):
     agent = agent_with_mock_gpu
     settings.BYTES_URL = byte_listener
@@ -107,3 +109,39 @@ def test_a_running_replica_s_measured_memory_reaches_the_replicas_page(
     assert peak.node_name == "n1" and peak.replica_id == replica.pk
     assert 10 * (1 << 20) < peak.host_bytes < (1 << 30)
     assert peak.gpu_bytes == 1234 * (1 << 20)
+
+    # --- manage.py bench_replica, through the gateway ---
+    from gateway.keys import create_key
+
+    _, key = create_key("bench")
+    out = io.StringIO()
+    call_command(
+        "bench_replica",
+        "tiny",
+        gateway=gateway.url + "/v1",
+        key=key,
+        levels="1,4",
+        rounds=1,
+        max_tokens=4,
+        set_target_load=True,
+        stdout=out,
+    )
+    peak.refresh_from_db()
+    levels = peak.bench["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 4]
+    assert [lv["requests"] for lv in levels] == [1, 4]
+    assert all(lv["tokens_per_s"] > 0 and lv["ttft_p50_ms"] > 0 and lv["memory_bytes"] > 0 for lv in levels)
+    assert "Suggested target load per replica" in out.getvalue()
+    assert Model.objects.get(name="tiny").target_load == peak.bench["suggested_target_load"]
+    page = admin_client.get(f"/admin/fleet/measuredmemory/{peak.pk}/change/").content.decode()
+    assert 'id="bench"' in page and 'id="suggested-target-load"' in page
+
+
+def test_bench_replica_says_why_it_cannot_run():
+    with pytest.raises(CommandError, match="there is no model called 'nothing'"):
+        call_command("bench_replica", "nothing", key="k")
+    Model.objects.create(name="idle", source="http://127.0.0.1:8001/idle/v1/", context_length=256)
+    with pytest.raises(CommandError, match="idle has no ready replica to bench"):
+        call_command("bench_replica", "idle", key="k")
+    with pytest.raises(CommandError, match="--levels is a list of whole numbers"):
+        call_command("bench_replica", "idle", key="k", levels="one")
