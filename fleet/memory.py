@@ -94,8 +94,35 @@ def record(node_name: str, facts: dict) -> None:
         _raise_peaks(node_name, measured)
 
 
+# Per node, the highest figure each of its replicas was last seen at: a heartbeat whose
+# replicas hold no more than before costs one Redis read, not two queries.
+SEEN_PREFIX = "llmgw:memory-seen:"
+SEEN_KEEP_S = 24 * 3600
+
+
 def _raise_peaks(node_name: str, measured: dict[int, Measured]) -> None:
     """Each profile's highest figure, raised where this heartbeat's is higher (a write only then)."""
+    client = redis_client()
+    ids = sorted(measured)
+    seen = dict(zip(ids, client.hmget(SEEN_PREFIX + node_name, [str(i) for i in ids]), strict=True))
+    risen = {}
+    for replica_id, m in measured.items():
+        before = seen.get(replica_id)
+        try:
+            host, gpu = (int(x) for x in before.split()) if before else (-1, -1)
+        except (ValueError, AttributeError):
+            host, gpu = -1, -1
+        if m.host > host or m.gpu > gpu:
+            risen[replica_id] = m
+    if not risen:
+        return
+    _write_peaks(node_name, risen)
+    key = SEEN_PREFIX + node_name
+    client.hset(key, mapping={str(i): f"{m.host} {m.gpu}" for i, m in risen.items()})
+    client.expire(key, SEEN_KEEP_S)
+
+
+def _write_peaks(node_name: str, measured: dict[int, Measured]) -> None:
     replicas = Replica.objects.filter(pk__in=list(measured), node__name=node_name).values_list(
         "pk", "model_name", "profile_name", "source", "engine", "args"
     )
