@@ -73,6 +73,10 @@ def test_the_serve_page_prefills_the_header_estimate_and_says_so_and_the_size_ru
     headers = MirrorVersion.objects.get(model="gqa").headers
     expected = estimate(headers, "llamacpp", [])
     assert f'name="min_memory_gb" value="{expected.total_gb}"' in page
+    plan = admin_client.get("/api/serve/plan/", {"model": "gqa", "version": "q8"}).json()
+    assert plan["min_memory_gb"] == expected.total_gb
+    assert plan["memory"]["source"] == "header"
+    assert plan["memory"]["estimate"]["kv_cache_mb"] == round(expected.kv_cache / MB)
     junk = admin_client.get("/serve/junk/v1/").content.decode()
     assert "is the seed&#x27;s rule" in junk or "is the seed's rule" in junk
     assert "could not be read" in junk
