@@ -177,3 +177,11 @@ def test_the_replicas_page_shows_asked_estimate_and_measured_side_by_side(admin_
     page = admin_client.get("/admin/fleet/replica/").content.decode()
     assert '<td class="field-memory_asked">2 GB</td>' in page
     assert "RSS 1.5 GB · PSS 1.2 GB · GPU 3.0 GB" in page
+
+
+def test_the_node_s_available_memory_from_its_heartbeat_is_on_its_admin_page(admin_client):
+    node("n1", memory_gb=32)
+    assert '<td class="field-memory_available">—</td>' in admin_client.get("/admin/fleet/node/").content.decode()
+    beat("n1", {}, available=int(9.5 * GB))
+    page = admin_client.get("/admin/fleet/node/").content.decode()
+    assert '<td class="field-memory_available">9.5\xa0GB</td>' in page
