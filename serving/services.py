@@ -75,7 +75,7 @@ def header_kind(path: Path) -> str:
     "" when the file is not on this disk or cannot be read: the serve page then offers chat.
     """
     try:
-        # Optional here: the control plane's requirements leave gguf out (a node's have it).
+        # Optional here: a control plane installed before requirements/control.txt had gguf has none.
         from gguf import GGUFReader
     except ImportError:
         return ""
