@@ -17,7 +17,7 @@ from contracts import signing
 from contracts.progress import cancel_key, clear_cancel
 from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEATS_KEY, node_queue, post
 
-from . import engine_state, facts, progress, runtime
+from . import engine_state, facts, memory, progress, runtime
 from .fetch import FetchError, fetch_source
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,8 @@ def send_heartbeat(static: dict | None = None) -> None:
     labels = json.loads(os.environ.get("LLMGW_NODE_LABELS", "{}") or "{}")
     payload = facts.collect(runtime.node_name(), labels, runtime.cache_dir(), static)
     payload["replicas"] = engine_state.wanted_ids(runtime.cache_dir())
+    # What each replica's engine really holds, and what the node has free (docs/placement.md).
+    payload.update(memory.heartbeat_facts(runtime.cache_dir()))
     post(
         progress.redis_client(),
         current_app.send_task,

@@ -7,6 +7,7 @@ from catalog.rules import labels_problem
 from contracts.names import node_name_problem
 
 from . import enrolment
+from . import memory as measured_memory
 from .models import Node
 
 
@@ -40,6 +41,7 @@ class NodeAdmin(admin.ModelAdmin):
         "unusable_engines",
         "gpu_count",
         "memory_gb",
+        "memory_available",
         "disk_free",
         "agent_version",
         "last_heartbeat",
@@ -53,6 +55,7 @@ class NodeAdmin(admin.ModelAdmin):
         "unusable_engines",
         "gpus",
         "memory_gb",
+        "memory_available",
         "disk_free",
         "agent_version",
         "last_heartbeat",
@@ -85,6 +88,12 @@ class NodeAdmin(admin.ModelAdmin):
     @admin.display(description="GPUs")
     def gpu_count(self, obj: Node) -> int:
         return obj.gpu_total
+
+    @admin.display(description="available memory")
+    def memory_available(self, obj: Node) -> str:
+        # What the node's last heartbeat said the kernel can give (MemAvailable), kept in Redis.
+        available = measured_memory.latest([obj.name])[1].get(obj.name)
+        return "—" if available is None else filesizeformat(available)
 
     @admin.display(description="free disk", ordering="disk_free_bytes")
     def disk_free(self, obj: Node) -> str:

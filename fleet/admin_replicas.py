@@ -5,19 +5,43 @@ node), and the reconcile pass follows; the one thing done here is asking for a
 replica to be replaced.
 """
 
+import threading
+
 from django.contrib import admin, messages
 from django.db import transaction
-from django.utils.html import format_html_join
+from django.utils.html import format_html, format_html_join
 
+from catalog.memory import GB, MB
+from catalog.models import Model
 from common.admin import RecordAdmin
 
-from . import reconcile
-from .models import Replica, Scale
+from . import memory, reconcile
+from .models import MeasuredMemory, Replica, Scale
+
+# What one page of replicas shows of memory, read once for the page (one Redis read, one
+# query) rather than once a row: per request, as the admin is shared by its threads.
+_page = threading.local()
+
+
+def _gb(size: int) -> str:
+    return f"{size / GB:.1f} GB" if size >= GB else f"{size / MB:.0f} MB"
 
 
 @admin.register(Replica)
 class ReplicaAdmin(RecordAdmin):
-    list_display = ["model_name", "profile_name", "node", "state", "cause", "endpoint", "short_reason", "since"]
+    list_display = [
+        "model_name",
+        "profile_name",
+        "node",
+        "state",
+        "cause",
+        "endpoint",
+        "memory_asked",
+        "memory_estimate",
+        "memory_measured",
+        "short_reason",
+        "since",
+    ]
     list_filter = ["state", "node", "model_name"]
     search_fields = ["model_name", "node__name", "reason"]
     list_select_related = ["node"]
@@ -34,12 +58,67 @@ class ReplicaAdmin(RecordAdmin):
         "engine",
         "args",
         "memory_gb",
+        "memory_estimate",
+        "memory_measured",
         "gpus",
         "cause",
         "created",
     ]
     exclude = ["reason"]
     actions = ["replace"]
+
+    def _memory(self, replicas) -> None:
+        rows = list(replicas)
+        _page.measured, _ = memory.latest({r.node.name for r in rows if r.node_id})
+        _page.headers = memory.headers_for(r.source for r in rows)
+
+    def changelist_view(self, request, extra_context=None):
+        # A profile whose replicas use more than it asks for: said with the number to raise it to.
+        for peak, asked in memory.under_asking():
+            self.message_user(request, memory.warning(peak, asked), messages.WARNING)
+        return super().changelist_view(request, extra_context)
+
+    def get_changelist_instance(self, request):
+        changelist = super().get_changelist_instance(request)
+        self._memory(changelist.result_list)
+        return changelist
+
+    def get_object(self, request, object_id, from_field=None):
+        replica = super().get_object(request, object_id, from_field)
+        if replica is not None:
+            self._memory([replica])
+        return replica
+
+    @admin.display(description="asked")
+    def memory_asked(self, replica: Replica) -> str:
+        return f"{replica.memory_gb} GB" if replica.memory_gb else "—"
+
+    @admin.display(description="estimate")
+    def memory_estimate(self, replica: Replica) -> str:
+        headers = getattr(_page, "headers", {}).get(replica.source)
+        found = memory.estimate_for(headers, replica.engine, replica.args or ())
+        if found is None:
+            return "—"
+        return format_html(
+            '<span title="weights {} + KV cache {} (pool {}) + overhead {}">{}</span>',
+            _gb(found.weights),
+            _gb(found.kv_cache),
+            found.pool,
+            _gb(found.overhead),
+            _gb(found.total),
+        )
+
+    @admin.display(description="measured")
+    def memory_measured(self, replica: Replica) -> str:
+        m = getattr(_page, "measured", {}).get(replica.pk)
+        if m is None or not replica.node_id or m.node != replica.node.name:
+            return "—"
+        parts = [f"RSS {_gb(m.rss)}"]
+        if m.pss is not None:
+            parts.append(f"PSS {_gb(m.pss)}")
+        if m.gpu:
+            parts.append(f"GPU {_gb(m.gpu)}")
+        return format_html('<span class="memory-measured">{}</span>', " · ".join(parts))
 
     @admin.display(description="why")
     def short_reason(self, replica: Replica) -> str:
@@ -79,3 +158,88 @@ class ScaleAdmin(RecordAdmin):
     list_display = ["model_name", "replicas", "why", "changed"]
     search_fields = ["model_name"]
     readonly_fields = ["model_name", "replicas", "why", "changed", "last_request", "busy_at"]
+
+
+@admin.register(MeasuredMemory)
+class MeasuredMemoryAdmin(RecordAdmin):
+    """The most each model's profile has been measured to use, and its last bench result.
+
+    A RecordAdmin: heartbeats and `manage.py bench_replica` write it; staff change the profile.
+    """
+
+    list_display = [
+        "model_name",
+        "profile_name",
+        "measured",
+        "asked",
+        "node_name",
+        "replica_id",
+        "measured_at",
+        "bench_at",
+    ]
+    search_fields = ["model_name"]
+    readonly_fields = [
+        "model_name",
+        "profile_name",
+        "source",
+        "engine",
+        "args",
+        "measured",
+        "rss_bytes",
+        "gpu_bytes",
+        "node_name",
+        "replica_id",
+        "measured_at",
+        "bench_table",
+        "bench_at",
+    ]
+    actions = ["set_target_load"]
+
+    @admin.action(description="Set each model's target load per replica from its last bench")
+    def set_target_load(self, request, queryset) -> None:
+        for record in queryset:
+            suggested = (record.bench or {}).get("suggested_target_load")
+            if not suggested:
+                self.message_user(request, f"{record}: no bench yet (manage.py bench_replica)", messages.WARNING)
+                continue
+            Model.objects.filter(name=record.model_name).update(target_load=int(suggested))
+            self.message_user(request, f"The target load of {record.model_name} is now {suggested}.", messages.SUCCESS)
+
+    def changelist_view(self, request, extra_context=None):
+        for peak, asked in memory.under_asking():
+            self.message_user(request, memory.warning(peak, asked), messages.WARNING)
+        return super().changelist_view(request, extra_context)
+
+    @admin.display(description="measured", ordering="host_bytes")
+    def measured(self, obj: MeasuredMemory) -> str:
+        return _gb(obj.host_bytes)
+
+    @admin.display(description="asked")
+    def asked(self, obj: MeasuredMemory) -> str:
+        gb = memory.asked_gb(obj)
+        if gb is None:
+            return "—"
+        return f"{gb} GB (raise to {obj.host_gb})" if obj.host_gb > gb else f"{gb} GB"
+
+    @admin.display(description="last bench")
+    def bench_table(self, obj: MeasuredMemory) -> str:
+        levels = (obj.bench or {}).get("levels") or []
+        if not levels:
+            return "not run yet: manage.py bench_replica MODEL"
+        rows = (
+            (
+                level.get("concurrency"),
+                f"{level.get('tokens_per_s', 0):.1f}",
+                f"{level.get('ttft_p50_ms', 0):.0f}",
+                _gb(level.get("memory_bytes") or 0),
+            )
+            for level in levels
+        )
+        body = format_html_join("", "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", rows)
+        return format_html(
+            '<table id="bench"><tr><th>concurrent</th><th>tokens/s</th><th>TTFT p50 (ms)</th><th>memory</th></tr>{}'
+            '</table><p>Suggested target load per replica: <strong id="suggested-target-load">{}</strong> '
+            "(set it with this list's action, or manage.py bench_replica --set-target-load)</p>",
+            body,
+            obj.bench.get("suggested_target_load", "—"),
+        )

@@ -256,3 +256,45 @@ class Fetch(models.Model):
         self.finished_at = timezone.now()
         self.save(update_fields=["state", "error", "finished_at"])
         return True
+
+
+class MeasuredMemory(models.Model):
+    """The most memory a model's profile has been measured to use, and its last bench result.
+
+    Kept per (model, profile) and for what it ran as (source, engine, arguments): another
+    version or a new --ctx-size starts it again from nothing. Written by heartbeats only
+    when a replica's figure rises above it (fleet.memory), and by `manage.py bench_replica`.
+    """
+
+    model_name = models.CharField("model", max_length=200)
+    profile_name = models.CharField("profile", max_length=100)
+    source = models.CharField(max_length=500, blank=True)
+    engine = models.CharField(max_length=20, blank=True)
+    args = models.JSONField(default=list, blank=True)
+    # PSS where the node could read it (mapped weights shared between replicas count once), else RSS.
+    host_bytes = models.BigIntegerField("host memory", default=0)
+    rss_bytes = models.BigIntegerField("RSS", default=0)
+    gpu_bytes = models.BigIntegerField("GPU memory", default=0)
+    replica_id = models.PositiveIntegerField("replica", null=True, blank=True)
+    node_name = models.CharField("node", max_length=100, blank=True)
+    measured_at = models.DateTimeField(null=True, blank=True)
+    # `manage.py bench_replica`: per concurrency, tokens per second, time to first token and memory.
+    bench = models.JSONField(default=dict, blank=True)
+    bench_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["model_name", "profile_name"]
+        verbose_name = "measured memory"
+        verbose_name_plural = "measured memory"
+        constraints = [models.UniqueConstraint(fields=["model_name", "profile_name"], name="measured_memory_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.model_name}/{self.profile_name}"
+
+    def runs_as(self) -> dict:
+        return {"source": self.source, "engine": self.engine, "args": list(self.args or [])}
+
+    @property
+    def host_gb(self) -> int:
+        """Whole GB, rounded up: what placement books for the profile."""
+        return -(-self.host_bytes // (1 << 30)) if self.host_bytes else 0

@@ -79,7 +79,7 @@ def _book_held(replicas: Iterable[ReplicaView], rooms: dict[str, _Room]) -> dict
         by_model[replica.model].append(replica)
         room = rooms.get(replica.node or "")
         if room is not None and room.node.ready:
-            room.memory_gb -= replica.memory_gb
+            room.memory_gb -= replica.held_gb
             room.gpus -= replica.gpus
     return by_model
 
@@ -191,7 +191,7 @@ def _place_missing(
             )
             continue
         room = rooms[assignment.node]
-        room.memory_gb -= assignment.profile.min_memory_gb
+        room.memory_gb -= assignment.profile.need_gb
         room.gpus -= assignment.profile.gpus
         on_node[assignment.node] += 1
         per_profile[assignment.profile.name] += 1
@@ -256,13 +256,22 @@ def _make_room(
         for r in reachable:
             if r.state == STOPPING or r.id in told:
                 memory, gpus = stopping.get(r.node, (0, 0))
-                stopping[r.node] = (memory + r.memory_gb, gpus + r.gpus)
+                stopping[r.node] = (memory + r.held_gb, gpus + r.gpus)
         if other is None or other.scaling is None or name == model.name or other.scaling.priority > priority:
             continue
         live = [r for r in reachable if r.state != STOPPING and r.id not in told]
         spare[name] = len(live) - other.scaling.fewest
         candidates += [
-            making_room.Candidate(r.id, name, r.node, r.memory_gb, r.gpus, other.scaling.priority, other.last_request)
+            making_room.Candidate(
+                r.id,
+                name,
+                r.node,
+                r.held_gb,
+                r.gpus,
+                other.scaling.priority,
+                other.last_request,
+                measured=r.measured_gb > r.memory_gb,
+            )
             for r in live
             if r.state in (READY, FAILED) and r.id not in other.busy
         ]
@@ -280,7 +289,8 @@ def _make_room(
             plan,
             next(r for r in by_model[victim.model] if r.id == victim.replica),
             rooms,
-            f"{MAKING_ROOM}{model.name}",
+            f"{MAKING_ROOM}{model.name}: frees {victim.memory_gb} GB on {victim.node}"
+            + (" (measured)" if victim.measured else ""),
         )
         plan.made_room[victim.model] = plan.made_room.get(victim.model, 0) + 1
     names = sorted({v.model for v in choice.stop})
@@ -297,7 +307,7 @@ def _make_room(
 def _frees_room_for(model: ModelView, replica: ReplicaView, rooms: dict[str, _Room], engines_known: bool) -> bool:
     """Whether a current profile would fit on this replica's node once the replica is gone."""
     room = rooms[replica.node]
-    freed = _Room(room.node, room.memory_gb + replica.memory_gb, room.gpus + replica.gpus)
+    freed = _Room(room.node, room.memory_gb + replica.held_gb, room.gpus + replica.gpus)
     return any(why_not(profile, freed, engines_known) is None for profile in model.profiles)
 
 
@@ -332,7 +342,7 @@ def _place_one(
     for profile in profile_order(model.profiles, per_profile):
         best = None
         best_key = None
-        need_memory, need_gpus, selector = profile.min_memory_gb, profile.gpus, profile.node_selector
+        need_memory, need_gpus, selector = profile.need_gb, profile.gpus, profile.node_selector
         for room in usable_by_engine.get(profile.engine, ()):
             # `fits` unrolled for speed: a pass over a large fleet asks it a million times,
             # and a call each time cost a fifth of the pass. `fits` stays the rule.
@@ -368,7 +378,7 @@ def fits(profile: ProfileView, room: _Room) -> bool:
     sentence a replica shows is the rule that kept it off the node. A bool first:
     placement asks it a million times on a large fleet and wants no sentences.
     """
-    if room.memory_gb < profile.min_memory_gb or room.gpus < profile.gpus:
+    if room.memory_gb < profile.need_gb or room.gpus < profile.gpus:
         return False
     if not profile.node_selector:
         return True
@@ -386,8 +396,13 @@ def short_of(profile: ProfileView, room: _Room) -> str | None:
             return f"no label {key}"
         if labels[key] != value:
             return f"{key} is {labels[key]}, needs {value}"
-    if room.memory_gb < profile.min_memory_gb:
-        return f"{max(room.memory_gb, 0)} GB free, needs {profile.min_memory_gb}"
+    if room.memory_gb < profile.need_gb:
+        if profile.measured_gb > profile.min_memory_gb:
+            return (
+                f"{max(room.memory_gb, 0)} GB free, needs {profile.need_gb} "
+                f"(measured; the profile asks {profile.min_memory_gb})"
+            )
+        return f"{max(room.memory_gb, 0)} GB free, needs {profile.need_gb}"
     return f"{max(room.gpus, 0)} GPU{'s' if room.gpus != 1 else ''} free, needs {profile.gpus}"
 
 

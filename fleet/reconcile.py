@@ -20,6 +20,7 @@ from catalog.models import Model
 from mirror.readiness import source_being_written
 
 from . import autoscale, drain
+from . import memory as measured_memory
 from .live import listening_since, redis_client
 from .models import Fetch, Node, Replica, heard_from_lately
 from .orders import send_start, send_stop
@@ -88,6 +89,8 @@ def node_views(
 
 
 def model_views() -> list[ModelView]:
+    # The most each profile's replicas have been measured to use: placement asks for it once it is more.
+    peaks = measured_memory.peaks()
     return [
         ModelView(
             name=m.name,
@@ -104,6 +107,9 @@ def model_views() -> list[ModelView]:
                     min_memory_gb=p.min_memory_gb,
                     node_selector=dict(p.node_selector or {}),
                     gpus=p.gpus,
+                    measured_gb=measured_memory.measured_gb_for(
+                        peaks.get((m.name, p.name)), m.source, p.engine, p.args or ()
+                    ),
                 )
                 for p in m.profiles.all()
             ),
@@ -113,7 +119,11 @@ def model_views() -> list[ModelView]:
     ]
 
 
-def replica_views(replicas: list[Replica], node_names: dict[int, str]) -> list[ReplicaView]:
+def replica_views(
+    replicas: list[Replica], node_names: dict[int, str], measured: dict | None = None
+) -> list[ReplicaView]:
+    """`measured` is {replica id: fleet.memory.Measured}, from the nodes' latest heartbeats."""
+    measured = measured or {}
     return [
         ReplicaView(
             id=r.pk,
@@ -126,6 +136,9 @@ def replica_views(replicas: list[Replica], node_names: dict[int, str]) -> list[R
             source=r.source,
             engine=r.engine,
             args=tuple(r.args or ()),
+            measured_gb=measured[r.pk].host_gb
+            if r.pk in measured and r.node_id and measured[r.pk].node == node_names.get(r.node_id)
+            else 0,
         )
         for r in replicas
     ]
@@ -224,7 +237,9 @@ def reconcile_unlocked(
     by_id = {r.pk: r for r in replicas}
     # Each model's count for this pass, between its fewest and most, from the gateway's load.
     models = autoscale.apply(models, replicas, now)
-    plan = place(node_views(nodes, replicas, now, heard_since), models, replica_views(replicas, node_names))
+    # What each replica's engine holds now, as its node last measured it (fleet/memory.py).
+    measured, _ = measured_memory.latest(n.name for n in nodes)
+    plan = place(node_views(nodes, replicas, now, heard_since), models, replica_views(replicas, node_names, measured))
     autoscale.made_room(plan)
     ready_nodes = {n.name for n in nodes if heard(n, now, heard_since)}
     running = running_on(sorted(ready_nodes))
@@ -251,7 +266,7 @@ def reconcile_unlocked(
         replica.source = a.source
         replica.engine = a.profile.engine
         replica.args = list(a.profile.args)
-        replica.memory_gb = a.profile.min_memory_gb
+        replica.memory_gb = a.profile.need_gb
         replica.gpus = a.profile.gpus
         replica.endpoint = ""
         if not replica.cause:

@@ -7,8 +7,11 @@ may lose, what each node has free, and a test of whether the waking model fits.
 The rules (docs/placement.md#making-room):
 - only replicas with no request in flight, of models whose fewest allows one fewer,
   and never of a model of higher priority than the one waking;
-- lower priority first, then the model idle longest;
-- on the node where the fewest replicas have to go (ties: the node's name);
+- by the memory each really frees (the larger of what it was booked at and what its
+  node measured), the fewest replicas that make room: one large idle replica rather
+  than three small ones;
+- among as few, lower priority first, then the model idle longest;
+- on the node where the fewest replicas have to go (ties: the earliest victims, then the node's name);
 - when replicas already stopping would free enough, nothing more is stopped.
 """
 
@@ -28,6 +31,8 @@ class Candidate:
     gpus: int
     priority: int
     last_request: float
+    # Whether memory_gb is what its node measured (more than it was booked at), not its booking.
+    measured: bool = False
 
 
 # (node, free memory GB, free GPUs) -> whether the waking model fits there
@@ -65,25 +70,58 @@ def choose(
     for candidate in order:
         by_node[candidate.node].append(candidate)
     best: Choice | None = None
-    best_key: tuple[int, int] | None = None
+    best_key: tuple[int, int, str] | None = None
     for node in sorted(by_node):
         if node not in free:
             continue
         memory, gpus = free[node]
         back = stopping.get(node, (0, 0))
-        memory, gpus = memory + back[0], gpus + back[1]
-        left = dict(spare)
-        chosen: list[Candidate] = []
-        for candidate in by_node[node]:
-            if left.get(candidate.model, 0) <= 0:
-                continue
-            left[candidate.model] -= 1
-            chosen.append(candidate)
-            memory, gpus = memory + candidate.memory_gb, gpus + candidate.gpus
-            if fits(node, memory, gpus):
-                # Fewest stopped; among equals, the set whose last victim comes earliest in the order.
-                key = (len(chosen), rank[chosen[-1].replica])
-                if best_key is None or key < best_key:
-                    best, best_key = Choice(node, tuple(chosen)), key
-                break
+        chosen = _fewest(by_node[node], spare, memory + back[0], gpus + back[1], lambda m, g, n=node: fits(n, m, g))
+        if chosen:
+            # Fewest stopped; among equals, the set whose last victim comes earliest in the order.
+            key = (len(chosen), max(rank[c.replica] for c in chosen), node)
+            if best_key is None or key < best_key:
+                best, best_key = Choice(node, tuple(chosen)), key
     return best
+
+
+def _fewest(
+    order: list[Candidate], spare: dict[str, int], memory: int, gpus: int, fits: Callable[[int, int], bool]
+) -> list[Candidate]:
+    """The fewest of these candidates (in order: lower priority, then idle longest) whose memory makes room; [] when none do.
+
+    By what each really frees: three small replicas idle longer than one large one are
+    not stopped when the large one alone is enough. Among sets of that size, each victim
+    is the earliest in the order that still leaves a set of that size able to make room.
+    """
+
+    def completes(chosen: list[Candidate], rest: list[Candidate], size: int) -> bool:
+        # Whether `chosen` plus the largest of `rest` (within each model's spare) reach `size` and fit.
+        left = dict(spare)
+        for c in chosen:
+            left[c.model] = left.get(c.model, 0) - 1
+        if any(v < 0 for v in left.values()):
+            return False
+        m, g = memory + sum(c.memory_gb for c in chosen), gpus + sum(c.gpus for c in chosen)
+        count = len(chosen)
+        for c in sorted(rest, key=lambda c: (-c.memory_gb, -c.gpus)):
+            if count >= size:
+                break
+            if left.get(c.model, 0) <= 0:
+                continue
+            left[c.model] -= 1
+            m, g, count = m + c.memory_gb, g + c.gpus, count + 1
+        return count == size and fits(m, g)
+
+    for size in range(1, len(order) + 1):
+        if not completes([], order, size):
+            continue
+        chosen: list[Candidate] = []
+        for i, candidate in enumerate(order):
+            if len(chosen) == size:
+                break
+            trial = [*chosen, candidate]
+            if completes(trial, order[i + 1 :], size):
+                chosen = trial
+        return chosen
+    return []

@@ -43,6 +43,13 @@ class ProfileView:
     min_memory_gb: int = defaults.MIN_MEMORY_GB
     node_selector: dict[str, str] = field(default_factory=dict)
     gpus: int = 0
+    # The most its replicas have been measured to use, in whole GB (fleet.memory); 0 until measured.
+    measured_gb: int = 0
+
+    @property
+    def need_gb(self) -> int:
+        """What placement asks of a node: the profile's own figure, or the measured one once it is larger."""
+        return max(self.min_memory_gb, self.measured_gb)
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,13 @@ class ReplicaView:
     # What its engine was started with; None when not known (a row from before it was kept).
     engine: str | None = None
     args: tuple[str, ...] | None = None
+    # What its engine holds now, as its node last measured it, in whole GB; 0 when not measured.
+    measured_gb: int = 0
+
+    @property
+    def held_gb(self) -> int:
+        """What it takes of its node's memory: what it was booked at, or what it uses once that is more."""
+        return max(self.memory_gb, self.measured_gb)
 
     def runs_as(self, model: ModelView, profile: ProfileView) -> bool:
         """Whether its engine runs what the catalog now says: same weights, engine and arguments."""

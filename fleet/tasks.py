@@ -9,6 +9,7 @@ from catalog.models import Model
 from contracts import demand, tasks
 
 from . import autoscale, enrolment
+from . import memory as measured_memory
 from . import reconcile as reconciling
 from .live import redis_client
 from .metrics import RECONCILE
@@ -53,6 +54,8 @@ def heartbeat(token: str, facts: tasks.Facts) -> None:
         return
     if isinstance(facts.get("replicas"), list):
         reconciling.record_running(name, facts["replicas"])
+    # What each replica's engine really holds (fleet/memory.py).
+    measured_memory.record(name, facts)
 
 
 @shared_task(name=tasks.RECONCILE, ignore_result=True)

@@ -2,6 +2,7 @@ from django.contrib import admin, messages
 from django.http import HttpRequest, HttpResponseRedirect
 from django.template.defaultfilters import filesizeformat
 from django.urls import path, reverse
+from django.utils.html import format_html, format_html_join
 
 from common.admin import RecordAdmin
 
@@ -36,12 +37,48 @@ class MirrorFileInline(admin.TabularInline):
         return f"{filesizeformat(obj.bytes)} ({obj.bytes:,} bytes)"
 
 
+# The header's facts as staff read them, in this order.
+HEADER_ROWS = [
+    ("format", "format"),
+    ("architecture", "architecture"),
+    ("layers", "layers"),
+    ("heads", "attention heads"),
+    ("kv_heads", "KV heads"),
+    ("head_dim", "head size"),
+    ("embedding", "embedding size"),
+    ("trained_context", "trained context"),
+    ("tensors", "tensors"),
+]
+
+
+def header_table(headers: dict, read_at) -> str:
+    """The version's headers (mirror.headers) as a small table; why not, when they could not be read."""
+    if read_at is None:
+        return "not read yet: the next scan reads them"
+    headers = headers or {}
+    rows = [(label, headers[key]) for key, label in HEADER_ROWS if headers.get(key) not in (None, "")]
+    types = headers.get("tensor_types") or {}
+    if types:
+        rows.append(("tensor types", ", ".join(f"{name} {filesizeformat(size)}" for name, size in types.items())))
+    if headers.get("weights_bytes"):
+        rows.append(("weights", f"{filesizeformat(headers['weights_bytes'])} ({headers['weights_bytes']:,} bytes)"))
+    body = format_html_join("", "<tr><th>{}</th><td>{}</td></tr>", rows)
+    table = format_html('<table id="weights-header">{}</table>', body) if rows else ""
+    if headers.get("error"):
+        return format_html(
+            '{}<p class="errornote" id="header-error">The header could not be read: {}</p>', table, headers["error"]
+        )
+    if not rows or not headers.get("format"):
+        return format_html("{}<p>No GGUF or safetensors file here: nothing to read.</p>", table)
+    return table
+
+
 @admin.register(MirrorVersion)
 class MirrorVersionAdmin(RecordAdmin):
     list_display = ["model", "version", "file_count", "total_size", "state", "scanned_at"]
     list_filter = ["model"]
     search_fields = ["model", "version"]
-    readonly_fields = ["model", "version", "address", "state", "first_seen", "scanned_at"]
+    readonly_fields = ["model", "version", "address", "state", "weights_header", "first_seen", "scanned_at"]
     fields = readonly_fields
     inlines = [MirrorFileInline]
     actions = ["scan_action"]
@@ -69,6 +106,10 @@ class MirrorVersionAdmin(RecordAdmin):
     @admin.display(description="address on the byte listener")
     def address(self, obj) -> str:
         return obj.address
+
+    @admin.display(description="what the weights say")
+    def weights_header(self, obj) -> str:
+        return header_table(obj.headers, obj.headers_read)
 
     @admin.action(description="Scan the mirror now")
     def scan_action(self, request, queryset):

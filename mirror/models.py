@@ -30,6 +30,10 @@ class MirrorVersion(models.Model):
     # Written only when a scan finds the version new or changed: a scan of an
     # unchanged mirror writes nothing, however many versions it holds.
     scanned_at = models.DateTimeField(help_text="When a scan last found it new or changed on disk.")
+    # What the weights say about themselves (mirror.headers): read when a scan finds the
+    # version new or changed, so the memory a model needs comes from its shape, not its size.
+    headers = models.JSONField(default=dict, blank=True, help_text="What the weights' headers say (mirror.headers).")
+    headers_read = models.DateTimeField(null=True, blank=True, help_text="When the headers were last read.")
 
     # The version as a BitTorrent v2 torrent (issue 24), computed from the directory when its
     # files are hashed, for exactly the files, sizes and sha256s `torrent_of` fingerprints:

@@ -21,7 +21,7 @@ from django.utils import timezone
 from contracts.digest import sha256_file
 from contracts.names import plain_name_problem
 
-from . import disk
+from . import disk, headers
 from .models import MirrorFile, MirrorVersion
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,8 @@ def scan_mirror() -> ScanReport:
         report = _scan()
     for sentence in report.skipped:
         log.warning("mirror scan: %s", sentence)
+    # What the weights of each version added or changed say about themselves.
+    headers.read_changed(report)
     return report
 
 

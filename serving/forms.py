@@ -53,7 +53,10 @@ class ServeForm(forms.Form):
     ctx_size = text(
         "Engine context pool", "llama.cpp's --ctx-size, shared by its parallel slots; blank for the engine's default."
     )
-    min_memory_gb = text("Min memory (GB)", "Estimated from the weights: size × 1.5 + 2.")
+    min_memory_gb = text(
+        "Min memory (GB)",
+        "From the weights' header: weights + KV cache at this pool + overhead; size × 1.5 + 2 where no header was read.",
+    )
     selector_key = text("Node selector key", "A label nodes must carry, e.g. size.")
     selector_value = text("Node selector value", "Its value, e.g. large.")
 

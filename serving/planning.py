@@ -77,6 +77,8 @@ class ServePlan:
     # A model of this name (or alias) is in the catalog already.
     already: bool = False
     file_names: list[str] = field(default_factory=list)
+    # Which figure fills min_memory_gb and its parts (serving/memory.py): the header estimate or the size rule.
+    memory: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -103,13 +105,15 @@ def plan_serve(
     catalog: CatalogFacts | None,
     header_kind: str = "",
     not_ready: str = "",
+    estimated_gb: int = 0,
 ) -> ServePlan:
     """Work out what serving this version would mean.
 
     `header_kind` is the kind the weights' header says (a GGUF with a pooling type
     is an embedding or rerank model), "" when nobody read one. `not_ready` is the
     mirror's sentence for a version that is not whole yet (a file still being
-    written), "" when it is: such a version is not offered.
+    written), "" when it is: such a version is not offered. `estimated_gb` is the
+    memory the weights' header gives (serving/memory.py); 0 leaves the size rule.
     """
     files = sorted(files, key=lambda f: f.name)
     plan = ServePlan(model=model, version=version, file_names=[f.name for f in files])
@@ -159,7 +163,7 @@ def plan_serve(
         if plan.engine != Engine.LLAMACPP and gpu_total(fleet) == 0:
             plan.warning += ". This fleet has no GPU either; a GGUF build of the same model runs on the CPU nodes"
 
-    plan.min_memory_gb = memory_for(plan.bytes_total)
+    plan.min_memory_gb = estimated_gb or memory_for(plan.bytes_total)
     biggest = largest_node_memory_gb(fleet)
     if biggest > 0 and plan.min_memory_gb > biggest:
         joined = plan.warning.removesuffix(".")

@@ -13,6 +13,7 @@ from fleet.models import Node
 from mirror.models import MirrorVersion
 from mirror.readiness import not_ready_on_disk
 
+from . import memory
 from .planning import CatalogFacts, FileFacts, NodeFacts, ServeError, ServePlan, plan_serve
 
 
@@ -52,15 +53,21 @@ def plan_for(mirror_version: MirrorVersion) -> ServePlan:
         if ggufs
         else ""
     )
-    return plan_serve(
-        mirror_version.model,
-        mirror_version.version,
-        files,
-        settings.BYTES_URL,
-        fleet_facts(),
-        catalog_facts(),
-        header_kind=kind,
-        not_ready=not_ready_on_disk(mirror_version.model, mirror_version.version, indexed) if indexed else "",
+    fleet, catalog = fleet_facts(), catalog_facts()
+    not_ready = not_ready_on_disk(mirror_version.model, mirror_version.version, indexed) if indexed else ""
+    return memory.plan_with_estimate(
+        lambda estimated_gb: plan_serve(
+            mirror_version.model,
+            mirror_version.version,
+            files,
+            settings.BYTES_URL,
+            fleet,
+            catalog,
+            header_kind=kind,
+            not_ready=not_ready,
+            estimated_gb=estimated_gb,
+        ),
+        mirror_version.headers,
     )
 
 
@@ -74,7 +81,7 @@ def header_kind(path: Path) -> str:
     "" when the file is not on this disk or cannot be read: the serve page then offers chat.
     """
     try:
-        # Optional here: the control plane's requirements leave gguf out (a node's have it).
+        # Optional here: a control plane installed before requirements/control.txt had gguf has none.
         from gguf import GGUFReader
     except ImportError:
         return ""

@@ -6,6 +6,7 @@ from .api.views import ServePlanView, ServeView
 # The serve page, beside the admin.
 urlpatterns = [
     path("serve/<str:model>/<str:version>/", views.serve_version, name="serve-version"),
+    path("serve/<str:model>/<str:version>/estimate/", views.serve_estimate, name="serve-estimate"),
 ]
 
 # Under /api/.

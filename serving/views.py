@@ -13,7 +13,7 @@ from django_htmx.http import HttpResponseClientRedirect
 
 from mirror.models import MirrorVersion
 
-from . import services
+from . import memory, services
 from .forms import ServeForm
 
 
@@ -22,8 +22,11 @@ def serve_version(request: HttpRequest, model: str, version: str) -> HttpRespons
     mirror_version = get_object_or_404(MirrorVersion, model=model, version=version)
     plan = services.plan_for(mirror_version)
     form = ServeForm.for_plan(plan, settings.BYTES_URL)
+    estimate_url = reverse("serve-estimate", args=[model, version])
+    memory.wire(form, estimate_url)
     if request.method == "POST" and not plan.refusal:
         form = ServeForm(request.POST, byte_base=settings.BYTES_URL)
+        memory.wire(form, estimate_url)
         entry = form.save(added_by=request.user.get_username())
         if entry is not None:
             messages.success(request, f"Added {entry.name} to the catalog; placement will start its replicas.")
@@ -37,6 +40,11 @@ def serve_version(request: HttpRequest, model: str, version: str) -> HttpRespons
         "plan": plan,
         "total_size": filesizeformat(plan.bytes_total),
         "form": form,
+        # Which figure fills the memory field, and its parts, for what the form says now.
+        "memory": memory.for_form(mirror_version.headers, request.POST, plan.bytes_total)
+        if request.method == "POST"
+        else plan.memory,
+        "follow": request.method != "POST" or memory.follows(request.POST),
     }
     # Whole page, or just the form when htmx submitted it.
     template = "serving/partials/serve_form.html" if request.htmx else "serving/serve.html"
@@ -44,3 +52,16 @@ def serve_version(request: HttpRequest, model: str, version: str) -> HttpRespons
     # htmx swaps in only a 2xx answer; the form with its sentences is the answer it asked for.
     status = 400 if refused and not request.htmx else 200
     return render(request, template, context, status=status)
+
+
+@staff_member_required
+def serve_estimate(request: HttpRequest, model: str, version: str) -> HttpResponse:
+    """The memory estimate for the pool as typed: the serve page asks for it on every keystroke (htmx).
+
+    The memory field follows (swapped out of band) unless staff wrote their own number in it.
+    """
+    mirror_version = get_object_or_404(MirrorVersion, model=model, version=version)
+    total = sum(mirror_version.files.values_list("bytes", flat=True))
+    offer = memory.for_form(mirror_version.headers, request.GET, total)
+    context = {"memory": offer, "follow": memory.follows(request.GET)}
+    return render(request, "serving/partials/memory_estimate.html", context)

@@ -101,7 +101,7 @@ def test_making_room_never_stops_a_model_with_a_request_in_flight():
     load({"a": (0, 0, time.time()), "b": (0, 1, time.time())})
     reconcile.reconcile()
     a.refresh_from_db()
-    assert (a.state, a.reason) == ("stopping", "stopped to make room for b")
+    assert (a.state, a.reason) == ("stopping", "stopped to make room for b: frees 10 GB on a")
 
 
 def test_making_room_takes_lower_priority_first_then_the_one_idle_longest():

@@ -277,9 +277,10 @@ def test_making_room_stops_an_idle_model_and_says_so_but_never_a_busy_one(one_no
     with one_node.held():
         one_pass(models={"room-a": (0, 0, now), "room-b": (0, 1, time.time())})
         a.refresh_from_db()
-        assert (a.state, a.reason) == ("stopping", "stopped to make room for room-b")
+        freed = f"stopped to make room for room-b: frees {whole_node} GB on n1"
+        assert (a.state, a.reason) == ("stopping", freed)
         shown = staff.get(live_server.url + f"/api/fleet/replicas/{a.pk}/").json()
-        assert shown["reason"] == "stopped to make room for room-b"
+        assert shown["reason"] == freed
         b.refresh_from_db()
         assert b.reason == "waiting for room on n1: stopping idle replicas of room-a"
     (placed,) = ready("room-b")

@@ -22,6 +22,8 @@ class MirrorVersionSerializer(serializers.ModelSerializer):
 
 class MirrorVersionDetailSerializer(MirrorVersionSerializer):
     files = MirrorFileSerializer(many=True, read_only=True)
+    # What the weights' headers say (mirror.headers): shape, tensor types and bytes, or `error`.
+    headers = serializers.JSONField(read_only=True)
 
     class Meta(MirrorVersionSerializer.Meta):
-        fields = MirrorVersionSerializer.Meta.fields + ["files"]
+        fields = MirrorVersionSerializer.Meta.fields + ["files", "headers", "headers_read"]

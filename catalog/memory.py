@@ -1,0 +1,182 @@
+"""How much memory a profile's engine needs, from what the weights' header says (mirror.headers).
+
+One pure function, `estimate`, over a version's header summary and a profile's engine
+and arguments: the serve page pre-fills its field from it, and the replicas page
+shows it beside what the agents measure. Here rather than in `serving`, because the
+fleet's pages need it too and the fleet sits below serving.
+
+llama.cpp: the weights (every tensor's bytes: the file is mapped, and a model's
+matrices are all read for each token; twice for the types the CPU backend repacks), the KV cache for the context pool (layers × KV
+heads × (key + value head size) × pool × bytes per element of the cache type; the pool
+is shared by the slots, not multiplied by them), the compute buffers (the activations
+of one micro-batch) and the engine's own footprint. vLLM: the weights plus the KV cache
+for --max-model-len, or, on a card, what --gpu-memory-utilization takes of it
+(vLLM reserves that share whatever the model needs).
+
+The llama.cpp constants below were measured here by bench/memory.py (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+GB = 1 << 30
+MB = 1 << 20
+
+# The llama.cpp engine's own resident memory beside weights, KV cache and compute
+# buffers: the server, its libraries and its allocator. Measured on a model of no size
+# (bench/memory.py, docs/benchmarks.md).
+LLAMACPP_FOOTPRINT_BYTES = 90 * MB
+# What each token of the vocabulary costs the engine at the default micro-batch: the
+# logits of a micro-batch in the compute buffer, the server's own copy of them, the
+# tokenizer's tables. Measured at two vocabularies (49,152 and 151,936 tokens): 6.8 KB
+# each, to within 1%, whatever the width (bench/memory.py, docs/benchmarks.md).
+LLAMACPP_BYTES_PER_VOCAB_TOKEN = 7000
+# Tensor types llama.cpp's CPU backend repacks at load into its interleaved layouts
+# (q4_K_8x8, q4_0_8x8, iq4_nl_4x4 on x86 with AVX2): a second copy in the engine's own
+# memory, while the mapped file's pages stay resident too. Measured: a 1.5B Q4_K model
+# of 828 MB held 828 MB more than one whose matrices are Q8_0 (docs/benchmarks.md).
+LLAMACPP_REPACKED_TYPES = ("Q4_0", "Q4_K", "IQ4_NL")
+# vLLM's beside its share of the card: CUDA context, the Python process, the graphs.
+VLLM_FOOTPRINT_BYTES = 2 * GB
+# llama.cpp's default micro-batch, and the pool it takes when a profile gives none.
+LLAMACPP_UBATCH = 512
+LLAMACPP_DEFAULT_POOL = 4096
+VLLM_DEFAULT_UTILIZATION = 0.9
+
+# Bytes per element of llama.cpp's KV cache types (a block's bytes over its elements).
+CACHE_TYPE_BYTES = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q5_1": 24 / 32,
+    "q5_0": 22 / 32,
+    "q4_1": 20 / 32,
+    "q4_0": 18 / 32,
+    "iq4_nl": 18 / 32,
+}
+# vLLM's --kv-cache-dtype, and its "auto": the weights' own dtype (2 bytes for the usual bf16/f16).
+VLLM_CACHE_BYTES = {"auto": 2.0, "fp8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "bfloat16": 2.0, "float16": 2.0}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a replica will hold, in bytes, and the parts it is made of."""
+
+    weights: int
+    kv_cache: int
+    overhead: int
+    pool: int
+    engine: str
+    # Why a part could not be worked out from the header ("" when every part could).
+    missing: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.overhead
+
+    @property
+    def total_gb(self) -> int:
+        """Whole GB, rounded up: what a profile's min memory field holds."""
+        return -(-self.total // GB) if self.total else 0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total, "total_gb": self.total_gb}
+
+
+def arg_value(args: Sequence[str], *flags: str) -> str | None:
+    """The value given to any of `flags` (as the next argument or after `=`), the last one winning."""
+    found = None
+    args = list(args)
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in flags:
+            if eq:
+                found = value
+            elif i + 1 < len(args):
+                found = args[i + 1]
+    return found
+
+
+def _number(raw: str | None, default: float) -> float:
+    try:
+        return float(raw) if raw is not None else default
+    except ValueError:
+        return default
+
+
+def kv_bytes_per_token(header: dict, k_bytes: float, v_bytes: float) -> float:
+    """The KV cache one token of context holds, over every layer; 0 when the header does not say its shape."""
+    layers, kv_heads = header.get("layers"), header.get("kv_heads") or header.get("heads")
+    head_dim = header.get("head_dim")
+    if not (layers and kv_heads and head_dim):
+        return 0.0
+    key = header.get("key_length") or head_dim
+    value = header.get("value_length") or head_dim
+    return layers * kv_heads * (key * k_bytes + value * v_bytes)
+
+
+def estimate(
+    header: dict, engine: str, args: Sequence[str] = (), parallel: int = 1, gpu_memory_bytes: int = 0
+) -> Estimate | None:
+    """The memory a replica of these weights needs with this engine and these arguments.
+
+    `parallel` is llama.cpp's slots (they share the pool: it adds only their per-slot
+    buffers); `gpu_memory_bytes` the card a vLLM replica runs on, when known. None when
+    the header says nothing to estimate from (not read, or unreadable): callers then
+    fall back on the size rule.
+    """
+    weights = int(header.get("weights_bytes") or 0)
+    if not weights or header.get("error"):
+        return None
+    if engine == "llamacpp":
+        return _llamacpp(header, weights, list(args), max(int(parallel or 1), 1))
+    if engine == "vllm":
+        return _vllm(header, weights, list(args), gpu_memory_bytes)
+    return None
+
+
+def _llamacpp(header: dict, weights: int, args: list[str], parallel: int) -> Estimate:
+    trained = int(header.get("trained_context") or 0)
+    pool = int(_number(arg_value(args, "--ctx-size", "-c", "--n_ctx"), 0))
+    if pool <= 0:
+        # llama.cpp's own default: its context size, never past what the model was trained for.
+        pool = min(LLAMACPP_DEFAULT_POOL, trained) if trained else LLAMACPP_DEFAULT_POOL
+    k_type = (arg_value(args, "--cache-type-k", "-ctk") or "f16").lower()
+    v_type = (arg_value(args, "--cache-type-v", "-ctv") or "f16").lower()
+    per_token = kv_bytes_per_token(header, CACHE_TYPE_BYTES.get(k_type, 2.0), CACHE_TYPE_BYTES.get(v_type, 2.0))
+    missing = "" if per_token else "the header does not give layers, KV heads and head size: no KV cache counted"
+    ubatch = int(_number(arg_value(args, "--ubatch-size", "-ub", "--n_ubatch"), LLAMACPP_UBATCH))
+    vocab = int(header.get("vocab") or 0)
+    # The vocabulary's share scales with the micro-batch (its logits are a micro-batch
+    # of rows); each further slot keeps a row of logits of its own.
+    compute = int(vocab * LLAMACPP_BYTES_PER_VOCAB_TOKEN * ubatch / LLAMACPP_UBATCH) + (parallel - 1) * vocab * 4
+    types = header.get("tensor_types") or {}
+    repacked = sum(int(types.get(name, 0)) for name in LLAMACPP_REPACKED_TYPES)
+    return Estimate(
+        weights=weights + repacked,
+        kv_cache=int(per_token * pool),
+        overhead=compute + LLAMACPP_FOOTPRINT_BYTES,
+        pool=pool,
+        engine="llamacpp",
+        missing=missing,
+    )
+
+
+def _vllm(header: dict, weights: int, args: list[str], gpu_memory_bytes: int) -> Estimate:
+    trained = int(header.get("trained_context") or 0)
+    pool = int(_number(arg_value(args, "--max-model-len"), trained))
+    cache = VLLM_CACHE_BYTES.get((arg_value(args, "--kv-cache-dtype") or "auto").lower(), 2.0)
+    per_token = kv_bytes_per_token(header, cache, cache)
+    kv = int(per_token * pool)
+    utilization = _number(arg_value(args, "--gpu-memory-utilization"), VLLM_DEFAULT_UTILIZATION)
+    if gpu_memory_bytes:
+        # vLLM takes its share of the card whatever the model needs, and fills what is
+        # left after the weights with KV cache.
+        kv = max(kv, int(gpu_memory_bytes * utilization) - weights)
+    missing = "" if per_token else "the header does not give layers, KV heads and head size: no KV cache counted"
+    return Estimate(
+        weights=weights, kv_cache=kv, overhead=VLLM_FOOTPRINT_BYTES, pool=pool, engine="vllm", missing=missing
+    )
