@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("mirror", "0002_scanned_at_when_changed"),
+        ("mirror", "0003_version_torrent"),
     ]
 
     operations = [
