@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway: `/v1/` on the admin port, as a bare ASGI application.
+"""The OpenAI-compatible gateway: `/v1/` on a port of its own (`manage.py gateway`), as a bare ASGI application.
 
 Why not a Django view: a request through Django's handler and middleware costs
 about a millisecond before any work is done, and the gateway's whole budget is
@@ -7,20 +7,28 @@ is a snapshot in memory (see routes.py), the replica is reached over kept-alive
 connections, and the answer is passed on chunk by chunk. Django is still where
 keys, models and replicas are kept and edited; the gateway reads them in a
 thread of its own. Passing a request on to a replica is in forward.py.
+
+The gateway is the data plane: when the database cannot be read it goes on
+routing by the last table it read, for as long as that lasts, and /v1/models
+says since when the table is stale; usage waits in the spool (usage.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import hmac
 import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
 import aiohttp
 from django.conf import settings
 from django.db import connection
+
+from common import metrics as site_metrics
 
 from . import hold, listing, metrics, prospects, routes
 from .anthropic_messages import AnthropicRefusal, Messages
@@ -33,7 +41,7 @@ from .limits import Limiter
 from .openai_responses import Responses
 from .relay import timing
 from .upstream import upstream_socket
-from .usage import Recorder
+from .usage import Recorder, one_line
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -60,7 +68,10 @@ class Gateway(Forwarding):
         self.table = routes.Table()
         self.in_flight: dict[int, int] = {}
         self.cooling: dict[int, float] = {}
-        self.usage = Recorder()
+        self.usage = Recorder(settings.GATEWAY_SPOOL)
+        # Wall-clock times: the last table read, and the first failed read since (None: fresh).
+        self.table_read_at: float | None = None
+        self.stale_since: float | None = None
         self.limiter = Limiter()
         self._reader = routes.TableReader()
         self.refresh_s = settings.GATEWAY_REFRESH_MS / 1000
@@ -105,6 +116,7 @@ class Gateway(Forwarding):
         await self.limiter.close()
         await self.demand.stop()
         await asyncio.get_running_loop().run_in_executor(self._db, self._flush_usage)
+        self.usage.close()
 
     async def lifespan(self, receive, send) -> None:
         while True:
@@ -139,12 +151,47 @@ class Gateway(Forwarding):
                 self.cooling.pop(replica, None)  # started again elsewhere: worth a try at once
             self.table = table
             self.holding.release(table, self.cooling)
-        except Exception:
+            self._table_read(table)
+        except Exception as error:
             # The old table keeps routing; the next refresh tries again.
-            log.exception("the gateway could not read its routing table; keeping the previous one")
+            self._table_not_read(error)
         finally:
             self._refreshing.set_result(None)
             self._refreshing = None
+
+    def _table_read(self, table: routes.Table) -> None:
+        if self.table_read_at is None:
+            log.info("the gateway read its table: %d models, %d keys; serving", len(table.models), len(table.keys))
+        elif self.stale_since is not None:
+            log.warning("the gateway reads its table again, stale since %s", iso(self.stale_since))
+        self.table_read_at, self.stale_since = time.time(), None
+
+    def _table_not_read(self, error: Exception) -> None:
+        # Said once when it begins, in one line: an outage of an hour is not 3,600 tracebacks.
+        if self.stale_since is not None:
+            return
+        self.stale_since = time.time()
+        if self.table_read_at is None:
+            log.warning(
+                "the gateway cannot read its table from the database yet (%s); it answers 503 until it can, "
+                "and tries again every %.1f s",
+                one_line(error),
+                self.refresh_s,
+            )
+        else:
+            log.warning(
+                "the gateway cannot read its table (%s); it serves the table read at %s until it can",
+                one_line(error),
+                iso(self.table_read_at),
+            )
+
+    def table_state(self) -> dict:
+        """What /v1/models says of the table it lists: when it was read, and since when it is stale."""
+        return {
+            "read_at": iso(self.table_read_at) if self.table_read_at else None,
+            "stale": self.stale_since is not None,
+            "stale_since": iso(self.stale_since) if self.stale_since else None,
+        }
 
     async def refresh_since(self, asked: float) -> None:
         """A table read that began after `asked`: what a key made a moment ago needs.
@@ -176,13 +223,16 @@ class Gateway(Forwarding):
         try:
             self.usage.flush()
         except Exception:
-            log.exception("usage not written this time; it is kept for the next try")
+            pass  # kept in the spool for the next try; usage.py says so once
 
     # --- requests --------------------------------------------------------------
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             await self.lifespan(receive, send)
+            return
+        if scope["path"] == "/metrics":
+            await self.scrape(scope, send)
             return
         started = time.perf_counter()
         if self._session is None:
@@ -216,6 +266,27 @@ class Gateway(Forwarding):
         headers = [JSON_TYPE, (b"content-length", str(len(body)).encode()), *refusal.headers]
         headers.append(timing(time.perf_counter() - started))
         await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def scrape(self, scope, send) -> None:
+        """This host's counts for Prometheus: to LLMGW_METRICS_TOKEN or an address in LLMGW_METRICS_ALLOW."""
+        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = given.partition(" ")
+        client = (scope.get("client") or ("", 0))[0]
+        allowed = (
+            scheme.lower() in ("bearer", "token")
+            and settings.METRICS_TOKEN
+            and hmac.compare_digest(token.strip().encode(), settings.METRICS_TOKEN.encode())
+        ) or site_metrics.address_allowed(client, settings.METRICS_ALLOW)
+        if not allowed:
+            status, body, kind = 401, b"Send LLMGW_METRICS_TOKEN as a bearer token.\n", b"text/plain; charset=utf-8"
+        else:
+            body = await asyncio.get_running_loop().run_in_executor(None, site_metrics.exposition)
+            status, kind = 200, site_metrics.CONTENT_TYPE_PLAIN_0_0_4.encode()
+        headers = [(b"content-type", kind), (b"content-length", str(len(body)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b'Bearer realm="metrics"'))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     async def handle(self, scope, receive, send, started: float) -> None:
@@ -312,6 +383,15 @@ class Gateway(Forwarding):
                 self.limiter.settle(ticket, tokens)
 
     async def authorize(self, scope) -> routes.Key:
+        if self.table_read_at is None:  # no key can be told from another without a table
+            raise Refusal(
+                503,
+                "The gateway has not read its table yet: the database cannot be reached since "
+                f"{iso(self.stale_since or time.time())}. It tries again every {self.refresh_s:g} s; try again shortly.",
+                kind="api_error",
+                code="table_unavailable",
+                headers=[(b"retry-after", b"1")],
+            )
         given = b""
         for header, value in scope["headers"]:
             if header == b"authorization":
@@ -345,8 +425,12 @@ class Gateway(Forwarding):
                 raise Refusal(404, f"There is no model named {one!r} here.", code="model_not_found")
             payload = found[0]
         else:
-            payload = {"object": "list", "data": entries}
+            payload = {"object": "list", "data": entries, "table": self.table_state()}
         body = json.dumps(payload).encode()
         headers = [JSON_TYPE, (b"content-length", str(len(body)).encode()), timing(time.perf_counter() - started)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def iso(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")

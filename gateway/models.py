@@ -98,3 +98,14 @@ class TableChange(models.Model):
 
     def __str__(self) -> str:
         return f"{self.table} {self.row_id} at {self.at}"
+
+
+class UsageBatch(models.Model):
+    """A batch of usage a gateway has written (gateway/usage.py): written in the same transaction as its counts,
+    so a batch tried again after its transaction committed, by any gateway, is not counted twice."""
+
+    id = models.CharField(max_length=32, primary_key=True)
+    written = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    def __str__(self) -> str:
+        return self.id

@@ -1,4 +1,4 @@
-"""Per-key limits as clients see them: real admin servers (two, sharing one Redis) in front of a steerable replica."""
+"""Per-key limits as clients see them: real gateway processes (two, sharing one Redis) in front of a steerable replica."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from gateway.limits import used_now
 from gateway.models import ApiKey
 
 from .fake_replica import FakeReplica
-from .processes import start_admin_server, wait_until
+from .gateway_process import start_gateway
+from .processes import wait_until
 from .staff_api import token_session
 from .test_gateway import (  # noqa: F401
     add_model,
@@ -46,7 +47,7 @@ def replicas():
 @pytest.fixture
 def second_gateway(transactional_db, tmp_path):
     (tmp_path / "second").mkdir()
-    process, url = start_admin_server(tmp_path / "second")
+    process, url = start_gateway(tmp_path / "second")
     yield url
     process.stop()
 
@@ -58,7 +59,7 @@ def clear_of_minute_boundary(needed_s: float = 20) -> None:
         time.sleep(60 - into + 0.2)
 
 
-def test_a_key_at_60_requests_a_minute_sending_100_gets_60_answered_and_40_refused_across_two_admin_servers(
+def test_a_key_at_60_requests_a_minute_sending_100_gets_60_answered_and_40_refused_across_two_gateways(
     gateway, second_gateway, replicas, redis_client
 ):
     add_model()

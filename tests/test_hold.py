@@ -1,6 +1,6 @@
 """Requests held for a model with no ready replica but one on its way, and the load the gateway shares.
 
-A real admin server (uvicorn) in front of replicas that answer on cue (tests/fake_replica.py,
+A real gateway process (uvicorn) in front of replicas that answer on cue (tests/fake_replica.py,
 real HTTP servers), the tests' real Redis as the broker: the wake a waiting request asks
 for is read off the control queue itself, where no worker takes it in these tests. The
 real engine and agent are in test_hold_real_model.py.
@@ -26,7 +26,8 @@ from fleet.models import Replica
 from gateway.keys import create_key
 
 from .fake_replica import FakeReplica
-from .processes import start_admin_server, wait_until
+from .gateway_process import start_gateway as start_gateway_process
+from .processes import wait_until
 from .test_gateway import add_model, add_replica, client, error_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -46,7 +47,7 @@ def replicas():
 
 
 def start_gateway(tmp_path, **env):
-    process, url = start_admin_server(tmp_path, **env)
+    process, url = start_gateway_process(tmp_path, **env)
     return SimpleNamespace(url=url, process=process)
 
 
