@@ -4,9 +4,10 @@
     .venv/bin/python bench/gateway.py [--quick] [--rounds 2000] [--duration 10] [--streams 1000] [--limits]
                                       [--workers]
 
-Starts bench/stub_upstream.py (answers at once; streams 20 chunks), llmgw's admin
-server (`manage.py admin_server`: one uvicorn process, Django and the /v1/ gateway,
-its own database under a temporary directory) and LiteLLM's proxy (`litellm
+Starts bench/stub_upstream.py (answers at once; streams 20 chunks), llmgw's gateway
+(`manage.py gateway`: one uvicorn process, /v1/ alone, its own database under a
+temporary directory; a --baseline tree without that command serves /v1/ from its admin
+server, `manage.py admin_server`, as llmgw did before the gateway had its own process) and LiteLLM's proxy (`litellm
 --num_workers 1`, from PyPI, in its own venv under var/bench/litellm-venv, made the
 first time), both routing the model `stub` to the stub. Then sends the same requests
 directly to the stub and through each proxy, from this process (bench/httpload.py):
@@ -24,7 +25,7 @@ With --limits, also through a second key of the same server with every per-key l
 set (and never reached), against a Redis of the run's own: what the limiter's one
 round trip adds.
 
-With --workers, also llmgw's admin server with two processes (`admin_server --workers 2`,
+With --workers, also llmgw's gateway with two processes (`gateway --workers 2`,
 llmgw-2w) beside the one with one: requests per second for 1 and 2 workers side by side.
 
 Prints a table, the ratios against LiteLLM, and whether each of the issue's goals is
@@ -189,6 +190,8 @@ def start_llmgw(
     work.mkdir()
     env = dict(
         os.environ,
+        # A tree with `manage.py gateway` serves /v1/ there; an older one (say, main) in its admin server.
+        LLMGW_GATEWAY_ADDR=f"127.0.0.1:{port}",
         LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
         LLMGW_VAR=str(work / "var"),
         DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
@@ -198,8 +201,10 @@ def start_llmgw(
     )
     manage = [sys.executable, str(root / "manage.py")]
     commands = subprocess.run(manage + ["help", "--commands"], env=env, cwd=root, capture_output=True, text=True)
-    if "admin_server" not in commands.stdout.split():
-        print("llmgw: this tree has no `manage.py admin_server` (the gateway): it is left out of this run.")
+    known = commands.stdout.split()
+    server = "gateway" if "gateway" in known else "admin_server"
+    if server not in known:
+        print("llmgw: this tree has no `manage.py gateway` nor `admin_server`: it is left out of this run.")
         return None
     subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=root, check=True)
     # Quietly: without Redis the catalog's signal warns that it could not queue a reconcile,
@@ -213,7 +218,7 @@ def start_llmgw(
         manage + ["api_key", "create", "bench"], env=env, cwd=root, check=True, capture_output=True, text=True
     )
     key = created.stdout.strip().splitlines()[-1].strip()
-    process = quiet_popen(manage + ["admin_server"], env, work / "llmgw.log", cwd=root)
+    process = quiet_popen(manage + [server], env, work / "llmgw.log", cwd=root)
     targets = [Target(name, port, key=key, pid=process.pid)]
     if redis_port and limited:
         # Limits set on every window and never reached: the request pays the check, not a refusal.
@@ -449,7 +454,7 @@ def main() -> None:
                 "llmgw+log": {**metrics, "LLMGW_GATEWAY_ACCESS_LOG": str(work / "access.jsonl")},
             }
         if args.workers:
-            variants["llmgw-2w"] = {**variants["llmgw"], "LLMGW_ADMIN_WORKERS": "2"}
+            variants["llmgw-2w"] = {**variants["llmgw"], "LLMGW_GATEWAY_WORKERS": "2", "LLMGW_ADMIN_WORKERS": "2"}
         for name, settings in variants.items():
             started = start_llmgw(
                 stub_port, work, name, redis_port if name == "llmgw" else None, limited=args.limits, **settings
