@@ -3,11 +3,10 @@
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from .limits import LIMIT_FIELDS  # a key's limits are named once, in the limiter
+
 # The gateway holds every key's models in memory: a list without a bound would cost every request.
 MAX_MODELS = 1000
-
-
-LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "tokens_per_month", "max_in_flight")
 
 
 class ApiKey(models.Model):

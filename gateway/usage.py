@@ -30,13 +30,14 @@ from django.utils import timezone
 
 from .intake import prompt_texts
 from .models import ApiKey, Usage, UsageBatch
-from .relay import TAIL_BYTES
 
 log = logging.getLogger("llmgw.gateway")
 
 USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# Enough of an answer's end to hold its usage object; kept while the rest streams past.
+TAIL_BYTES = 16384
 # How far after `"usage": {` the counts may be; usage objects are a few hundred bytes at most.
 USAGE_SPAN = 2048
 
