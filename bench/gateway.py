@@ -550,7 +550,7 @@ def main() -> None:
                 work,
                 "baseline",
                 redis_port,
-                root=Path(args.baseline),
+                root=Path(args.baseline).resolve(),
                 limited=args.limits,
                 admin_load=admin_load,
             )

@@ -30,11 +30,11 @@ from django.db import connection
 
 from common import metrics as site_metrics
 
-from . import hold, listing, metrics, prospects, routes
+from . import endpoints, hold, listing, metrics, prospects, routes
 from .anthropic_messages import AnthropicRefusal, Messages
 from .demand import Demand
 from .errors import ClientGone, Refusal
-from .forward import CHAT, Forwarding
+from .forward import Forwarding
 from .intake import check_kind, check_limits, parse_request, read_body
 from .keys import hash_key
 from .limits import Limiter
@@ -45,17 +45,8 @@ from .usage import Recorder, one_line
 
 log = logging.getLogger("llmgw.gateway")
 
-# Where each of the gateway's addresses goes on a replica, below its /v1 base.
-ENDPOINTS = {
-    "/v1/chat/completions": "/chat/completions",
-    "/v1/completions": "/completions",
-    "/v1/embeddings": "/embeddings",
-    "/v1/rerank": "/rerank",
-    "/v1/messages": "/chat/completions",
-    "/v1/responses": "/chat/completions",
-}
-# Other clients' APIs, translated to chat completions for the engines (translation.py).
-TRANSLATIONS = {"/v1/messages": Messages, "/v1/responses": Responses}
+# Other clients' APIs, translated to chat completions for the engines (translation.py), by dialect.
+TRANSLATIONS = {endpoints.ANTHROPIC: Messages, endpoints.RESPONSES: Responses}
 # A key the table does not know makes the gateway re-read the table, at most this often.
 KEY_MISS_REFRESH_S = 0.25
 JSON_TYPE = (b"content-type", b"application/json")
@@ -241,7 +232,7 @@ class Gateway(Forwarding):
         try:
             await self.handle(scope, receive, send, started)
         except Refusal as refusal:
-            if scope.get("path", "").startswith("/v1/messages"):
+            if endpoints.dialect_of(scope.get("path", "")) == endpoints.ANTHROPIC:
                 refusal = AnthropicRefusal.of(refusal)
             await self.refuse(send, refusal, started)
         except ClientGone:
@@ -252,7 +243,7 @@ class Gateway(Forwarding):
             failure = Refusal(
                 500, "The gateway failed to answer; its log says why.", kind="api_error", code="internal_error"
             )
-            if scope.get("path", "").startswith("/v1/messages"):
+            if endpoints.dialect_of(scope.get("path", "")) == endpoints.ANTHROPIC:
                 failure = AnthropicRefusal.of(failure)
             try:
                 await self.refuse(send, failure, started)
@@ -297,22 +288,20 @@ class Gateway(Forwarding):
             key = await self.authorize(scope)
             await self.list_models(send, key, path[len("/v1/models/") :] if path != "/v1/models" else "", started)
             return
-        target = ENDPOINTS.get(path)
-        if target is None:
+        endpoint = endpoints.ENDPOINTS.get(path)
+        if endpoint is None:
             raise Refusal(
-                404,
-                f"There is nothing at {path}. The gateway answers /v1/models, /v1/chat/completions, "
-                "/v1/completions, /v1/embeddings, /v1/rerank, /v1/messages and /v1/responses.",
-                code="unknown_url",
+                404, f"There is nothing at {path}. The gateway answers {endpoints.listed()}.", code="unknown_url"
             )
+        target = endpoint.engine_path
         if method != "POST":
             raise Refusal(405, f"{path} answers POST only.", code="method_not_allowed")
         key = await self.authorize(scope)
         body = await read_body(receive, settings.GATEWAY_MAX_BODY)
         request = parse_request(body)
         translation = None
-        if path in TRANSLATIONS:
-            translation = TRANSLATIONS[path](request)
+        if endpoint.translated:
+            translation = TRANSLATIONS[endpoint.dialect](request)
             request = translation.chat
         name = request["model"]
         route = self.table.routes.get(name)
@@ -331,7 +320,7 @@ class Gateway(Forwarding):
                 code="model_not_allowed",
             )
         # A translated request is a chat completion from here on, and is checked as one.
-        checked_as = path if translation is None else CHAT
+        checked_as = path if translation is None else endpoints.CHAT
         check_kind(checked_as, route)
         check_limits(checked_as, request, route, len(body))
         self.observer.routed(scope, route.name, request, key.name)
@@ -357,7 +346,7 @@ class Gateway(Forwarding):
         ticket = await self.limiter.admit(key.tag, key.limits) if key.limits else None
         tokens = 0
         streamed = request.get("stream") is True and route.kind == "chat"
-        held = hold.HeldStream(send, hold.stream_format(path)) if streamed else None
+        held = hold.HeldStream(send, endpoint.dialect) if streamed else None
         try:
             tokens = await self.answer(
                 scope,

@@ -28,6 +28,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from .endpoints import ENDPOINTS
 from .intake import prompt_texts
 from .models import ApiKey, Usage, UsageBatch
 
@@ -59,14 +60,6 @@ def tokens_in(tail: bytes) -> tuple[int, int] | None:
     return int(prompt.group(1)) if prompt else 0, int(completion.group(1)) if completion else 0
 
 
-# A streamed chunk that carries generated text: a chat delta's "content" or a completion's
-# "text", not empty, as engines write JSON (no space or one after the colon). llama.cpp and
-# vLLM send one token a chunk. A literal start lets the regex engine skip ahead: about half
-# a microsecond a chunk.
-GENERATED = {
-    "/v1/chat/completions": re.compile(rb'"content": ?"[^"]'),
-    "/v1/completions": re.compile(rb'"text": ?"[^"]'),
-}
 # The end of the last chunk kept to find a match split between two chunks: a match is at most 14 bytes.
 CARRY_BYTES = 16
 # Characters a token, by OpenAI's rule of thumb, counted in UTF-8 bytes so that a script
@@ -82,7 +75,8 @@ class Answer:
         self.tail = b""
         self.event_stream = False
         self.generated = 0
-        self._pattern = GENERATED.get(path)
+        endpoint = ENDPOINTS.get(path)
+        self._pattern = endpoint.generated if endpoint else None
         self._carry = b""
 
     def feed(self, chunk: bytes) -> None:
