@@ -47,6 +47,8 @@ AGENT_REPROBE_S = env_int("LLMGW_AGENT_REPROBE_S", 300, minimum=1)
 AGENT_CACHE = env_path("LLMGW_AGENT_CACHE", VAR_DIR / "agent-cache", BASE_DIR)
 # Files of one set fetched at once: one TCP stream rarely fills a fast link.
 FETCH_PARALLEL = env_int("LLMGW_FETCH_PARALLEL", 4, minimum=1)
+# How long a fetch waits on a mirror version that is not ready yet (a file still being copied in).
+FETCH_WAIT_S = env_int("LLMGW_FETCH_WAIT_S", 6 * 3600, minimum=1)
 # Engines may be told to run code shipped with the weights (vLLM's --trust-remote-code)
 # only when this is set: the mirror is a place files are copied into by hand.
 LLMGW_ALLOW_REMOTE_CODE = env_bool("LLMGW_ALLOW_REMOTE_CODE", False)

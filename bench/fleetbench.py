@@ -3,7 +3,7 @@
 A Redis, a SQLite database, the byte listener, a control worker (Celery, queue
 `control`), the beat (`celery beat`, fleet.reconcile every LLMGW_RECONCILE_INTERVAL_S,
 5 s by default), one agent (`manage.py agent`, node n1, with its engine supervisor) and
-admin servers (`manage.py admin_server`: Django and the /v1/ gateway), each its own
+gateways (`manage.py gateway`: /v1/ alone), each its own
 process as in production; SmolLM2-135M-Instruct Q4_1 (launcher/smollm2.py) in the
 mirror. Only loopback. Used by bench/wake.py and bench/on_demand_change.py.
 """
@@ -114,9 +114,9 @@ class LocalFleet:
         )
 
     def gateway(self, name: str = "gateway", **env) -> str:
-        """An admin server (uvicorn, one worker) on a free port; its /v1/ address."""
+        """A gateway (`manage.py gateway`, one uvicorn worker) on a free port; its /v1/ address."""
         port = free_port()
-        self.spawn([sys.executable, "manage.py", "admin_server"], name, LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}", **env)
+        self.spawn([sys.executable, "manage.py", "gateway"], name, LLMGW_GATEWAY_ADDR=f"127.0.0.1:{port}", **env)
         url = f"http://127.0.0.1:{port}"
 
         def answers():
@@ -127,7 +127,7 @@ class LocalFleet:
             except requests.RequestException:
                 return False
 
-        until(answers, 60, f"the admin server {name}", 0.2)
+        until(answers, 60, f"the gateway {name}", 0.2)
         return url
 
     def engine_pid(self, replica_id: int) -> int | None:

@@ -4,9 +4,10 @@
     .venv/bin/python bench/gateway.py [--quick] [--rounds 2000] [--duration 10] [--streams 1000] [--limits]
                                       [--workers]
 
-Starts bench/stub_upstream.py (answers at once; streams 20 chunks), llmgw's admin
-server (`manage.py admin_server`: one uvicorn process, Django and the /v1/ gateway,
-its own database under a temporary directory) and LiteLLM's proxy (`litellm
+Starts bench/stub_upstream.py (answers at once; streams 20 chunks), llmgw's gateway
+(`manage.py gateway`: one uvicorn process, /v1/ alone, its own database under a
+temporary directory; a --baseline tree without that command serves /v1/ from its admin
+server, `manage.py admin_server`, as llmgw did before the gateway had its own process) and LiteLLM's proxy (`litellm
 --num_workers 1`, from PyPI, in its own venv under var/bench/litellm-venv, made the
 first time), both routing the model `stub` to the stub. Then sends the same requests
 directly to the stub and through each proxy, from this process (bench/httpload.py):
@@ -24,7 +25,7 @@ With --limits, also through a second key of the same server with every per-key l
 set (and never reached), against a Redis of the run's own: what the limiter's one
 round trip adds.
 
-With --workers, also llmgw's admin server with two processes (`admin_server --workers 2`,
+With --workers, also llmgw's gateway with two processes (`gateway --workers 2`,
 llmgw-2w) beside the one with one: requests per second for 1 and 2 workers side by side.
 
 Prints a table, the ratios against LiteLLM, and whether each of the issue's goals is
@@ -44,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -182,6 +184,7 @@ def start_llmgw(
     redis_port: int | None = None,
     root: Path = ROOT,
     limited: bool = True,
+    admin_load: AdminLoad | None = None,
     **settings: str,
 ) -> tuple[subprocess.Popen, list[Target]] | None:
     port = free_port()
@@ -189,6 +192,8 @@ def start_llmgw(
     work.mkdir()
     env = dict(
         os.environ,
+        # A tree with `manage.py gateway` serves /v1/ there; an older one (say, main) in its admin server.
+        LLMGW_GATEWAY_ADDR=f"127.0.0.1:{port}",
         LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
         LLMGW_VAR=str(work / "var"),
         DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
@@ -198,8 +203,10 @@ def start_llmgw(
     )
     manage = [sys.executable, str(root / "manage.py")]
     commands = subprocess.run(manage + ["help", "--commands"], env=env, cwd=root, capture_output=True, text=True)
-    if "admin_server" not in commands.stdout.split():
-        print("llmgw: this tree has no `manage.py admin_server` (the gateway): it is left out of this run.")
+    known = commands.stdout.split()
+    server = "gateway" if "gateway" in known else "admin_server"
+    if server not in known:
+        print("llmgw: this tree has no `manage.py gateway` nor `admin_server`: it is left out of this run.")
         return None
     subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=root, check=True)
     # Quietly: without Redis the catalog's signal warns that it could not queue a reconcile,
@@ -213,8 +220,23 @@ def start_llmgw(
         manage + ["api_key", "create", "bench"], env=env, cwd=root, check=True, capture_output=True, text=True
     )
     key = created.stdout.strip().splitlines()[-1].strip()
-    process = quiet_popen(manage + ["admin_server"], env, work / "llmgw.log", cwd=root)
+    process = quiet_popen(manage + [server], env, work / "llmgw.log", cwd=root)
     targets = [Target(name, port, key=key, pid=process.pid)]
+    if admin_load is not None:
+        # The admin's heaviest page in a loop, on the admin server: its own process when the
+        # gateway has one, the gateway's own process when it does not (an older tree).
+        admin_url = f"http://127.0.0.1:{port}"
+        if server == "gateway":
+            admin_port = free_port()
+            admin_env = dict(env, LLMGW_ADMIN_ADDR=f"127.0.0.1:{admin_port}")
+            admin_load.processes.append(quiet_popen(manage + ["admin_server"], admin_env, work / "admin.log", cwd=root))
+            admin_url = f"http://127.0.0.1:{admin_port}"
+        made = f"from django.contrib.auth.models import User; User.objects.create_superuser('{ADMIN_USER}', '', 'x')"
+        subprocess.run(manage + ["shell", "-c", made], env=env, cwd=root, check=True, capture_output=True)
+        token = subprocess.run(
+            manage + ["api_token", ADMIN_USER], env=env, cwd=root, check=True, capture_output=True, text=True
+        ).stdout.strip()
+        admin_load.add(admin_url, token)
     if redis_port and limited:
         # Limits set on every window and never reached: the request pays the check, not a refusal.
         limited = subprocess.run(
@@ -228,8 +250,51 @@ def start_llmgw(
             text=True,
         )
         secret = limited.stdout.strip().splitlines()[-1].strip()
-        targets.append(Target("llmgw+limits", port, key=secret, pid=process.pid))
+        targets.append(Target(f"{name}+limits", port, key=secret, pid=process.pid))
     return process, targets
+
+
+ADMIN_USER = "bench-staff"
+# The API's OpenAPI schema: drf-spectacular walks every view and serializer, about a
+# hundred milliseconds of Python a request, the heaviest thing a staff member can ask for.
+ADMIN_PAGE = "/api/schema/"
+
+
+class AdminLoad:
+    """One client per admin server asking for ADMIN_PAGE in a loop, for the whole run."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen] = []
+        self.servers: list[tuple[str, str]] = []
+        self.pages = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def add(self, url: str, token: str) -> None:
+        self.servers.append((url, token))
+
+    def start(self) -> None:
+        for url, token in self.servers:
+            thread = threading.Thread(target=self._loop, args=(url, token), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _loop(self, url: str, token: str) -> None:
+        import requests
+
+        session = requests.Session()
+        session.headers["Authorization"] = f"Token {token}"
+        while not self._stop.is_set():
+            try:
+                if session.get(url + ADMIN_PAGE, timeout=30).status_code == 200:
+                    self.pages += 1
+            except requests.RequestException:
+                time.sleep(0.2)  # the admin server is still starting: nothing to poll but the page itself
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -357,9 +422,21 @@ async def measure(direct: Target, proxies: list[Target], args: argparse.Namespac
             )
         for goal, met in goals:
             print(f"{'met    ' if met else 'NOT met'}  {goal}")
+    if "llmgw" in names and "baseline" in names:
+        print(
+            f"gateway process vs baseline: {args.clients} concurrent, requests/s {rps['llmgw']:,.0f} against "
+            f"{rps['baseline']:,.0f} ({rps['llmgw'] / rps['baseline']:.2f} ×); added p50 one at a time "
+            f"{added50['llmgw']:.2f} against {added50['baseline']:.2f} ms"
+        )
+    for name in ("llmgw", "baseline"):
+        if name in names and f"{name}+limits" in names:
+            print(
+                f"{name} with every limit on: requests/s {rps[name + '+limits']:,.0f} against {rps[name]:,.0f} "
+                f"({rps[name + '+limits'] / rps[name]:.2f} ×), added p50 {added50[name + '+limits']:.2f} ms"
+            )
     if "llmgw" in names and "llmgw-2w" in names:
         print(
-            f"admin_server --workers: {args.clients} concurrent, requests/s {rps['llmgw']:,.0f} with 1, "
+            f"gateway --workers: {args.clients} concurrent, requests/s {rps['llmgw']:,.0f} with 1, "
             f"{rps['llmgw-2w']:,.0f} with 2 ({rps['llmgw-2w'] / rps['llmgw']:.2f} ×); server CPU per request "
             f"{ms(loaded['llmgw'].cpu_seconds / max(1, len(loaded['llmgw'].seconds))):.2f} and "
             f"{ms(loaded['llmgw-2w'].cpu_seconds / max(1, len(loaded['llmgw-2w'].seconds))):.2f} ms"
@@ -410,8 +487,11 @@ def main() -> None:
     parser.add_argument(
         "--limits", action="store_true", help="also through a key with per-key limits set (a Redis of its own)"
     )
+    parser.add_argument("--workers", action="store_true", help="also llmgw's gateway with two processes (llmgw-2w)")
     parser.add_argument(
-        "--workers", action="store_true", help="also llmgw's admin server with two processes (llmgw-2w)"
+        "--admin-load",
+        action="store_true",
+        help=f"the admin's {ADMIN_PAGE} asked in a loop on each llmgw's admin server throughout the run",
     )
     args = parser.parse_args()
     if args.quick:
@@ -423,6 +503,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     processes: list[subprocess.Popen] = []
+    admin_load = AdminLoad() if args.admin_load else None
     try:
         stub_port = free_port()
         stub = quiet_popen(
@@ -449,16 +530,30 @@ def main() -> None:
                 "llmgw+log": {**metrics, "LLMGW_GATEWAY_ACCESS_LOG": str(work / "access.jsonl")},
             }
         if args.workers:
-            variants["llmgw-2w"] = {**variants["llmgw"], "LLMGW_ADMIN_WORKERS": "2"}
+            variants["llmgw-2w"] = {**variants["llmgw"], "LLMGW_GATEWAY_WORKERS": "2", "LLMGW_ADMIN_WORKERS": "2"}
         for name, settings in variants.items():
             started = start_llmgw(
-                stub_port, work, name, redis_port if name == "llmgw" else None, limited=args.limits, **settings
+                stub_port,
+                work,
+                name,
+                redis_port if name == "llmgw" else None,
+                limited=args.limits,
+                admin_load=admin_load if name == "llmgw" else None,
+                **settings,
             )
             if started:
                 processes.append(started[0])
                 proxies.extend(started[1])
         if args.baseline:
-            started = start_llmgw(stub_port, work, "baseline", redis_port, root=Path(args.baseline), limited=False)
+            started = start_llmgw(
+                stub_port,
+                work,
+                "baseline",
+                redis_port,
+                root=Path(args.baseline).resolve(),
+                limited=args.limits,
+                admin_load=admin_load,
+            )
             if started:
                 processes.append(started[0])
                 proxies.extend(started[1])
@@ -474,8 +569,15 @@ def main() -> None:
                     log = work / f"{target.name.lower()}.log"
                     tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                     raise SystemExit(f"{target.name} did not answer a chat completion within 60 s\n{tail}")
+            if admin_load is not None:
+                admin_load.start()
             await measure(direct, proxies, args)
+            if admin_load is not None:
+                admin_load.stop()
+                print(f"\nadmin load: {admin_load.pages} {ADMIN_PAGE} pages answered 200 during the run")
 
+        if admin_load is not None:
+            processes.extend(admin_load.processes)
         uvloop.run(run())
         print(f"\n{os.cpu_count()} cores; load average before the end: {os.getloadavg()[0]:.2f}")
     finally:

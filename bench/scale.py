@@ -588,7 +588,7 @@ def gateway_load_child(keys: int, gateway_args: list[str]) -> None:
     popen = bench_gateway.quiet_popen
 
     def quiet_popen(argv, env, log, cwd=ROOT):
-        if "admin_server" in argv and keys:
+        if ("gateway" in argv or "admin_server" in argv) and keys:
             seed = SEED_KEYS.replace("{n}", str(keys))
             subprocess.run(
                 [sys.executable, str(ROOT / "manage.py"), "shell", "-c", seed], env=env, cwd=ROOT, check=True

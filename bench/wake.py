@@ -5,7 +5,7 @@
 
 On this machine, the fleet of bench/fleetbench.py without its beat: a Redis, the byte
 listener, a control worker (Celery, queue `control`), one agent (`manage.py agent`, with
-its engine supervisor) and an admin server (`manage.py admin_server`: the gateway, as
+its engine supervisor) and a gateway (`manage.py gateway`, as
 shipped: its table re-read every second, ten times a second while requests wait), on
 SmolLM2-135M-Instruct Q4_1 (launcher/smollm2.py). The model is served with fewest 0 and
 most 1, woken once so the node caches its weights, and taken back to zero. Then,

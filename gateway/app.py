@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway: `/v1/` on the admin port, as a bare ASGI application.
+"""The OpenAI-compatible gateway: `/v1/` on a port of its own (`manage.py gateway`), as a bare ASGI application.
 
 Why not a Django view: a request through Django's handler and middleware costs
 about a millisecond before any work is done, and the gateway's whole budget is
@@ -7,47 +7,46 @@ is a snapshot in memory (see routes.py), the replica is reached over kept-alive
 connections, and the answer is passed on chunk by chunk. Django is still where
 keys, models and replicas are kept and edited; the gateway reads them in a
 thread of its own. Passing a request on to a replica is in forward.py.
+
+The gateway is the data plane: when the database cannot be read it goes on
+routing by the last table it read, for as long as that lasts, and /v1/models
+says since when the table is stale; usage waits in the spool (usage.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import hmac
 import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
 import aiohttp
 from django.conf import settings
 from django.db import connection
 
-from . import hold, listing, metrics, prospects, routes
+from common import metrics as site_metrics
+
+from . import endpoints, hold, listing, metrics, prospects, routes
 from .anthropic_messages import AnthropicRefusal, Messages
 from .demand import Demand
 from .errors import ClientGone, Refusal
-from .forward import CHAT, Forwarding
+from .forward import Forwarding
 from .intake import check_kind, check_limits, parse_request, read_body
 from .keys import hash_key
 from .limits import Limiter
 from .openai_responses import Responses
 from .relay import timing
 from .upstream import upstream_socket
-from .usage import Recorder
+from .usage import Recorder, one_line
 
 log = logging.getLogger("llmgw.gateway")
 
-# Where each of the gateway's addresses goes on a replica, below its /v1 base.
-ENDPOINTS = {
-    "/v1/chat/completions": "/chat/completions",
-    "/v1/completions": "/completions",
-    "/v1/embeddings": "/embeddings",
-    "/v1/rerank": "/rerank",
-    "/v1/messages": "/chat/completions",
-    "/v1/responses": "/chat/completions",
-}
-# Other clients' APIs, translated to chat completions for the engines (translation.py).
-TRANSLATIONS = {"/v1/messages": Messages, "/v1/responses": Responses}
+# Other clients' APIs, translated to chat completions for the engines (translation.py), by dialect.
+TRANSLATIONS = {endpoints.ANTHROPIC: Messages, endpoints.RESPONSES: Responses}
 # A key the table does not know makes the gateway re-read the table, at most this often.
 KEY_MISS_REFRESH_S = 0.25
 JSON_TYPE = (b"content-type", b"application/json")
@@ -60,7 +59,10 @@ class Gateway(Forwarding):
         self.table = routes.Table()
         self.in_flight: dict[int, int] = {}
         self.cooling: dict[int, float] = {}
-        self.usage = Recorder()
+        self.usage = Recorder(settings.GATEWAY_SPOOL)
+        # Wall-clock times: the last table read, and the first failed read since (None: fresh).
+        self.table_read_at: float | None = None
+        self.stale_since: float | None = None
         self.limiter = Limiter()
         self._reader = routes.TableReader()
         self.refresh_s = settings.GATEWAY_REFRESH_MS / 1000
@@ -105,6 +107,7 @@ class Gateway(Forwarding):
         await self.limiter.close()
         await self.demand.stop()
         await asyncio.get_running_loop().run_in_executor(self._db, self._flush_usage)
+        self.usage.close()
 
     async def lifespan(self, receive, send) -> None:
         while True:
@@ -139,12 +142,47 @@ class Gateway(Forwarding):
                 self.cooling.pop(replica, None)  # started again elsewhere: worth a try at once
             self.table = table
             self.holding.release(table, self.cooling)
-        except Exception:
+            self._table_read(table)
+        except Exception as error:
             # The old table keeps routing; the next refresh tries again.
-            log.exception("the gateway could not read its routing table; keeping the previous one")
+            self._table_not_read(error)
         finally:
             self._refreshing.set_result(None)
             self._refreshing = None
+
+    def _table_read(self, table: routes.Table) -> None:
+        if self.table_read_at is None:
+            log.info("the gateway read its table: %d models, %d keys; serving", len(table.models), len(table.keys))
+        elif self.stale_since is not None:
+            log.warning("the gateway reads its table again, stale since %s", iso(self.stale_since))
+        self.table_read_at, self.stale_since = time.time(), None
+
+    def _table_not_read(self, error: Exception) -> None:
+        # Said once when it begins, in one line: an outage of an hour is not 3,600 tracebacks.
+        if self.stale_since is not None:
+            return
+        self.stale_since = time.time()
+        if self.table_read_at is None:
+            log.warning(
+                "the gateway cannot read its table from the database yet (%s); it answers 503 until it can, "
+                "and tries again every %.1f s",
+                one_line(error),
+                self.refresh_s,
+            )
+        else:
+            log.warning(
+                "the gateway cannot read its table (%s); it serves the table read at %s until it can",
+                one_line(error),
+                iso(self.table_read_at),
+            )
+
+    def table_state(self) -> dict:
+        """What /v1/models says of the table it lists: when it was read, and since when it is stale."""
+        return {
+            "read_at": iso(self.table_read_at) if self.table_read_at else None,
+            "stale": self.stale_since is not None,
+            "stale_since": iso(self.stale_since) if self.stale_since else None,
+        }
 
     async def refresh_since(self, asked: float) -> None:
         """A table read that began after `asked`: what a key made a moment ago needs.
@@ -176,13 +214,16 @@ class Gateway(Forwarding):
         try:
             self.usage.flush()
         except Exception:
-            log.exception("usage not written this time; it is kept for the next try")
+            pass  # kept in the spool for the next try; usage.py says so once
 
     # --- requests --------------------------------------------------------------
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             await self.lifespan(receive, send)
+            return
+        if scope["path"] == "/metrics":
+            await self.scrape(scope, send)
             return
         started = time.perf_counter()
         if self._session is None:
@@ -191,7 +232,7 @@ class Gateway(Forwarding):
         try:
             await self.handle(scope, receive, send, started)
         except Refusal as refusal:
-            if scope.get("path", "").startswith("/v1/messages"):
+            if endpoints.dialect_of(scope.get("path", "")) == endpoints.ANTHROPIC:
                 refusal = AnthropicRefusal.of(refusal)
             await self.refuse(send, refusal, started)
         except ClientGone:
@@ -202,7 +243,7 @@ class Gateway(Forwarding):
             failure = Refusal(
                 500, "The gateway failed to answer; its log says why.", kind="api_error", code="internal_error"
             )
-            if scope.get("path", "").startswith("/v1/messages"):
+            if endpoints.dialect_of(scope.get("path", "")) == endpoints.ANTHROPIC:
                 failure = AnthropicRefusal.of(failure)
             try:
                 await self.refuse(send, failure, started)
@@ -218,6 +259,27 @@ class Gateway(Forwarding):
         await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
+    async def scrape(self, scope, send) -> None:
+        """This host's counts for Prometheus: to LLMGW_METRICS_TOKEN or an address in LLMGW_METRICS_ALLOW."""
+        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = given.partition(" ")
+        client = (scope.get("client") or ("", 0))[0]
+        allowed = (
+            scheme.lower() in ("bearer", "token")
+            and settings.METRICS_TOKEN
+            and hmac.compare_digest(token.strip().encode(), settings.METRICS_TOKEN.encode())
+        ) or site_metrics.address_allowed(client, settings.METRICS_ALLOW)
+        if not allowed:
+            status, body, kind = 401, b"Send LLMGW_METRICS_TOKEN as a bearer token.\n", b"text/plain; charset=utf-8"
+        else:
+            body = await asyncio.get_running_loop().run_in_executor(None, site_metrics.exposition)
+            status, kind = 200, site_metrics.CONTENT_TYPE_PLAIN_0_0_4.encode()
+        headers = [(b"content-type", kind), (b"content-length", str(len(body)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b'Bearer realm="metrics"'))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
     async def handle(self, scope, receive, send, started: float) -> None:
         path, method = scope["path"], scope["method"]
         if path == "/v1/models" or path.startswith("/v1/models/"):
@@ -226,22 +288,20 @@ class Gateway(Forwarding):
             key = await self.authorize(scope)
             await self.list_models(send, key, path[len("/v1/models/") :] if path != "/v1/models" else "", started)
             return
-        target = ENDPOINTS.get(path)
-        if target is None:
+        endpoint = endpoints.ENDPOINTS.get(path)
+        if endpoint is None:
             raise Refusal(
-                404,
-                f"There is nothing at {path}. The gateway answers /v1/models, /v1/chat/completions, "
-                "/v1/completions, /v1/embeddings, /v1/rerank, /v1/messages and /v1/responses.",
-                code="unknown_url",
+                404, f"There is nothing at {path}. The gateway answers {endpoints.listed()}.", code="unknown_url"
             )
+        target = endpoint.engine_path
         if method != "POST":
             raise Refusal(405, f"{path} answers POST only.", code="method_not_allowed")
         key = await self.authorize(scope)
         body = await read_body(receive, settings.GATEWAY_MAX_BODY)
         request = parse_request(body)
         translation = None
-        if path in TRANSLATIONS:
-            translation = TRANSLATIONS[path](request)
+        if endpoint.translated:
+            translation = TRANSLATIONS[endpoint.dialect](request)
             request = translation.chat
         name = request["model"]
         route = self.table.routes.get(name)
@@ -260,7 +320,7 @@ class Gateway(Forwarding):
                 code="model_not_allowed",
             )
         # A translated request is a chat completion from here on, and is checked as one.
-        checked_as = path if translation is None else CHAT
+        checked_as = path if translation is None else endpoints.CHAT
         check_kind(checked_as, route)
         check_limits(checked_as, request, route, len(body))
         self.observer.routed(scope, route.name, request, key.name)
@@ -286,7 +346,7 @@ class Gateway(Forwarding):
         ticket = await self.limiter.admit(key.tag, key.limits) if key.limits else None
         tokens = 0
         streamed = request.get("stream") is True and route.kind == "chat"
-        held = hold.HeldStream(send, hold.stream_format(path)) if streamed else None
+        held = hold.HeldStream(send, endpoint.dialect) if streamed else None
         try:
             tokens = await self.answer(
                 scope,
@@ -312,6 +372,15 @@ class Gateway(Forwarding):
                 self.limiter.settle(ticket, tokens)
 
     async def authorize(self, scope) -> routes.Key:
+        if self.table_read_at is None:  # no key can be told from another without a table
+            raise Refusal(
+                503,
+                "The gateway has not read its table yet: the database cannot be reached since "
+                f"{iso(self.stale_since or time.time())}. It tries again every {self.refresh_s:g} s; try again shortly.",
+                kind="api_error",
+                code="table_unavailable",
+                headers=[(b"retry-after", b"1")],
+            )
         given = b""
         for header, value in scope["headers"]:
             if header == b"authorization":
@@ -345,8 +414,12 @@ class Gateway(Forwarding):
                 raise Refusal(404, f"There is no model named {one!r} here.", code="model_not_found")
             payload = found[0]
         else:
-            payload = {"object": "list", "data": entries}
+            payload = {"object": "list", "data": entries, "table": self.table_state()}
         body = json.dumps(payload).encode()
         headers = [JSON_TYPE, (b"content-length", str(len(body)).encode()), timing(time.perf_counter() - started)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def iso(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")

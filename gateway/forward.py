@@ -18,6 +18,7 @@ from django.conf import settings
 from contracts.credentials import bearer
 
 from . import hold, metrics, prospects, routes
+from .endpoints import CHAT
 from .errors import Refusal
 from .intake import sentence_of
 from .relay import relay
@@ -26,7 +27,6 @@ from .usage import Answer
 
 log = logging.getLogger("llmgw.gateway")
 
-CHAT = "/v1/chat/completions"
 # A replica that refused a connection is tried last for this long, so one dead
 # engine costs one failed connect, not one per request, until the table says so.
 COOLDOWN_S = 5.0

@@ -68,14 +68,6 @@ def unavailable(message: str, code: str = "no_ready_replica") -> Refusal:
 # --- a streamed request that waited --------------------------------------------------
 
 
-def stream_format(path: str) -> str:
-    if path == "/v1/messages":
-        return "anthropic"
-    if path == "/v1/responses":
-        return "responses"
-    return "openai"
-
-
 def error_event(fmt: str, status: int, message: str, kind: str = "api_error", code: str | None = None) -> bytes:
     """An error said inside an event stream, in the stream's format, and the stream's end."""
     if fmt == "anthropic":

@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 
 from . import routes
+from .endpoints import ENDPOINTS, answered_by
 from .errors import ClientGone, Refusal
 
 # The longest a token of any model's vocabulary is, in characters: the bound a prompt's
@@ -56,28 +57,15 @@ def parse_request(body: bytes) -> dict:
     return request
 
 
-# The kind of model each address is for; a model answers only its kind's addresses.
-KIND_OF_PATH = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "chat",
-    "/v1/embeddings": "embedding",
-    "/v1/rerank": "rerank",
-}
-WHAT_KIND_ANSWERS = {
-    "chat": "/v1/chat/completions and /v1/completions",
-    "embedding": "/v1/embeddings",
-    "rerank": "/v1/rerank",
-}
-
-
 def check_kind(path: str, route: routes.Route) -> None:
     """Refuse an address the model's kind does not answer: its engine was not started for it."""
-    wanted = KIND_OF_PATH.get(path)
-    if wanted is None or wanted == route.kind:
+    endpoint = ENDPOINTS.get(path)
+    if endpoint is None or endpoint.kind == route.kind:
         return
+    wanted = endpoint.kind
     raise Refusal(
         400,
-        f"{route.name} is a {route.kind} model: it answers {WHAT_KIND_ANSWERS.get(route.kind, 'nothing here')}, "
+        f"{route.name} is a {route.kind} model: it answers {answered_by(route.kind)}, "
         f"not {path}, which is for {wanted} models.",
         param="model",
         code="wrong_model_kind",

@@ -21,7 +21,7 @@ import collections
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field, fields
 from datetime import UTC, datetime
 
 import redis
@@ -72,35 +72,36 @@ end
 return redis.call('ZREM', KEYS[4], ARGV[2])
 """
 
-WHAT = {
-    1: ("requests per minute", "requests"),
-    2: ("tokens per minute", "tokens"),
-    3: ("tokens per day", "tokens"),
-    4: ("tokens per month", "tokens"),
-    5: ("requests in flight at once", "requests"),
-}
 # Each window's counter outlives its window a little, then goes.
 EXPIRES = {"minute": 120, "day": 2 * 86400, "month": 33 * 86400}
 
 
+def _says(name: str, unit: str):
+    return field(default=0, metadata={"says": (name, unit)})
+
+
 @dataclass(frozen=True)
 class Limits:
-    """A key's limits, 0 for none: the order of gateway.models.LIMIT_FIELDS."""
+    """A key's limits, 0 for none, named once: here.
 
-    requests_per_minute: int = 0
-    tokens_per_minute: int = 0
-    tokens_per_day: int = 0
-    tokens_per_month: int = 0
-    in_flight: int = 0
+    The order of these fields is the order of ApiKey's limit fields (LIMIT_FIELDS), of
+    the ADMIT script's ARGV and KEYS (Windows.keys), and of the number the script answers
+    for the limit that refused (1-5, WHAT).
+    """
+
+    requests_per_minute: int = _says("requests per minute", "requests")
+    tokens_per_minute: int = _says("tokens per minute", "tokens")
+    tokens_per_day: int = _says("tokens per day", "tokens")
+    tokens_per_month: int = _says("tokens per month", "tokens")
+    max_in_flight: int = _says("requests in flight at once", "requests")
 
     def values(self) -> tuple[int, int, int, int, int]:
-        return (
-            self.requests_per_minute,
-            self.tokens_per_minute,
-            self.tokens_per_day,
-            self.tokens_per_month,
-            self.in_flight,
-        )
+        return astuple(self)
+
+
+LIMIT_FIELDS = tuple(f.name for f in fields(Limits))
+# What the script's answer 1-5 names, in a refusal's sentence: (the limit, its unit).
+WHAT = {number: f.metadata["says"] for number, f in enumerate(fields(Limits), 1)}
 
 
 def of(values) -> Limits | None:
@@ -330,7 +331,7 @@ class Limiter:
             answer = await self._run(
                 ADMIT,
                 windows.keys,
-                [*limits.values()[:4], limits.in_flight, f"{now:.3f}", request_id, STALE_IN_FLIGHT_S],
+                [*limits.values(), f"{now:.3f}", request_id, STALE_IN_FLIGHT_S],
             )
         except (RedisError, OSError, TimeoutError) as error:
             # Limits are a guard, not the service: with Redis away requests go on, and the log says so.
@@ -376,5 +377,4 @@ def used_now(client: redis.Redis, key_hash: str) -> dict[str, int]:
         pipe.get(key)
     pipe.zcount(windows.keys[4], now - STALE_IN_FLIGHT_S, "+inf")
     values = [int(v or 0) for v in pipe.execute()]
-    names = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "tokens_per_month", "max_in_flight")
-    return dict(zip(names, values, strict=True))
+    return dict(zip(LIMIT_FIELDS, values, strict=True))

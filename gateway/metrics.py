@@ -33,13 +33,16 @@ from prometheus_client.utils import floatToGoString
 from common import metrics
 from fleet.live import redis_client
 
+from .endpoints import ENDPOINTS
+
 log = logging.getLogger("llmgw.gateway")
 
-KINDS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completion",
-    "/v1/embeddings": "embedding",
-}
+
+def metric_kind(path: str) -> str:
+    endpoint = ENDPOINTS.get(path)
+    return endpoint.metric if endpoint else "other"
+
+
 # Seconds: from a fast stub's sub-millisecond answer to a long generation.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -238,7 +241,7 @@ class Observer:
             engine_id = given if is_uuid(given) else os.urandom(16).hex().encode()
         else:
             request_id = engine_id = os.urandom(16).hex().encode()
-        exchange = Exchange(started, request_id, engine_id, KINDS.get(scope["path"], "other"))
+        exchange = Exchange(started, request_id, engine_id, metric_kind(scope["path"]))
         scope[SCOPE_KEY] = exchange
 
         async def observed_send(message) -> None:

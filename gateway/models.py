@@ -3,11 +3,10 @@
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from .limits import LIMIT_FIELDS  # a key's limits are named once, in the limiter
+
 # The gateway holds every key's models in memory: a list without a bound would cost every request.
 MAX_MODELS = 1000
-
-
-LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "tokens_per_month", "max_in_flight")
 
 
 class ApiKey(models.Model):
@@ -98,3 +97,14 @@ class TableChange(models.Model):
 
     def __str__(self) -> str:
         return f"{self.table} {self.row_id} at {self.at}"
+
+
+class UsageBatch(models.Model):
+    """A batch of usage a gateway has written (gateway/usage.py): written in the same transaction as its counts,
+    so a batch tried again after its transaction committed, by any gateway, is not counted twice."""
+
+    id = models.CharField(max_length=32, primary_key=True)
+    written = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    def __str__(self) -> str:
+        return self.id

@@ -25,9 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmgw.gateway")
 
-# Enough of an answer's end to hold its usage object; kept while the rest streams past.
-TAIL_BYTES = 16384
-
 EVENT_END = re.compile(rb"\r?\n\r?\n")
 EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 

@@ -100,11 +100,17 @@ class TableReader:
 
     def read(self) -> Table:
         """The current table: the same object as last time when nothing changed."""
-        now = database_now()
-        if self.table is None or self.since is None or now - self.since > KEEP_CHANGES / 2:
-            self._read_everything(now)
-        else:
-            self._read_changes(now)
+        try:
+            now = database_now()
+            if self.table is None or self.since is None or now - self.since > KEEP_CHANGES / 2:
+                self._read_everything(now)
+            else:
+                self._read_changes(now)
+        except Exception:
+            # A read cut short (the database went away halfway) may have taken marks it did
+            # not apply: the next read is whole rather than trust what it has.
+            self.since = None
+            raise
         if self.pruned_at is None or now - self.pruned_at > PRUNE_EVERY:
             TableChange.objects.filter(at__lt=now - KEEP_CHANGES).delete()
             self.pruned_at = now

@@ -1,27 +1,44 @@
-"""Usage per key, model and day: counted in memory as answers finish, written in batches.
+"""Usage per key, model and day: journaled locally as answers finish, written to the database in batches.
 
 A database write per request would cost more than the rest of the gateway
-together; the counts are added up here and written by the gateway's database
-thread with each refresh, and once more at shutdown.
+together. Each answer appends one line to this process's journal in the spool
+directory (LLMGW_GATEWAY_SPOOL): one write() to the page cache, which outlives
+the process if it is killed. With each table refresh the database thread closes
+the journal as a batch and writes every batch it can lock to the database, in
+one transaction that also records the batches' ids (UsageBatch): a batch whose
+transaction committed is never added again, whoever tries it next and however
+often. While the database is away the batches wait on disk, across restarts of
+the gateway; a journal whose process died is taken by the next gateway that
+drains the spool.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
+import os
 import re
 import threading
-from datetime import date
+import uuid
+from datetime import date, timedelta
+from pathlib import Path
 
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from .endpoints import ENDPOINTS
 from .intake import prompt_texts
-from .models import ApiKey, Usage
-from .relay import TAIL_BYTES
+from .models import ApiKey, Usage, UsageBatch
+
+log = logging.getLogger("llmgw.gateway")
 
 USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# Enough of an answer's end to hold its usage object; kept while the rest streams past.
+TAIL_BYTES = 16384
 # How far after `"usage": {` the counts may be; usage objects are a few hundred bytes at most.
 USAGE_SPAN = 2048
 
@@ -43,14 +60,6 @@ def tokens_in(tail: bytes) -> tuple[int, int] | None:
     return int(prompt.group(1)) if prompt else 0, int(completion.group(1)) if completion else 0
 
 
-# A streamed chunk that carries generated text: a chat delta's "content" or a completion's
-# "text", not empty, as engines write JSON (no space or one after the colon). llama.cpp and
-# vLLM send one token a chunk. A literal start lets the regex engine skip ahead: about half
-# a microsecond a chunk.
-GENERATED = {
-    "/v1/chat/completions": re.compile(rb'"content": ?"[^"]'),
-    "/v1/completions": re.compile(rb'"text": ?"[^"]'),
-}
 # The end of the last chunk kept to find a match split between two chunks: a match is at most 14 bytes.
 CARRY_BYTES = 16
 # Characters a token, by OpenAI's rule of thumb, counted in UTF-8 bytes so that a script
@@ -66,7 +75,8 @@ class Answer:
         self.tail = b""
         self.event_stream = False
         self.generated = 0
-        self._pattern = GENERATED.get(path)
+        endpoint = ENDPOINTS.get(path)
+        self._pattern = endpoint.generated if endpoint else None
         self._carry = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -90,51 +100,165 @@ class Answer:
         return -(-size // BYTES_PER_TOKEN), self.generated
 
 
-class Recorder:
-    """Counts kept until the next flush. add() is called on the event loop, flush() in a thread."""
+# Batches written in one transaction at most: a long outage's backlog goes in a few steps.
+BATCHES_AT_ONCE = 500
+# Batch ids are kept this long; a batch left on disk longer could be counted a second time.
+KEEP_BATCH_IDS = timedelta(days=60)
+LIVE_PREFIX, BATCH_SUFFIX = "live-", ".batch"
 
-    def __init__(self) -> None:
+
+class Recorder:
+    """This process's usage journal. add() is called on the event loop, flush() in the database thread."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._counts: dict[tuple[int, str, date], list[int]] = {}
+        self._written = 0
+        self._failing = False
+        self._pruned = False
+        self._open_journal()
+
+    def _open_journal(self) -> None:
+        # Locked before it has the name other gateways look for, so none takes it for a dead one's.
+        self._id = uuid.uuid4().hex
+        making = self.directory / f".{self._id}.new"
+        self._fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._path = self.directory / f"{LIVE_PREFIX}{self._id}.log"
+        os.rename(making, self._path)
+        self._written = 0
 
     def add(self, key_id: int, model: str, prompt: int, completion: int) -> None:
-        day = timezone.localdate()
+        line = json.dumps([key_id, model, timezone.localdate().isoformat(), prompt, completion]) + "\n"
         with self._lock:
-            counts = self._counts.setdefault((key_id, model, day), [0, 0, 0])
-            counts[0] += 1
-            counts[1] += prompt
-            counts[2] += completion
+            try:
+                os.write(self._fd, line.encode())
+                self._written += 1
+            except OSError as error:
+                log.error("usage of key %s not recorded: the spool %s cannot be written: %s", key_id, self._path, error)
 
     def pending(self) -> int:
+        """Answers journaled by this process and not yet closed as a batch."""
         with self._lock:
-            return len(self._counts)
+            return self._written
+
+    def close(self) -> None:
+        """At shutdown: the journal becomes a batch for whoever drains next."""
+        self._rotate()
+        os.close(self._fd)
+
+    def _rotate(self) -> None:
+        with self._lock:
+            if not self._written:
+                return
+            old_fd, old_path, old_id = self._fd, self._path, self._id
+            os.fsync(old_fd)
+            os.rename(old_path, self.directory / f"{old_id}{BATCH_SUFFIX}")
+            self._open_journal()
+        os.close(old_fd)
 
     def flush(self) -> None:
-        """Write what has been counted. Runs in a thread: it uses the database."""
-        with self._lock:
-            counts, self._counts = self._counts, {}
-        if not counts:
-            return
+        """Close the journal as a batch and write the spool's batches. Runs in a thread: it uses the database."""
+        self._rotate()
         try:
-            with transaction.atomic():
-                # A key deleted since its requests were counted takes its usage with it.
-                live = set(ApiKey.objects.filter(pk__in={k for k, _, _ in counts}).values_list("pk", flat=True))
-                for (key_id, model, day), (requests, prompt, completion) in counts.items():
-                    if key_id not in live:
-                        continue
-                    row, _ = Usage.objects.get_or_create(key_id=key_id, model_name=model, day=day)
-                    Usage.objects.filter(pk=row.pk).update(
-                        requests=F("requests") + requests,
-                        prompt_tokens=F("prompt_tokens") + prompt,
-                        completion_tokens=F("completion_tokens") + completion,
-                    )
-                ApiKey.objects.filter(pk__in=live).update(last_used=timezone.now())
-        except Exception:
-            # Not written this time: put the counts back so the next flush carries them.
-            with self._lock:
-                for where, (requests, prompt, completion) in counts.items():
-                    mine = self._counts.setdefault(where, [0, 0, 0])
-                    mine[0] += requests
-                    mine[1] += prompt
-                    mine[2] += completion
+            taken = last = drain(self.directory)
+            while last == BATCHES_AT_ONCE:
+                last = drain(self.directory)
+                taken += last
+            if taken and not self._pruned:
+                UsageBatch.objects.filter(written__lt=timezone.now() - KEEP_BATCH_IDS).delete()
+                self._pruned = True
+        except Exception as error:
+            if not self._failing:
+                log.warning(
+                    "usage is kept in %s until the database can be written again: %s", self.directory, one_line(error)
+                )
+            self._failing = True
             raise
+        if self._failing:
+            log.warning("usage kept in %s while the database was away is written", self.directory)
+        self._failing = False
+
+
+def one_line(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def drain(directory: Path) -> int:
+    """Write the batches of the spool that no live process holds; the number of batches taken."""
+    held: list[tuple[str, Path, int]] = []
+    try:
+        for path in sorted(directory.iterdir()):
+            if len(held) >= BATCHES_AT_ONCE:
+                break
+            name = path.name
+            if name.endswith(BATCH_SUFFIX):
+                batch = name[: -len(BATCH_SUFFIX)]
+            elif name.startswith(LIVE_PREFIX) and name.endswith(".log"):
+                batch = name[len(LIVE_PREFIX) : -len(".log")]  # a journal whose process died, if unlocked
+            else:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            if os.fstat(fd).st_nlink == 0:  # written and removed by another gateway meanwhile
+                os.close(fd)
+                continue
+            held.append((batch, path, fd))
+        if not held:
+            return 0
+        counts: dict[tuple[int, str, date], list[int]] = {}
+        contents = {}
+        for batch, _, fd in held:
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                contents[batch] = fh.read()
+        with transaction.atomic():
+            done = set(UsageBatch.objects.filter(id__in=list(contents)).values_list("id", flat=True))
+            for batch, data in contents.items():
+                if batch not in done:
+                    _add_lines(counts, data)
+            UsageBatch.objects.bulk_create([UsageBatch(id=batch) for batch in contents if batch not in done])
+            _write(counts)
+        for _, path, _ in held:
+            path.unlink(missing_ok=True)
+        return len(held)
+    finally:
+        for _, _, fd in held:
+            os.close(fd)
+
+
+def _add_lines(counts: dict, data: bytes) -> None:
+    for line in data.splitlines():
+        try:
+            key_id, model, day, prompt, completion = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a machine that lost power: its answer is lost, not the batch
+        where = (int(key_id), str(model), date.fromisoformat(day))
+        mine = counts.setdefault(where, [0, 0, 0])
+        mine[0] += 1
+        mine[1] += int(prompt)
+        mine[2] += int(completion)
+
+
+def _write(counts: dict) -> None:
+    if not counts:
+        return
+    # A key deleted since its requests were counted takes its usage with it.
+    live = set(ApiKey.objects.filter(pk__in={k for k, _, _ in counts}).values_list("pk", flat=True))
+    for (key_id, model, day), (requests, prompt, completion) in counts.items():
+        if key_id not in live:
+            continue
+        row, _ = Usage.objects.get_or_create(key_id=key_id, model_name=model, day=day)
+        Usage.objects.filter(pk=row.pk).update(
+            requests=F("requests") + requests,
+            prompt_tokens=F("prompt_tokens") + prompt,
+            completion_tokens=F("completion_tokens") + completion,
+        )
+    ApiKey.objects.filter(pk__in=live).update(last_used=timezone.now())

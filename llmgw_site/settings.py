@@ -3,6 +3,8 @@ run everything on one machine (SQLite and the mirror under var/, a local Redis).
 
 LLMGW_ROLE says which of the control plane's processes this is:
 - control (the default): the admin server, the control worker and its beat.
+- gateway: `manage.py gateway`, /v1/ on its own port: no Django request handling at all,
+  only the models it reads its table through.
 - bytes: the byte listener; its own URLconf, no sessions, auth or admin: it serves
   files and manifests to nodes and nothing else.
 A node's agent does not run these settings at all: `manage.py agent` and `fetch` run
@@ -113,7 +115,16 @@ FETCH_WAIT_S = env_int("LLMGW_FETCH_WAIT_S", 6 * 3600, minimum=1)
 DEMO_MODEL = env_bool("LLMGW_DEMO_MODEL", True)
 # Models declared in configuration (YAML), loaded at migrate and by `manage.py catalog_load`.
 CATALOG_FILE = env_path("LLMGW_CATALOG", Path(""), BASE_DIR) if env_str("LLMGW_CATALOG", "") else None
-# The gateway (/v1/ on the admin port): how often it re-reads models, replicas and keys, in milliseconds.
+# The gateway: /v1/ on a port of its own (`manage.py gateway`), in LLMGW_GATEWAY_WORKERS processes.
+GATEWAY_ADDR = env_addr("LLMGW_GATEWAY_ADDR", "127.0.0.1:8080")
+GATEWAY_WORKERS = env_int("LLMGW_GATEWAY_WORKERS", 1, minimum=1)
+# The gateway as clients reach it, named by the admin port's 404 for /v1/ (0.0.0.0 is not an address to call).
+_gateway_host = "127.0.0.1" if GATEWAY_ADDR[0] in {"0.0.0.0", "::", ""} else GATEWAY_ADDR[0]
+GATEWAY_URL = env_str("LLMGW_GATEWAY_URL", f"http://{_gateway_host}:{GATEWAY_ADDR[1]}/").rstrip("/") + "/"
+# Usage counted by a gateway is written here first and to the database from here (docs/gateway.md),
+# so a database outage, or a gateway restarted during one, loses none of it.
+GATEWAY_SPOOL = env_path("LLMGW_GATEWAY_SPOOL", VAR_DIR / "gateway-spool", BASE_DIR)
+# How often the gateway re-reads models, replicas and keys, in milliseconds.
 GATEWAY_REFRESH_MS = env_int("LLMGW_GATEWAY_REFRESH_MS", 1000, minimum=50)
 # How long a replica may take to start answering (headers) before the request fails, in seconds.
 GATEWAY_UPSTREAM_TIMEOUT_S = env_int("LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S", 600, minimum=1)
@@ -181,6 +192,12 @@ if ROLE == "bytes":
     ROOT_URLCONF = "llmgw_site.urls_bytes"
     MIDDLEWARE = []
 
+if ROLE == "gateway":
+    # /v1/ is plain ASGI (gateway/app.py), never Django's handler: no middleware, no URLconf,
+    # no sessions. The apps stay installed for the models the table is read through.
+    ROOT_URLCONF = None
+    MIDDLEWARE = []
+
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
@@ -216,6 +233,10 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Tests run real worker processes against the test database, so it has to
     # be a file they can open, not an in-memory database of the test process.
     DATABASES["default"]["TEST"] = {"NAME": str(env_path("LLMGW_TEST_DB", VAR_DIR / "test.sqlite3", BASE_DIR))}
+if ROLE == "gateway" and DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # A database that is away is noticed in seconds, not after the kernel's TCP timeout: the
+    # gateway goes on serving from its last table meanwhile (docs/gateway.md).
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault("connect_timeout", 3)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

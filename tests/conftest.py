@@ -107,12 +107,12 @@ def agent_cache(tmp_path) -> Path:
 
 @pytest.fixture
 def gateway(transactional_db, tmp_path):
-    """A real admin server (uvicorn) on the test database: `.url` and `.process`."""
+    """A real gateway process (`manage.py gateway`, uvicorn) on the test database: `.url` and `.process`."""
     from types import SimpleNamespace
 
-    from .processes import start_admin_server
+    from .gateway_process import start_gateway
 
-    process, url = start_admin_server(tmp_path)
+    process, url = start_gateway(tmp_path)
     yield SimpleNamespace(url=url, process=process)
     process.stop()
 

@@ -1,7 +1,7 @@
 """The fleet test's processes: a control plane on this host, nodes in their own network namespaces.
 
-The control plane is what `deploy/` runs on its host: two admin servers on loopback
-(the gateway; two, as behind the operator's load balancer, so that one can be
+The control plane is what `deploy/` runs on its host: the admin server and two
+gateways on loopback (two, as behind the operator's load balancer, so that one can be
 restarted while the other answers), the byte listener and Redis on the bridge, and
 one control worker with its beat. A node is `manage.py agent` run inside its
 namespace, with its own cache, no database, and the bridge as its only network.
@@ -50,12 +50,14 @@ class ControlPlane:
         self.redis_url = f"redis://:{self.redis_password}@{fleet.address}:{self.redis_port}/0"
         self.bytes_port = free_port_on(fleet.address)
         self.byte_listener_url = f"http://{fleet.address}:{self.bytes_port}/"
-        self.admin_ports = [free_port(), free_port()]
+        self.admin_port = free_port()
+        self.gateway_ports = [free_port(), free_port()]
         self.extra_env = extra_env
         self.redis: subprocess.Popen | None = None
         self.byte_listener: Process | None = None
         self.worker: Process | None = None
-        self.admins: list[Process | None] = [None, None]
+        self.admin: Process | None = None
+        self.gateways: list[Process | None] = [None, None]
         # The nodes fetch through this proxy, which can slow a fetch down so that one is
         # in progress when its node is cut off. It is the test's, not the control plane's.
         self.proxy = CountingProxy(self.byte_listener_url, host=fleet.address)
@@ -64,15 +66,20 @@ class ControlPlane:
             self.start_redis()
             self.start_byte_listener()
             self.start_worker()
+            self.start_admin()
             for i in range(2):
-                self.start_admin(i)
+                self.start_gateway(i)
         except BaseException:
             self.stop()  # what started before the failure; the fixture never got the object to stop
             raise
 
     @property
-    def admin_urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{port}" for port in self.admin_ports]
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def gateway_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.gateway_ports]
 
     def env(self, **more: str) -> dict:
         """deploy/env/control.env filled in for this control plane, with the test's short timings."""
@@ -129,13 +136,20 @@ class ControlPlane:
         wait_until(lambda: "ready." in self.worker.output() or not self.worker.alive(), timeout=60, what="the worker")
         assert self.worker.alive(), self.worker.output()
 
-    def start_admin(self, i: int) -> None:
-        env = self.env(LLMGW_ADMIN_ADDR=f"127.0.0.1:{self.admin_ports[i]}")
-        self.admins[i] = Process(f"admin-server-{i}", [sys.executable, "manage.py", "admin_server"], env, self.log_dir)
-        wait_for_status(self.admins[i], self.admin_urls[i] + "/v1/models", 401, f"admin server {i}")
+    def start_admin(self) -> None:
+        env = self.env(LLMGW_ADMIN_ADDR=f"127.0.0.1:{self.admin_port}")
+        self.admin = Process("admin-server", [sys.executable, "manage.py", "admin_server"], env, self.log_dir)
+        wait_for_status(self.admin, self.admin_url + "/v1/models", 404, "the admin server")
+
+    def start_gateway(self, i: int) -> None:
+        env = self.env(
+            LLMGW_GATEWAY_ADDR=f"127.0.0.1:{self.gateway_ports[i]}", LLMGW_GATEWAY_SPOOL=self.log_dir / "spool"
+        )
+        self.gateways[i] = Process(f"gateway-{i}", [sys.executable, "manage.py", "gateway"], env, self.log_dir)
+        wait_for_status(self.gateways[i], self.gateway_urls[i] + "/v1/models", 401, f"gateway {i}")
 
     def processes(self) -> list[Process]:
-        return [p for p in (self.byte_listener, self.worker, *self.admins) if p is not None]
+        return [p for p in (self.byte_listener, self.worker, self.admin, *self.gateways) if p is not None]
 
     def stop(self) -> None:
         for process in self.processes():

@@ -395,14 +395,18 @@ def children_of(pid: int) -> list[int]:
 
 
 def start_admin_server(log_dir: Path, workers: int = 1, **settings_env) -> tuple[Process, str]:
-    """`manage.py admin_server` (uvicorn: Django and the /v1/ gateway) on a free port, on the test database."""
+    """`manage.py admin_server` (uvicorn: Django's pages) on a free port, on the test database.
+
+    Ready when /v1/models answers 404: the admin port's word that the gateway is elsewhere
+    (the gateway itself is tests/gateway_process.py's start_gateway).
+    """
     port = free_port()
     env = process_env(LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}", LLMGW_GATEWAY_REFRESH_MS=100, **settings_env)
     argv = [sys.executable, "manage.py", "admin_server"] + (["--workers", str(workers)] if workers != 1 else [])
     process = Process("admin-server", argv, env, log_dir)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for_status(process, url + "/v1/models", 401, "the admin server")
+        wait_for_status(process, url + "/v1/models", 404, "the admin server")
     except AssertionError:
         process.stop()  # with --workers, a supervisor whose workers fail goes on starting them
         raise

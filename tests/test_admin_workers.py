@@ -1,4 +1,4 @@
-"""`manage.py admin_server --workers 2`: two processes on one port, and keys, usage and routing stay right.
+"""`manage.py gateway --workers 2`: two processes on one port, and keys, usage and routing stay right.
 
 Each worker process has its own table in memory, its own usage counts and its own
 connection pool; the kernel hands each new connection to one of them. These tests
@@ -22,7 +22,7 @@ from gateway.keys import create_key
 from gateway.models import Usage
 
 from .fake_replica import FakeReplica
-from .processes import start_admin_server
+from .gateway_process import start_gateway
 from .support.factories import add_model, add_replica
 from .support.gateway import clear_of_minute_boundary, client, until_routed
 from .support.waiting import wait_until
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def two_workers(transactional_db, tmp_path):
-    process, url = start_admin_server(tmp_path, workers=2)
+    process, url = start_gateway(tmp_path, workers=2)
     workers = wait_until(lambda: _workers(process.popen.pid), timeout=30, what="two worker processes")
     yield url, workers
     process.stop()

@@ -22,6 +22,7 @@ def test_there_is_a_unit_for_each_control_plane_process_and_the_agent():
         "llmgw-admin.service",
         "llmgw-bytes.service",
         "llmgw-control.service",
+        "llmgw-gateway.service",
         "llmgw-agent.service",
     }
     control = (DEPLOY / "systemd" / "llmgw-control.service").read_text()
@@ -110,7 +111,7 @@ def test_check_deploy_is_clean_with_the_production_settings_the_fleet_doc_gives(
     assert unsafe.returncode != 0 and "SECURE_SSL_REDIRECT" in unsafe.stderr + unsafe.stdout
 
 
-def _start_nginx(work: Path, https_port: int, http_port: int, admin_port: int) -> subprocess.Popen:
+def _start_nginx(work: Path, https_port: int, http_port: int, admin_port: int, gateways: list[int]) -> subprocess.Popen:
     """deploy/nginx/llmgw.conf as given, on loopback ports of this test and a certificate made for 127.0.0.1."""
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=llmgw.test"]
@@ -124,6 +125,8 @@ def _start_nginx(work: Path, https_port: int, http_port: int, admin_port: int) -
         "listen 80;", f"listen 127.0.0.1:{http_port};"
     )
     site = site.replace("127.0.0.1:8000", f"127.0.0.1:{admin_port}")
+    for example, port in zip(("10.0.0.31:8080", "10.0.0.32:8080"), gateways, strict=True):
+        site = site.replace(example, f"127.0.0.1:{port}")
     site = site.replace("/etc/ssl/llmgw/fullchain.pem", str(work / "cert.pem"))
     site = site.replace("/etc/ssl/llmgw/privkey.pem", str(work / "key.pem"))
     (work / "site.conf").write_text(site)
@@ -139,13 +142,17 @@ def _start_nginx(work: Path, https_port: int, http_port: int, admin_port: int) -
 
 @pytest.mark.skipif(not (shutil.which("nginx") or os.path.exists("/usr/sbin/nginx")), reason="nginx is not installed")
 def test_the_tls_proxy_of_the_fleet_doc_serves_the_admin_port_over_https_only(tmp_path, transactional_db):
+    from .gateway_process import start_gateway
     from .processes import start_admin_server
     from .services import free_port
     from .support.waiting import wait_until
 
     admin, url = start_admin_server(tmp_path, LLMGW_HTTPS="true")
+    gateway, gateway_url = start_gateway(tmp_path)
     https_port, http_port = free_port(), free_port()
-    nginx = _start_nginx(tmp_path, https_port, http_port, int(url.rsplit(":", 1)[1]))
+    # The site's second gateway is a port nothing listens on: a gateway that is down.
+    gateways = [int(gateway_url.rsplit(":", 1)[1]), free_port()]
+    nginx = _start_nginx(tmp_path, https_port, http_port, int(url.rsplit(":", 1)[1]), gateways)
     try:
         base = f"https://127.0.0.1:{https_port}"
         cert = str(tmp_path / "cert.pem")
@@ -161,8 +168,11 @@ def test_the_tls_proxy_of_the_fleet_doc_serves_the_admin_port_over_https_only(tm
         # Cookies travel only over HTTPS, and browsers are told to keep to it.
         assert "Secure" in login.headers["set-cookie"]
         assert login.headers["strict-transport-security"].startswith("max-age=")
-        # The gateway behind it: a request without a key is refused in OpenAI's shape, over TLS.
-        assert requests.get(base + "/v1/models", verify=cert, timeout=5).status_code == 401
+        # The gateways behind it: a request without a key is refused in OpenAI's shape, over TLS,
+        # by the gateway that is up, however often nginx tries the one that is down first.
+        for _ in range(6):
+            refused = requests.get(base + "/v1/models", verify=cert, timeout=5)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         # Plain HTTP, to nginx or to the admin port itself, is sent to HTTPS.
         plain = requests.get(f"http://127.0.0.1:{http_port}/admin/", allow_redirects=False, timeout=5)
         assert plain.status_code == 301 and plain.headers["location"].startswith("https://")
@@ -171,4 +181,5 @@ def test_the_tls_proxy_of_the_fleet_doc_serves_the_admin_port_over_https_only(tm
     finally:
         nginx.terminate()
         nginx.wait(timeout=10)
+        gateway.stop()
         admin.stop()

@@ -1,6 +1,6 @@
 """A fleet across hosts, with hosts as network namespaces: every part real, every fault acted out.
 
-The control plane runs on this host (admin servers on loopback; Redis and the byte
+The control plane runs on this host (the admin server and two gateways on loopback; Redis and the byte
 listener on a bridge the test makes); nodes n1 and n2 each run `manage.py agent` in a
 network namespace of their own, with their own cache, no database, and only the bridge
 to talk on. Their llama.cpp engines listen on the node's bridge address and the gateway
@@ -15,10 +15,10 @@ reaches them over the bridge. The tests run in order on one fleet, each one faul
 4. the control plane killed and started again while replicas serve: every request
    answered, nothing placed twice, no engine restarted.
 
-"Serving never stops" in 4: the gateway is inside the admin server, so it is restarted
-too; an operator who needs no gap runs two behind a load balancer (docs/testing.md),
-and so does the test: everything else is killed at once with one admin server, then
-the other one. The client goes to the first gateway that takes its connection, as a
+"Serving never stops" in 4: the gateways are processes of their own, and an operator who
+needs no gap runs two behind a load balancer (docs/fleet.md), and so does the test:
+everything else (admin server, worker, byte listener, Redis) is killed at once with one
+gateway, then the other gateway. The client goes to the first gateway that takes its connection, as a
 load balancer would, and every one of its requests must be answered.
 """
 
@@ -115,7 +115,7 @@ def client_key(fleet):
 def serve(control: ControlPlane, name: str, version: str) -> str:
     """Serve a mirrored version with two replicas, through the API, as staff do; returns its source."""
     api = token_session()
-    url = control.admin_urls[0]
+    url = control.admin_url
     plan = wait_until(
         lambda: (r := api.get(url + f"/api/serve/plan/?model=tiny&version={version}")).ok and r.json(),
         timeout=30,
@@ -158,7 +158,7 @@ def routed(control: ControlPlane, key: str, model: str = "tiny") -> None:
     def answered():
         return all(
             session.post(url + "/v1/chat/completions", json={"model": model, **ASK}, timeout=60).status_code == 200
-            for url in control.admin_urls
+            for url in control.gateway_urls
         )
 
     wait_for(answered, 20, lambda: f"both gateways to answer {model}")
@@ -190,7 +190,7 @@ def test_both_nodes_enrol_and_two_replicas_answer_through_the_gateway_from_the_n
 
     session = requests.Session()
     session.headers["Authorization"] = f"Bearer {client_key}"
-    gateway = control.admin_urls[0]
+    gateway = control.gateway_urls[0]
     wait_until(
         lambda: any(m["ready"] for m in session.get(gateway + "/v1/models").json().get("data", [])),
         timeout=10,
@@ -225,7 +225,7 @@ def test_a_nodes_engine_refuses_a_request_from_the_network_without_its_replica_s
     # Through the gateway, which presents each replica's secret, the same engines answer.
     session = requests.Session()
     session.headers["Authorization"] = f"Bearer {client_key}"
-    answer = session.post(control.admin_urls[0] + "/v1/chat/completions", json={"model": "tiny", **ASK}, timeout=60)
+    answer = session.post(control.gateway_urls[0] + "/v1/chat/completions", json={"model": "tiny", **ASK}, timeout=60)
     assert answer.status_code == 200, answer.text
 
 
@@ -272,7 +272,7 @@ def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_g
     wait_for(fetching_on_n1, 60, lambda: f"n1 to be fetching late: {state([n1, n2])}", interval=0.2)
     routed(control, client_key)
     seen: list[int] = []
-    with Asker(control.admin_urls, client_key, {"model": "tiny", **ASK}) as asker:
+    with Asker(control.gateway_urls, client_key, {"model": "tiny", **ASK}) as asker:
         answered_more(asker, 5)  # asking, on kept-alive connections, before the cut
         cut_at = time.monotonic()
         n1.host.cut()
@@ -328,7 +328,7 @@ def test_a_node_that_comes_back_stops_its_old_engines_and_the_gateway_never_rout
     routed(control, client_key)
     before = {replica_id: chat_requests_in(n2.engine_log(replica_id)) for replica_id in stale_ids}
 
-    with Asker(control.admin_urls, client_key, {"model": "tiny", **ASK}) as asker:
+    with Asker(control.gateway_urls, client_key, {"model": "tiny", **ASK}) as asker:
         n2.host.restore()
         n2.start_agent()
 
@@ -354,11 +354,11 @@ def test_the_control_plane_killed_and_started_again_while_replicas_serve_answers
     rows_before = sorted(Replica.objects.values_list("pk", "model_name", "node__name", "endpoint", "state"))
     assert len(rows_before) == 4 and all(row[4] == "ready" for row in rows_before), rows_before
     routed(control, client_key)
-    with Asker(control.admin_urls, client_key, {"model": "tiny", **ASK}) as asker:
+    with Asker(control.gateway_urls, client_key, {"model": "tiny", **ASK}) as asker:
         answered_more(asker, 5)  # asking before anything is killed
-        # Everything but one admin server, at once: control worker and beat, byte listener,
-        # Redis, admin server 0.
-        for process in (control.worker, control.byte_listener, control.admins[0]):
+        # Everything but one gateway, at once: control worker and beat, byte listener,
+        # Redis, the admin server, gateway 0.
+        for process in (control.worker, control.byte_listener, control.admin, control.gateways[0]):
             process.kill()
         control.redis.kill()
         control.redis.wait(timeout=10)
@@ -366,13 +366,14 @@ def test_the_control_plane_killed_and_started_again_while_replicas_serve_answers
         control.start_redis()
         control.start_byte_listener()
         control.start_worker()
-        control.start_admin(0)
+        control.start_admin()
+        control.start_gateway(0)
         # Reconcile passes on the new worker, with the nodes' reports of what they run: eight
         # seconds of them (one a second) to prove an absence, that none of them places anything again.
         time.sleep(8)
-        control.admins[1].kill()
-        time.sleep(3)  # a fixed pause on purpose: admin server 1 stays down a while, the others answering
-        control.start_admin(1)
+        control.gateways[1].kill()
+        time.sleep(3)  # a fixed pause on purpose: gateway 1 stays down a while, the other answering
+        control.start_gateway(1)
         answered_more(asker, 10)  # and answered once everything is back
     assert len(asker.outcomes) > 20, asker.outcomes
     assert not asker.failures(), f"{len(asker.failures())} of {len(asker.outcomes)} failed: {asker.failures()[:3]}"

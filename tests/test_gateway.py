@@ -1,4 +1,4 @@
-"""The /v1/ gateway as clients see it: a real admin server (uvicorn) in front of replicas that answer on cue."""
+"""The /v1/ gateway as clients see it: a real gateway process (uvicorn) in front of replicas that answer on cue."""
 
 from __future__ import annotations
 
@@ -170,9 +170,9 @@ def impatient_gateway(transactional_db, tmp_path):
     """A gateway whose requests wait a second for a replica (LLMGW_HOLD_S=1), not five minutes."""
     from types import SimpleNamespace
 
-    from .processes import start_admin_server
+    from .gateway_process import start_gateway
 
-    process, url = start_admin_server(tmp_path, LLMGW_HOLD_S=1)
+    process, url = start_gateway(tmp_path, LLMGW_HOLD_S=1)
     yield SimpleNamespace(url=url, process=process)
     process.stop()
 
@@ -270,13 +270,13 @@ def test_completions_and_embeddings_reach_the_same_addresses_on_the_replica(gate
 
 
 def test_a_body_over_the_limit_is_a_413_and_is_not_passed_on(tmp_path, transactional_db, replicas):
-    from .processes import start_admin_server
+    from .gateway_process import start_gateway
 
     add_model()
     replica = replicas()
     add_replica("chat", replica.base)
     _, secret = create_key("k")
-    process, url = start_admin_server(tmp_path, LLMGW_GATEWAY_MAX_BODY=4096, LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S=1)
+    process, url = start_gateway(tmp_path, LLMGW_GATEWAY_MAX_BODY=4096, LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S=1)
     try:
         session = client(secret)
         until_routed(session, url)

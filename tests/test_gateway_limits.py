@@ -1,4 +1,4 @@
-"""Per-key limits as clients see them: real admin servers (two, sharing one Redis) in front of a steerable replica."""
+"""Per-key limits as clients see them: real gateway processes (two, sharing one Redis) in front of a steerable replica."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gateway.keys import create_key
 from gateway.limits import used_now
 from gateway.models import ApiKey
 
-from .processes import start_admin_server
+from .gateway_process import start_gateway
 from .staff_api import token_session
 from .support.factories import add_model, add_replica
 from .support.gateway import chat, clear_of_minute_boundary, client, error_of, held_stream, until_routed
@@ -26,12 +26,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture
 def second_gateway(transactional_db, tmp_path):
     (tmp_path / "second").mkdir()
-    process, url = start_admin_server(tmp_path / "second")
+    process, url = start_gateway(tmp_path / "second")
     yield url
     process.stop()
 
 
-def test_a_key_at_60_requests_a_minute_sending_100_gets_60_answered_and_40_refused_across_two_admin_servers(
+def test_a_key_at_60_requests_a_minute_sending_100_gets_60_answered_and_40_refused_across_two_gateways(
     gateway, second_gateway, replicas, redis_client
 ):
     add_model()

@@ -1,6 +1,6 @@
 """Requests held for a model with no ready replica but one on its way, and the load the gateway shares.
 
-A real admin server (uvicorn) in front of replicas that answer on cue (tests/fake_replica.py,
+A real gateway process (uvicorn) in front of replicas that answer on cue (tests/fake_replica.py,
 real HTTP servers), the tests' real Redis as the broker: the wake a waiting request asks
 for is read off the control queue itself, where no worker takes it in these tests. The
 real engine and agent are in test_hold_real_model.py.
@@ -25,7 +25,7 @@ from contracts import progress as contracts_progress
 from fleet.models import Replica
 from gateway.keys import create_key
 
-from .processes import start_admin_server
+from .gateway_process import start_gateway as start_gateway_process
 from .support.factories import add_model, add_replica
 from .support.gateway import client, error_of
 from .support.waiting import wait_until
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def start_gateway(tmp_path, **env):
-    process, url = start_admin_server(tmp_path, **env)
+    process, url = start_gateway_process(tmp_path, **env)
     return SimpleNamespace(url=url, process=process)
 
 

@@ -1,4 +1,4 @@
-"""The gateway's metrics, X-Request-Id and access log, read back from a real admin server's /metrics."""
+"""The gateway's metrics, X-Request-Id and access log, read back from a real gateway's /metrics."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from catalog.models import Model
 from gateway.keys import create_key
 from gateway.metrics import HOUR_PREFIX
 
-from .processes import start_admin_server
+from .gateway_process import start_gateway
 from .scrape import samples, total, value
 from .services import free_port
 from .support.factories import add_model, add_replica
@@ -28,9 +28,9 @@ TOKEN = "a-scrapers-token-of-some-length"
 
 @pytest.fixture
 def observed(transactional_db, tmp_path):
-    """An admin server with /metrics behind TOKEN, key labels on, and its access log in a file."""
+    """A gateway with /metrics behind TOKEN, key labels on, and its access log in a file."""
     log = tmp_path / "access.jsonl"
-    process, url = start_admin_server(
+    process, url = start_gateway(
         tmp_path, LLMGW_METRICS_TOKEN=TOKEN, LLMGW_METRICS_KEY_LABELS="true", LLMGW_GATEWAY_ACCESS_LOG=log
     )
     yield SimpleNamespace(url=url, process=process, log=log)

@@ -12,6 +12,7 @@ import yaml
 
 from gateway.keys import create_key
 
+from .gateway_process import start_gateway
 from .processes import BASE_DIR, Process, start_admin_server, start_agent
 from .services import free_port
 from .support.factories import add_model, add_replica
@@ -24,12 +25,12 @@ CONTROL_TOKEN = "the-control-planes-scrape-token"
 NODE_TOKEN = "the-nodes-scrape-token"
 
 
-def prometheus_config(tmp_path: Path, control: str, node: str) -> Path:
+def prometheus_config(tmp_path: Path, control: str, node: str, gateway: str) -> Path:
     """The shipped deploy/prometheus.yml with this test's targets, token files and a 1 s interval."""
     config = yaml.safe_load((BASE_DIR / "deploy" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
-    targets = {"llmgw-control": control, "llmgw-nodes": node}
-    tokens = {"llmgw-control": CONTROL_TOKEN, "llmgw-nodes": NODE_TOKEN}
+    targets = {"llmgw-control": control, "llmgw-nodes": node, "llmgw-gateways": gateway}
+    tokens = {"llmgw-control": CONTROL_TOKEN, "llmgw-nodes": NODE_TOKEN, "llmgw-gateways": CONTROL_TOKEN}
     for job in config["scrape_configs"]:
         name = job["job_name"]
         job["static_configs"] = [{"targets": [targets[name]]}]
@@ -89,6 +90,7 @@ def test_prometheus_scrapes_the_control_plane_and_a_node_and_counts_the_requests
     replicas,  # noqa: F811
 ):
     admin, admin_url = start_admin_server(tmp_path, LLMGW_METRICS_TOKEN=CONTROL_TOKEN)
+    gateway, gateway_url = start_gateway(tmp_path, LLMGW_METRICS_TOKEN=CONTROL_TOKEN)
     name, token = enrolled_node
     node_port = free_port()
     agent = start_agent(
@@ -106,21 +108,22 @@ def test_prometheus_scrapes_the_control_plane_and_a_node_and_counts_the_requests
         add_replica("other", replicas().base)
         _, secret = create_key("k")
         session = client(secret)
-        until_routed(session, admin_url)
-        until_routed(session, admin_url, "other")
-        url = prometheus(prometheus_config(tmp_path, admin_url.removeprefix("http://"), f"127.0.0.1:{node_port}"))
+        until_routed(session, gateway_url)
+        until_routed(session, gateway_url, "other")
+        targets = admin_url.removeprefix("http://"), f"127.0.0.1:{node_port}", gateway_url.removeprefix("http://")
+        url = prometheus(prometheus_config(tmp_path, *targets))
         for model, times in (("chat", 3), ("other", 2)):
             for _ in range(times):
-                assert chat(session, admin_url, model=model).status_code == 200
+                assert chat(session, gateway_url, model=model).status_code == 200
 
         def both_up():
             targets = requests.get(url + "/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
             return {t["labels"]["job"]: (t["health"], t["lastError"]) for t in targets}
 
         wait_until(
-            lambda: both_up() == {"llmgw-control": ("up", ""), "llmgw-nodes": ("up", "")},
+            lambda: both_up() == {"llmgw-control": ("up", ""), "llmgw-nodes": ("up", ""), "llmgw-gateways": ("up", "")},
             timeout=30,
-            what="both targets to be scraped without errors",
+            what="the three targets to be scraped without errors",
         )
 
         def by_model():
@@ -138,4 +141,5 @@ def test_prometheus_scrapes_the_control_plane_and_a_node_and_counts_the_requests
                 query(url, target["expr"].replace("$model", ".*"))
     finally:
         agent.stop()
+        gateway.stop()
         admin.stop()

@@ -28,7 +28,7 @@ def answers(port: int) -> bool:
 
 @pytest.fixture
 def up(tmp_path):
-    ports = {"admin": free_port(), "bytes": free_port(), "redis": free_port()}
+    ports = {"admin": free_port(), "gateway": free_port(), "bytes": free_port(), "redis": free_port()}
     # A user's shell: none of the test process's Django settings, role, database or staff account.
     unset = {"DATABASE_URL", "LLMGW_ADMIN_USER", "LLMGW_ADMIN_PASSWORD", "DJANGO_SETTINGS_MODULE", "LLMGW_ROLE"}
     env = {k: v for k, v in os.environ.items() if k not in unset and not k.startswith("LLMGW_NODE_")}
@@ -36,6 +36,7 @@ def up(tmp_path):
         LLMGW_VAR=str(tmp_path / "var"),
         LLMGW_MIRROR_ROOT=str(tmp_path / "var" / "mirror"),
         LLMGW_ADMIN_ADDR=f"127.0.0.1:{ports['admin']}",
+        LLMGW_GATEWAY_ADDR=f"127.0.0.1:{ports['gateway']}",
         LLMGW_BYTES_ADDR=f"127.0.0.1:{ports['bytes']}",
         # Nothing listens there, so `up` has to start a private redis-server of its own.
         REDIS_URL=f"redis://127.0.0.1:{ports['redis']}/0",
@@ -58,7 +59,11 @@ def up(tmp_path):
     try:
         wait_until(lambda: "llmgw is up" in output() or process.poll() is not None, timeout=90, what="llmgw to come up")
         assert process.poll() is None, output()
-        wait_until(lambda: answers(ports["admin"]) and answers(ports["bytes"]), timeout=30, what="both listeners")
+        wait_until(
+            lambda: all(answers(ports[name]) for name in ("admin", "gateway", "bytes")),
+            timeout=30,
+            what="the three listeners",
+        )
         process.env = env  # for `manage.py` commands against the same var/
         yield process, ports, tmp_path / "var" / "mirror", output
     finally:
@@ -160,6 +165,8 @@ def test_make_runs_own_agent_fetches_and_serves_with_no_extra_step_and_its_engin
     """The local agent presents its pass to the byte listener and its engine the gateway's secret, unasked."""
     process, ports, mirror, output = up
     admin = f"http://127.0.0.1:{ports['admin']}"
+    gateway = f"http://127.0.0.1:{ports['gateway']}"
+    assert f"gateway:       {gateway}/v1/" in output()
     api = requests.Session()
     api.headers["Authorization"] = "Token " + manage(process, "api_token", "admin")
     plan = api.get(admin + "/api/serve/plan/?model=tiny-demo&version=v1", timeout=10).json()
@@ -195,10 +202,13 @@ def test_make_runs_own_agent_fetches_and_serves_with_no_extra_step_and_its_engin
     ask = {"model": "tiny-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
     def answered():
-        response = client.post(admin + "/v1/chat/completions", json=ask, timeout=60)
+        response = client.post(gateway + "/v1/chat/completions", json=ask, timeout=60)
         return response if response.status_code == 200 else None
 
     assert wait_until(answered, timeout=20, interval=0.5, what="the gateway to answer").json()["choices"]
+    # The admin port answers /v1/ no more, and says where the gateway is.
+    elsewhere = client.post(admin + "/v1/chat/completions", json=ask, timeout=10)
+    assert elsewhere.status_code == 404 and f"{gateway}/v1/chat/completions" in elsewhere.json()["error"]["message"]
     assert requests.post(replica["endpoint"] + "/chat/completions", json=ask, timeout=30).status_code == 401
     os.killpg(process.pid, signal.SIGINT)
     assert process.wait(timeout=60) == 0, output()
@@ -214,6 +224,7 @@ def test_an_address_in_use_is_said_before_anything_starts(tmp_path):
             os.environ,
             LLMGW_VAR=str(tmp_path / "var"),
             LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
+            LLMGW_GATEWAY_ADDR=f"127.0.0.1:{free_port()}",
             LLMGW_BYTES_ADDR=f"127.0.0.1:{free_port()}",
             REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
         )

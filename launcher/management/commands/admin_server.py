@@ -7,8 +7,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 class Command(BaseCommand):
     help = (
-        "Serve the admin port: the admin, the serve pages, the API and the /v1/ gateway, "
-        "in one uvicorn process or, with --workers N, in N sharing the port."
+        "Serve the admin port: the admin, the serve pages and the API, in one uvicorn process or, "
+        "with --workers N, in N sharing the port. /v1/ is `manage.py gateway`'s."
     )
 
     def add_arguments(self, parser):

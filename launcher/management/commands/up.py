@@ -17,7 +17,9 @@ MACHINE = ("PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME")
 
 
 class Command(BaseCommand):
-    help = "Run llmgw on this machine: Redis if needed, the admin server, the byte listener and the workers."
+    help = (
+        "Run llmgw on this machine: Redis if needed, the admin server, the gateway, the byte listener and the workers."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("--node", default=socket.gethostname().split(".")[0], help="this host's node name")
@@ -48,7 +50,13 @@ class Command(BaseCommand):
     def handle(self, *args, node, **options):
         processes = services.ProcessGroup()
         try:
-            services.check_addresses({"LLMGW_ADMIN_ADDR": settings.ADMIN_ADDR, "LLMGW_BYTES_ADDR": settings.BYTES_ADDR})
+            services.check_addresses(
+                {
+                    "LLMGW_ADMIN_ADDR": settings.ADMIN_ADDR,
+                    "LLMGW_GATEWAY_ADDR": settings.GATEWAY_ADDR,
+                    "LLMGW_BYTES_ADDR": settings.BYTES_ADDR,
+                }
+            )
             if services.redis_answers(settings.REDIS_URL):
                 self.stdout.write(f"Using the Redis at {settings.REDIS_URL}")
             else:
@@ -69,6 +77,7 @@ class Command(BaseCommand):
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(fresh_multiprocess_dir(settings.VAR_DIR / "metrics"))
         admin_host, admin_port = settings.ADMIN_ADDR
         processes.start("admin server", [py, "manage.py", "admin_server"])
+        processes.start("gateway", [py, "manage.py", "gateway"])
         processes.start("byte listener", [py, "manage.py", "byte_listener"])
         processes.start(
             "control worker",
@@ -99,9 +108,7 @@ class Command(BaseCommand):
         self.stdout.write("llmgw is up. Ctrl-C stops everything it started.")
         self.stdout.write(f"  admin:         http://{admin_host}:{admin_port}/admin/")
         self.stdout.write(f"  API:           http://{admin_host}:{admin_port}/api/  (schema at /api/schema/)")
-        self.stdout.write(
-            f"  gateway:       http://{admin_host}:{admin_port}/v1/  (keys: manage.py api_key create NAME)"
-        )
+        self.stdout.write(f"  gateway:       {settings.GATEWAY_URL}v1/  (keys: manage.py api_key create NAME)")
         self.stdout.write(f"  byte listener: {settings.BYTES_URL}")
         self.stdout.write(f"  mirror:        {settings.MIRROR_ROOT}  (copy files into <model>/<version>/)")
         if note:
