@@ -13,6 +13,8 @@ from pathlib import Path
 import yaml
 from django.db import transaction
 
+from contracts.engines import SPECS
+
 from .models import Engine, Kind, Model, Profile
 from .rules import alias_problem, args_problem, name_problem, scaling_problem, selector_problem, target_load_problem
 
@@ -29,7 +31,7 @@ MODEL_KEYS = {
     "profiles",
 }
 SCALING_KEYS = {"min", "max", "target_load", "quiet_s", "idle_s", "priority"}
-PROFILE_KEYS = {"name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus"}
+PROFILE_KEYS = {"name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus", "parallel"}
 
 
 class CatalogFileError(Exception):
@@ -109,12 +111,14 @@ def _model(path, index: int, entry) -> dict:
     scaling_max = _whole(where, "scaling.max", scaling.get("max"), scaling_min)
     if problem := scaling_problem(scaling_min, scaling_max):
         raise CatalogFileError(f"{where}: scaling: {problem}")
-    target_load = _whole(where, "scaling.target_load", scaling.get("target_load"), 1)
-    if problem := target_load_problem(target_load):
-        raise CatalogFileError(f"{where}: scaling: {problem}")
     profiles = entry.get("profiles")
     if not isinstance(profiles, list) or not profiles:
         raise CatalogFileError(f"{where}: profiles must list at least one profile (engine, args, ...)")
+    read_profiles = [_profile(where, i, p) for i, p in enumerate(profiles)]
+    # Unless it says: what one replica answers at once, its first profile's slots.
+    target_load = _whole(where, "scaling.target_load", scaling.get("target_load"), read_profiles[0]["parallel"])
+    if problem := target_load_problem(target_load):
+        raise CatalogFileError(f"{where}: scaling: {problem}")
     model = {
         "name": name,
         "description": str(entry.get("description") or ""),
@@ -130,7 +134,7 @@ def _model(path, index: int, entry) -> dict:
         "quiet_s": _whole(where, "scaling.quiet_s", scaling.get("quiet_s"), 300),
         "idle_s": _whole(where, "scaling.idle_s", scaling.get("idle_s"), 900),
         "priority": _whole(where, "scaling.priority", scaling.get("priority"), 100),
-        "profiles": [_profile(where, i, p) for i, p in enumerate(profiles)],
+        "profiles": read_profiles,
     }
     profile_names = [p["name"] for p in model["profiles"]]
     if len(set(profile_names)) != len(profile_names):
@@ -181,7 +185,8 @@ def _profile(model_where: str, index: int, entry) -> dict:
         "priority": _whole(where, "priority", entry.get("priority"), 100),
         "min_memory_gb": _whole(where, "min_memory_gb", entry.get("min_memory_gb"), 0),
         "node_selector": selector,
-        "gpus": _whole(where, "gpus", entry.get("gpus"), 1 if engine == Engine.VLLM else 0),
+        "gpus": _whole(where, "gpus", entry.get("gpus"), SPECS[engine].default_gpus),
+        "parallel": _whole(where, "parallel", entry.get("parallel"), 1, minimum=1),
     }
 
 

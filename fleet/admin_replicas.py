@@ -5,19 +5,34 @@ node), and the reconcile pass follows; the one thing done here is asking for a
 replica to be replaced.
 """
 
+import threading
+
 from django.contrib import admin, messages
 from django.db import transaction
 from django.utils.html import format_html_join
 
 from common.admin import RecordAdmin
 
-from . import reconcile
+from . import engine_stats, reconcile
 from .models import Replica, Scale
+
+# The engines' stats read for the page being drawn, by this thread.
+_seen = threading.local()
 
 
 @admin.register(Replica)
 class ReplicaAdmin(RecordAdmin):
-    list_display = ["model_name", "profile_name", "node", "state", "cause", "endpoint", "short_reason", "since"]
+    list_display = [
+        "model_name",
+        "profile_name",
+        "node",
+        "state",
+        "engine_load",
+        "cause",
+        "endpoint",
+        "short_reason",
+        "since",
+    ]
     list_filter = ["state", "node", "model_name"]
     search_fields = ["model_name", "node__name", "reason"]
     list_select_related = ["node"]
@@ -37,9 +52,30 @@ class ReplicaAdmin(RecordAdmin):
         "gpus",
         "cause",
         "created",
+        "engine_load",
     ]
     exclude = ["reason"]
     actions = ["replace"]
+
+    def changelist_view(self, request, extra_context=None):
+        # Read once per page, not once per row: what every replica's engine last said.
+        _seen.stats = engine_stats.read()
+        return super().changelist_view(request, extra_context)
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        _seen.stats = engine_stats.read()
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    @admin.display(description="engine")
+    def engine_load(self, replica: Replica) -> str:
+        """`3 of 4 slots busy, 1 deferred, KV cache 42%, 55 tokens/s`, as the engine counts; "" when it did not say."""
+        found = getattr(_seen, "stats", {}).get(replica.pk)
+        if found is None:
+            return ""
+        return (
+            f"{found['slots_busy']} of {found['slots']} slots busy, {found['requests_deferred']} deferred, "
+            f"KV cache {round(100 * found['kv_cache_used'])}%, {found['tokens_per_second']:g} tokens/s"
+        )
 
     @admin.display(description="why")
     def short_reason(self, replica: Replica) -> str:
