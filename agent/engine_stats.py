@@ -1,7 +1,8 @@
 """Each llama-server's own count of its load, read every few seconds and posted for the control plane.
 
-From `/metrics`: requests deferred (waiting for a slot) and the tokens generated so far,
-whose difference between two reads is the tokens per second. From `/slots`: how many
+From `/metrics`: requests deferred (waiting for a slot) and the tokens of the answers
+finished so far; with what the running slots have decoded, their difference between two
+reads is the tokens per second. From `/slots`: how many
 slots there are, how many are decoding, and the tokens each holds in the KV cache, over
 the pool they share. Both need the replica's secret (llama-server answers only /health
 without it). Posted as one signed field per replica (contracts/engine_stats.py).
@@ -55,12 +56,9 @@ def read(port: int, secret: str, host: str = "127.0.0.1", session=requests) -> t
     if not isinstance(listed, list):
         return None
     pool = sum(int(slot.get("n_ctx") or 0) for slot in listed)
-    # What each slot keeps in the cache: its prompt, and what it has generated so far.
-    held = sum(
-        int(slot.get("n_prompt_tokens") or 0)
-        + sum(int(t.get("n_decoded") or 0) for t in slot.get("next_token") or () if slot.get("is_processing"))
-        for slot in listed
-    )
+    # What each slot keeps in the cache for its prompt reuse: its last prompt and what was
+    # generated after it, which llama-server counts as the slot's prompt tokens.
+    held = sum(int(slot.get("n_prompt_tokens") or 0) for slot in listed)
     stats = EngineStats(
         slots=len(listed),
         slots_busy=sum(1 for slot in listed if slot.get("is_processing")),
@@ -69,7 +67,15 @@ def read(port: int, secret: str, host: str = "127.0.0.1", session=requests) -> t
         tokens_per_second=0.0,
         at=time.time(),
     )
-    return stats, float(samples.get("llamacpp:tokens_predicted_total", 0.0))
+    # llama-server adds an answer's tokens to its counter when the answer ends: with what the
+    # running slots have decoded so far, the count moves while long answers run too.
+    running = sum(
+        int(t.get("n_decoded") or 0)
+        for slot in listed
+        if slot.get("is_processing")
+        for t in slot.get("next_token") or ()
+    )
+    return stats, float(samples.get("llamacpp:tokens_predicted_total", 0.0)) + running
 
 
 class StatsReader:

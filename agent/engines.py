@@ -169,7 +169,6 @@ def command(
 WITHHELD = {
     "LLMGW_NODE_TOKEN",
     "API_KEY",
-    "LLMGW_ENGINE_API_KEY",
     "LLAMA_ARG_API_KEY",
     *(spec.secret_variable for spec in engine_specs.SPECS.values()),
 }

@@ -53,10 +53,10 @@ def weights():
     return real_model.gguf()
 
 
-def start(weights, log_dir, slots: int, secret: str = ""):
+def start(weights, log_dir, slots: int, secret: str = "", pool: int = POOL):
     """The real engine with `slots` slots over a pool of 2,048, as the agent starts it."""
     port = engines.free_port()
-    argv = engines.command("llamacpp", weights, port, ["--ctx-size", str(POOL), "--parallel", str(slots)], model=MODEL)
+    argv = engines.command("llamacpp", weights, port, ["--ctx-size", str(pool), "--parallel", str(slots)], model=MODEL)
     log_path = log_dir / "engine.log"
     process = engines.spawn(argv, log_path, engines.engine_env("llamacpp", secret))
     if not engines.wait_until_answers(process, port, timeout=180):
@@ -79,12 +79,12 @@ def one_slot(weights, tmp_path_factory):
     engines.stop_group(process.pid, grace=5)
 
 
-def serve(gateway, port: int):
+def serve(gateway, port: int, slots: int = SLOTS):
     """The engine on `port` as the one ready replica of the model, and a client with a key."""
     model = Model.objects.create(
-        name=MODEL, source="http://127.0.0.1:1/smollm2-135m/instruct-q4_1/", context_length=POOL // SLOTS
+        name=MODEL, source="http://127.0.0.1:1/smollm2-135m/instruct-q4_1/", context_length=POOL // slots
     )
-    Profile.objects.create(model=model, name="cpu", engine="llamacpp", parallel=SLOTS)
+    Profile.objects.create(model=model, name="cpu", engine="llamacpp", parallel=slots)
     node = Node.objects.create(name="n1")
     Replica.objects.create(
         model_name=MODEL, profile_name="cpu", node=node, state="ready", endpoint=f"http://127.0.0.1:{port}/v1"
@@ -98,6 +98,14 @@ def serve(gateway, port: int):
         what="the gateway to route the model",
     )
     return client, gateway.url
+
+
+def read_to_the_end(response: requests.Response) -> None:
+    try:
+        for _ in response.iter_lines():
+            pass
+    except Exception:  # closed by the test when it has seen what it wanted
+        pass
 
 
 def slots_of(port: int) -> list[dict]:
@@ -120,7 +128,12 @@ def test_sixteen_clients_streaming_through_the_gateway_to_four_slots_each_get_th
         session.headers["Authorization"] = client.headers["Authorization"]
         i = 0
         while time.monotonic() < stop_at:
-            body = {"model": MODEL, **ask(PROMPTS[(n + i) % len(PROMPTS)], max_tokens=32), "stream": True}
+            body = {
+                "model": MODEL,
+                **ask(PROMPTS[(n + i) % len(PROMPTS)], max_tokens=32),
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             i += 1
             try:
                 with session.post(url + "/v1/chat/completions", json=body, stream=True, timeout=300) as r:
@@ -159,7 +172,7 @@ def test_sixteen_clients_streaming_through_the_gateway_to_four_slots_each_get_th
 
 @pytest.mark.django_db(transaction=True)
 def test_a_client_that_hangs_up_mid_answer_frees_its_slot_and_the_next_request_starts_at_once(gateway, one_slot):
-    client, url = serve(gateway, one_slot)
+    client, url = serve(gateway, one_slot, slots=1)
     # A long answer: the slot would be taken for many seconds if nobody noticed the hang-up.
     long = {"model": MODEL, **ask("Count from 1 to 1000, one number a line.", max_tokens=1500), "stream": True}
     long["ignore_eos"] = True
@@ -218,7 +231,8 @@ def test_the_engines_count_reaches_the_replicas_page_the_overview_and_metrics_wh
     replica = Replica.objects.create(model_name=MODEL, profile_name="cpu", node=node, state="ready")
     key = signing.token_hash(token)
     secret = credentials.replica_secret(key, replica.pk, "n")
-    process, port = start(weights, tmp_path, SLOTS, secret)
+    # Slots of 1,024 tokens: answers long enough to be read while they run.
+    process, port = start(weights, tmp_path, SLOTS, secret, pool=4 * 1024)
     broker = redis.Redis.from_url(settings.REDIS_URL)
     broker.delete(contract.STATS_KEY)
     try:
@@ -230,24 +244,27 @@ def test_the_engines_count_reaches_the_replicas_page_the_overview_and_metrics_wh
         # Without its secret the engine tells nobody how busy it is.
         assert agent_stats.read(port, "") is None
         # Two answers running, so there is something to count.
-        body = {"model": MODEL, **ask("Count from 1 to 500.", max_tokens=600), "stream": True, "ignore_eos": True}
         streams = [
             requests.post(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
-                json=body,
+                json={"model": MODEL, **ask(question, max_tokens=900), "stream": True, "ignore_eos": True},
                 headers=credentials.bearer(secret),
                 stream=True,
                 timeout=120,
             )
-            for _ in range(2)
+            for question in ("Count from 1 to 500.", "Name every colour you know.")
         ]
         for stream in streams:
-            next(stream.iter_lines())
-        wait_until(lambda: reader.once().get(replica.pk, {}).get("slots_busy") == 2, timeout=20, what="2 slots busy")
+            assert stream.status_code == 200, stream.text
+        # Read as clients read, to the end.
+        readers = [threading.Thread(target=read_to_the_end, args=(r,), daemon=True) for r in streams]
+        for thread in readers:
+            thread.start()
         said = wait_until(
-            lambda: (s := reader.once().get(replica.pk)) and s["tokens_per_second"] > 0 and s,
-            timeout=20,
-            what="a rate of tokens between two reads",
+            lambda: (s := reader.once().get(replica.pk)) and s["slots_busy"] == 2 and s["tokens_per_second"] > 0 and s,
+            timeout=30,
+            interval=0.5,
+            what="2 slots busy, and a rate of tokens between two reads",
         )
         assert said["slots"] == SLOTS and 0 < said["kv_cache_used"] <= 1
         reader.post({replica.pk: said})
@@ -268,6 +285,8 @@ def test_the_engines_count_reaches_the_replicas_page_the_overview_and_metrics_wh
         assert value(scraped, "llmgw_engine_tokens_per_second", **labels) > 0
         for stream in streams:
             stream.close()
+        for thread in readers:
+            thread.join(timeout=10)
 
         # A node that cannot sign for n1 (another token) is not believed: its entry is as good as none.
         forged = dict(said, slots_busy=SLOTS, requests_deferred=9)

@@ -99,7 +99,7 @@ def ready_replica(timeout: float = 240) -> Replica:
 
 def streamed(url: str, secret: str, question: str = real_model.QUESTION) -> tuple[int, list[str]]:
     """(status, lines) of a streamed chat through the gateway."""
-    body = {"model": MODEL, **ask(question, max_tokens=16), "stream": True}
+    body = {"model": MODEL, **ask(question, max_tokens=16), "stream": True, "stream_options": {"include_usage": True}}
     with requests.post(
         url + "/v1/chat/completions",
         json=body,
