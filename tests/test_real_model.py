@@ -127,7 +127,12 @@ def test_through_the_gateway_the_real_model_says_paris_whole_and_streamed_and_bo
     # Greedy: the same words as the whole answer, and the same count.
     assert text == answer["choices"][0]["message"]["content"]
     assert finish == answer["choices"][0]["finish_reason"]
-    assert usage == answer["usage"]
+
+    # The same count; how much of the prompt came from the slot's cache differs (the second reuses the first's).
+    def counts(u: dict) -> dict:
+        return {k: v for k, v in u.items() if k != "prompt_tokens_details"}
+
+    assert counts(usage) == counts(answer["usage"])
 
     def counted():
         row = Usage.objects.filter(key__name="real", model_name=MODEL).first()

@@ -170,7 +170,7 @@ def test_a_request_arriving_during_a_rolling_replacement_waits_and_is_answered(n
     assert status == 200, text
     assert "Paris" in json.loads(text)["choices"][0]["message"]["content"]
     new = ready_replica()
-    assert new.pk != old.pk and new.args == ["--ctx-size", "1024"]
+    assert new.pk != old.pk and new.args == ["--ctx-size", "1024", "--parallel", "1"]
     wait_until(lambda: not Replica.objects.filter(pk=old.pk).exists(), timeout=60, what="the old replica to go")
 
 
@@ -245,7 +245,7 @@ def test_streams_in_flight_on_a_replica_being_replaced_finish_whole(node, gatewa
     assert {status for status, _ in results} == {200}, [r for r in results if r[0] != 200][:2]
     cut = [lines[-3:] for _, lines in results if "data: [DONE]" not in lines or any('"error"' in x for x in lines)]
     assert not cut, f"{len(cut)} of {len(results)} streams cut: {cut[:2]}"
-    assert ready_replica().args == ["--ctx-size", "1024"]
+    assert ready_replica().args == ["--ctx-size", "1024", "--parallel", "1"]
 
 
 def test_a_model_back_at_zero_soon_after_a_wake_is_woken_again_at_once(tmp_path, gateway, redis_client):
