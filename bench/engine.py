@@ -17,8 +17,8 @@ One replica of SmolLM2-135M-Instruct Q4_1 (launcher/smollm2.py), side by side in
 
 For each, N clients stream chat answers of --max-tokens tokens, each sending its next
 request as soon as one ends, for --duration seconds: tokens per second in total, time
-to first token (p50, p95), and whether every stream ended whole ([DONE], finish_reason,
-usage). Only loopback is used. The targets take turns, so the machine's other load falls
+to first token (p50, p95), and whether every stream ended whole ([DONE] after a
+finish_reason; the old server sends no usage in streams, so its tokens are its chunks). Only loopback is used. The targets take turns, so the machine's other load falls
 on each.
 """
 
@@ -72,6 +72,7 @@ def stream_once(url: str, prompt: str, max_tokens: int, headers: dict, model: st
     }
     started = time.perf_counter()
     first = None
+    chunks = 0
     usage = finish = None
     ended = False
     with requests.post(url + "/chat/completions", json=body, stream=True, timeout=600, headers=headers) as r:
@@ -87,13 +88,16 @@ def stream_once(url: str, prompt: str, max_tokens: int, headers: dict, model: st
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", []):
-                if first is None and choice.get("delta", {}).get("content"):
-                    first = time.perf_counter() - started
+                if choice.get("delta", {}).get("content"):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter() - started
                 finish = choice.get("finish_reason") or finish
     return {
         "ttft": first,
-        "tokens": usage["completion_tokens"] if usage else 0,
-        "whole": ended and usage is not None and finish is not None,
+        # The old server sends no usage in streams (it ignores stream_options): a token a chunk.
+        "tokens": usage["completion_tokens"] if usage else chunks,
+        "whole": ended and finish is not None,
     }
 
 
@@ -135,10 +139,11 @@ def concurrent(url: str, streams: int, duration: float, max_tokens: int, headers
     }
 
 
-def start_engine(argv: list[str], work: Path, name: str, port: int) -> subprocess.Popen:
+def start_engine(argv: list[str], work: Path, name: str, port: int, health: str = "llamacpp") -> subprocess.Popen:
+    """`health` is the engine whose health path to wait on: the old server has no /health, only /v1/models."""
     log_path = work / f"{name}.log"
     process = engines.spawn(argv, log_path, engines.engine_env("llamacpp", ""))
-    if not engines.wait_until_answers(process, port, timeout=300):
+    if not engines.wait_until_answers(process, port, timeout=300, engine=health):
         raise SystemExit(f"{name}: the engine did not answer (exit {process.poll()}):\n{engines.last_lines(log_path)}")
     return process
 
@@ -227,7 +232,7 @@ def main() -> int:
             old = [options.old_python, "-m", "llama_cpp.server", "--model", str(weights), "--host", "127.0.0.1"]
             old += ["--port", str(old_port), "--n_ctx", "2048", "--n_threads", str(options.threads)]
             old += ["--model_alias", smollm2.MODEL, "--interrupt_requests", "false"]
-            processes.append(start_engine(old, work, "old", old_port))
+            processes.append(start_engine(old, work, "old", old_port, health="vllm"))
             targets.append(("old Python server", f"http://127.0.0.1:{old_port}/v1", {}))
         else:
             print("old Python server: left out (no --old-python with llama-cpp-python[server] installed)")
