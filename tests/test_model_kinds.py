@@ -295,7 +295,13 @@ def test_an_embedding_model_served_through_the_api_is_started_by_the_agent_with_
     from agent import engine_state
 
     _, cache = agent_n1
-    assert engine_state.read_state(cache)["replicas"][str(replica.pk)]["args"] == ["--ctx-size", "256", "--embedding"]
+    assert engine_state.read_state(cache)["replicas"][str(replica.pk)]["args"] == [
+        "--ctx-size",
+        "256",
+        "--parallel",
+        "4",
+        "--embedding",
+    ]
 
 
 def test_the_serve_plan_of_a_mirrored_gguf_with_a_pooling_type_offers_embedding(live_server, mirror_root, admin_client):
