@@ -249,7 +249,7 @@ def test_an_engine_busy_reading_a_long_prompt_is_not_killed_by_its_liveness_chec
         try:
             answer = requests.post(
                 endpoint + "/chat/completions",
-                json={"messages": [{"role": "user", "content": "x" * 300_000}], "max_tokens": 8},
+                json={"messages": [{"role": "user", "content": "x" * 600_000}], "max_tokens": 8},
                 timeout=300,
             )
             outcome["status"] = answer.status_code
