@@ -8,21 +8,19 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.requirements-installed
 DEV    := $(VENV)/.dev-requirements-installed
-ENGINE := $(VENV)/.engine-installed
 
 .PHONY: run test test-fast venv engine test-deps lint bench bench-gateway clean
 
 venv: $(STAMP)
 
-# llama.cpp, so this machine's own agent can run GGUF models. Built from source for
-# this CPU the first time (about 7 minutes on two cores) by scripts/build-engine.sh,
-# never with pip's -march=native (docs/engines.md says why), and kept under
-# ~/.cache/llmgw/engine-wheels/ keyed by the instruction sets it was built with.
-engine: $(ENGINE)
-
-$(ENGINE): $(STAMP) requirements-engine.txt scripts/build-engine.sh
+# llama.cpp's llama-server, so this machine's own agent can run GGUF models. Built from
+# the pinned source for this CPU the first time (about 6 minutes on two cores) by
+# scripts/build-engine.sh, never with -march=native (docs/engines.md says why), kept under
+# ~/.cache/llmgw/engines/ keyed by the instruction sets it was built with, and linked into
+# .venv/bin/. Run every time: `LLMGW_ENGINE_ISA=avx2 make engine` switches the link to the
+# AVX2-only build and `make engine` back, each a link once built (docs/testing.md).
+engine: $(STAMP)
 	sh scripts/build-engine.sh $(PY)
-	@touch $@
 
 $(STAMP): requirements.txt requirements/control.txt requirements/node.txt
 	@sh scripts/ensure-python.sh

@@ -11,7 +11,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -20,12 +19,14 @@ import psutil
 import requests
 
 from contracts import engine_args
+from contracts import engines as engine_specs
 from contracts.credentials import bearer
 
-ENGINES = ("llamacpp", "vllm")
+from . import engine_binary
+
+ENGINES = engine_specs.NAMES
 TAIL_LINES = 20
-# Where `python -m agent.llamacpp_server` finds the agent package, whatever directory
-# the agent itself was started from.
+# Where an engine runs from: the agent's own directory, whatever directory the agent was started from.
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -44,70 +45,25 @@ def refuse_args(engine: str, args: list[str], allow_remote_code: bool) -> None:
 
 def weights_argument(engine: str, weights: Path) -> Path:
     """What the engine is handed: llama.cpp the first file of a set, vLLM the directory."""
-    if engine == "llamacpp":
+    spec = engine_specs.spec(engine)
+    if spec is None:
+        raise EngineError(engine_specs.no_such_engine(engine))
+    if spec.weights == "first file":
         if weights.is_dir():
             # The first part by name: llama.cpp reads the split count from it and
             # opens the other parts beside it.
-            parts = sorted(p for p in weights.iterdir() if p.suffix.lower() == ".gguf" and not p.name.startswith("."))
+            parts = sorted(
+                p for p in weights.iterdir() if p.suffix.lower() in spec.reads and not p.name.startswith(".")
+            )
             if not parts:
-                raise EngineError(f"{weights} holds no .gguf file for llama.cpp")
+                raise EngineError(f"{weights} holds no {' or '.join(spec.reads)} file for {spec.label}")
             return parts[0]
         return weights
-    if engine == "vllm":
-        return weights if weights.is_dir() else weights.parent
-    raise EngineError(f"no engine called {engine!r}; llmgw runs {' and '.join(ENGINES)}")
+    return weights if weights.is_dir() else weights.parent
 
 
-# llama-server's flags as llama-cpp-python's server spells them. The catalog is
-# written in llama-server's terms (the serve page writes --ctx-size), and a node
-# that only has PyPI's server must not fail on a flag it would understand by
-# another name. Flags not listed pass through, and the engine says if it objects.
-LLAMA_CPP_PYTHON_FLAGS = {
-    "--ctx-size": "--n_ctx",
-    "-c": "--n_ctx",
-    "--n-gpu-layers": "--n_gpu_layers",
-    "-ngl": "--n_gpu_layers",
-    "--threads": "--n_threads",
-    "-t": "--n_threads",
-    "--batch-size": "--n_batch",
-    "-b": "--n_batch",
-    "--ubatch-size": "--n_ubatch",
-    "-ub": "--n_ubatch",
-    "--chat-template": "--chat_format",
-    "--alias": "--model_alias",
-    "-a": "--model_alias",
-}
-
-# Flags that name the model an engine serves, as a profile may already write them.
-SERVED_NAME_FLAGS = {
-    "llamacpp": ("--alias", "-a", "--model_alias"),
-    "vllm": ("--served-model-name",),
-}
-
-
-# llama-server's switches that PyPI's server takes as a setting with a value.
-LLAMA_CPP_PYTHON_SWITCHES = {"--embedding": "--embedding", "--embeddings": "--embedding"}
-RERANK_FLAGS = ("--reranking", "--rerank")
-
-
-def for_llama_cpp_python(args: list[str]) -> list[str]:
-    """Profile args in llama-server's spelling, translated for PyPI's `llama_cpp.server`."""
-    translated = []
-    for arg in args:
-        if arg in LLAMA_CPP_PYTHON_SWITCHES:
-            translated += [LLAMA_CPP_PYTHON_SWITCHES[arg], "true"]
-            continue
-        if arg in RERANK_FLAGS:
-            # Its server has no rerank endpoint: said before the engine is started, not after.
-            raise EngineError(
-                "this node's llama.cpp is PyPI's llama-cpp-python, whose server cannot rerank; "
-                "a rerank model needs llama.cpp's own llama-server on the node's PATH"
-            )
-        flag, eq, value = arg.partition("=")
-        if flag in LLAMA_CPP_PYTHON_FLAGS:
-            flag = LLAMA_CPP_PYTHON_FLAGS[flag]
-        translated.append(f"{flag}{eq}{value}")
-    return translated
+def _given(args: list[str]) -> set[str]:
+    return {arg.split("=", 1)[0] for arg in args}
 
 
 def served_name_args(engine: str, model: str, args: list[str]) -> list[str]:
@@ -117,22 +73,29 @@ def served_name_args(engine: str, model: str, args: list[str]) -> list[str]:
     otherwise the weights' path; the gateway forwards the catalog's name. llama.cpp
     ignores the field, and is told only so that its /v1/models says the same name.
     """
-    if not model or any(arg.split("=", 1)[0] in SERVED_NAME_FLAGS[engine] for arg in args):
+    flags = engine_specs.SPECS[engine].served_name_flags
+    if not model or _given(args) & set(flags):
         return []
-    return ["--served-model-name" if engine == "vllm" else "--alias", model]
+    return [flags[0], model]
 
 
-def whole_answers_args(args: list[str]) -> list[str]:
-    """PyPI's server, told to finish each answer rather than cut it for the next request.
+def threads() -> int:
+    """The CPUs this agent may use: what llama.cpp is given unless a profile says otherwise.
 
-    Its `interrupt_requests` (on by default) ends a running stream with `[DONE]`, no
-    finish_reason and no usage, whenever another request is waiting: with two clients
-    streaming, nearly every stream was cut. Off, requests take turns on the model's
-    lock, each answered whole (docs/engines.md). A profile that sets it keeps its own.
+    llama-server's own default is the physical cores it counts, which inside a container
+    or a cgroup limited to fewer is more threads than CPUs, and each token waits on the slowest.
     """
-    if any(arg.split("=", 1)[0] == "--interrupt_requests" for arg in args):
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def threads_args(engine: str, args: list[str]) -> list[str]:
+    flags = engine_specs.SPECS[engine].threads_flags
+    if not flags or _given(args) & set(flags):
         return []
-    return ["--interrupt_requests", "false"]
+    return [flags[0], str(threads())]
 
 
 EMBEDDING_SWITCHES = ("--embedding", "--embeddings")
@@ -145,7 +108,7 @@ def pooling_args(weights: Path, args: list[str]) -> list[str]:
     vector per token, which no OpenAI client reads; a real embedding model (BERT and
     kin) names its pooling, and keeps it. A profile's own --pooling wins.
     """
-    if not any(arg in EMBEDDING_SWITCHES for arg in args) or any(arg.split("=", 1)[0] == "--pooling" for arg in args):
+    if not any(arg in EMBEDDING_SWITCHES for arg in args) or "--pooling" in _given(args):
         return []
     return [] if header_has_pooling(weights) else ["--pooling", "mean"]
 
@@ -162,6 +125,12 @@ def header_has_pooling(weights: Path) -> bool:
     return any(name.endswith(".pooling_type") for name in fields)
 
 
+# Always on for llama-server: /metrics is what the agent reads the slots from (docs/engines.md),
+# and the web UI is not for the gateway's clients. Prompt caching and a slot chosen by its
+# prompt's similarity stay llama-server's defaults (on): what the prefix routing builds on.
+LLAMA_SERVER_ALWAYS = ["--metrics", "--no-webui"]
+
+
 def command(
     engine: str,
     weights: Path,
@@ -172,7 +141,6 @@ def command(
     host: str = "127.0.0.1",
     allow_remote_code: bool = False,
     which=shutil.which,
-    python: str = sys.executable,
 ) -> list[str]:
     """The argument list that runs `engine` on `weights`, listening on host:port.
 
@@ -183,39 +151,37 @@ def command(
     target = str(weights_argument(engine, weights))
     named = served_name_args(engine, model, args)
     if engine == "llamacpp":
-        args = [*args, *pooling_args(Path(target), args)]
-        server = which("llama-server")
-        # The native server when installed; PyPI's llama-cpp-python otherwise, through
-        # the shim that gives its streamed answers the usage the gateway counts.
-        if server:
-            return [server, "--model", target, "--host", host, "--port", str(port), *named, *args]
-        return [
-            *[python, "-m", "agent.llamacpp_server"],
-            *["--model", target, "--host", host, "--port", str(port)],
-            *for_llama_cpp_python([*named, *args]),
-            *whole_answers_args(args),
-        ]
+        server = engine_binary.llama_server(which)
+        if server is None:
+            raise EngineError(engine_binary.MISSING)
+        always = [flag for flag in LLAMA_SERVER_ALWAYS if flag not in args]
+        chosen = [*threads_args(engine, args), *engine_specs.slot_args(engine, 1, args), *always]
+        pooling = pooling_args(Path(target), args)
+        return [server, "--model", target, "--host", host, "--port", str(port), *named, *chosen, *args, *pooling]
     vllm = which("vllm")
     if vllm is None:
         raise EngineError("vllm is not installed on this node (no vllm on PATH)")
     return [vllm, "serve", target, "--host", host, "--port", str(port), *named, *args]
 
 
-# Where each engine reads its API key from its environment: PyPI's server through our
-# shim (which hands it to the server's `api_key` setting), llama-server's --api-key,
-# vLLM's --api-key. Never argv: a command line is readable by every user of the host.
-SHIM_SECRET = "LLMGW_ENGINE_API_KEY"
-SECRET_VARIABLES = {"llamacpp": (SHIM_SECRET, "LLAMA_API_KEY"), "vllm": ("VLLM_API_KEY",)}
 # What an engine must not inherit from the agent: the node's token (an engine runs
 # code from the catalog, remote code included) and any key meant for another engine.
-WITHHELD = {"LLMGW_NODE_TOKEN", "API_KEY", SHIM_SECRET, "LLAMA_API_KEY", "LLAMA_ARG_API_KEY", "VLLM_API_KEY"}
+WITHHELD = {
+    "LLMGW_NODE_TOKEN",
+    "API_KEY",
+    "LLAMA_ARG_API_KEY",
+    *(spec.secret_variable for spec in engine_specs.SPECS.values()),
+}
 
 
 def engine_env(engine: str, secret: str = "") -> dict[str, str]:
-    """The engine's environment: the agent's, less the node's token, with the replica's secret where it reads it."""
+    """The engine's environment: the agent's, less the node's token, with the replica's secret where it reads it.
+
+    In its environment, never argv: a command line is readable by every user of the host.
+    """
     env = {name: value for name, value in os.environ.items() if name not in WITHHELD}
-    if secret:
-        env.update(dict.fromkeys(SECRET_VARIABLES.get(engine, ()), secret))
+    if secret and (spec := engine_specs.spec(engine)):
+        env[spec.secret_variable] = secret
     return env
 
 
@@ -248,27 +214,36 @@ def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) ->
         )
 
 
-def answers(port: int, host: str = "127.0.0.1", timeout: float = 1.0, secret: str = "") -> bool:
-    """Whether the engine answers its models endpoint: loaded, not just listening.
+def answers(
+    port: int, host: str = "127.0.0.1", timeout: float = 1.0, secret: str = "", engine: str = "llamacpp"
+) -> bool:
+    """Whether the engine answers its health check (`EngineSpec.health_path`): loaded, not just listening.
 
-    With the replica's secret: an engine locked to the gateway answers no one else.
+    llama-server's /health is 503 while it loads and 200 once it can answer, and is answered
+    by its HTTP threads while every slot is busy. With the replica's secret, for an engine
+    whose check is behind it (vLLM's /v1/models).
     """
+    spec = engine_specs.spec(engine) or engine_specs.LLAMACPP
     try:
-        return (
-            requests.get(f"http://{host}:{port}/v1/models", timeout=timeout, headers=bearer(secret)).status_code == 200
-        )
+        url = f"http://{host}:{port}{spec.health_path}"
+        return requests.get(url, timeout=timeout, headers=bearer(secret)).status_code == 200
     except requests.RequestException:
         return False
 
 
 def wait_until_answers(
-    process: subprocess.Popen, port: int, timeout: float, host: str = "127.0.0.1", secret: str = ""
+    process: subprocess.Popen,
+    port: int,
+    timeout: float,
+    host: str = "127.0.0.1",
+    secret: str = "",
+    engine: str = "llamacpp",
 ) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             return False
-        if answers(port, host, secret=secret):
+        if answers(port, host, secret=secret, engine=engine):
             return True
         time.sleep(0.2)
     return False

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from . import __version__, runtime, selftest
+from . import __version__, engine_binary, runtime, selftest
 
 
 def _importable(module: str) -> bool:
@@ -24,7 +24,7 @@ def _importable(module: str) -> bool:
 
 def engines() -> list[str]:
     found = []
-    if shutil.which("llama-server") or _importable("llama_cpp.server"):
+    if engine_binary.llama_server():
         found.append("llamacpp")
     if shutil.which("vllm") or _importable("vllm"):
         found.append("vllm")

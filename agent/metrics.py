@@ -27,7 +27,9 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from . import __version__, engine_state, facts
+from contracts import credentials, signing
+
+from . import __version__, engine_state, facts, runtime
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ ENGINE_SCRAPE_TIMEOUT_S = 2.0
 class NodeCollector(Collector):
     def __init__(self, node: str, cache: Path, static: dict) -> None:
         self.node, self.cache, self.static = node, cache, static
+        # The key of each engine's secret (contracts.credentials), from the node's token.
+        self.key = signing.token_hash(runtime.token()) if runtime.token() else ""
         self.session = requests.Session()
 
     def collect(self):
@@ -98,21 +102,27 @@ class NodeCollector(Collector):
                 continue
             rss.add_metric([self.node, replica, model], process_tree_rss(entry["pid"]))
             if entry.get("ready") and entry.get("port"):
-                self.pass_on(entry["port"], replica, model, passed_on)
+                secret = credentials.replica_secret(self.key, int(entry["replica"]), entry.get("nonce", ""))
+                self.pass_on(entry["port"], replica, model, passed_on, secret)
         yield up
         yield rss
         yield restarts
         yield from passed_on.values()
 
-    def pass_on(self, port: int, replica: str, model: str, into: dict[str, Metric]) -> None:
-        """The engine's own metrics, each sample with this replica's labels added."""
+    def pass_on(self, port: int, replica: str, model: str, into: dict[str, Metric], secret: str = "") -> None:
+        """The engine's own metrics, each sample with this replica's labels added.
+
+        With the replica's secret: llama-server answers /metrics to no one else.
+        """
         host = engine_host()
         try:
-            response = self.session.get(f"http://{host}:{port}/metrics", timeout=ENGINE_SCRAPE_TIMEOUT_S)
+            response = self.session.get(
+                f"http://{host}:{port}/metrics", timeout=ENGINE_SCRAPE_TIMEOUT_S, headers=credentials.bearer(secret)
+            )
         except requests.RequestException:
             return
         if response.status_code != 200:
-            return  # PyPI's llama.cpp server has no /metrics: its facts above are what there is
+            return  # an engine without /metrics: its facts above are what there is
         try:
             families = list(text_string_to_metric_families(response.text))
         except ValueError as error:

@@ -36,7 +36,7 @@ import requests
 
 from contracts import tiny_gguf
 
-from . import engines
+from . import engine_binary, engines
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +127,15 @@ def check_llamacpp(
     workdir: Path,
     timeout: float = TIMEOUT_S,
     which: Callable[[str], str | None] = shutil.which,
-    python: str = sys.executable,
 ) -> str | None:
-    """None when llama.cpp loads a quantized model and generates a token; else the sentence why not."""
+    """None when llama.cpp's llama-server loads a quantized model and generates a token; else the sentence why not."""
     workdir = Path(workdir)
     model = selftest_model(workdir)
     port = engines.free_port()
-    argv = engines.command("llamacpp", model, port, ["--ctx-size", str(CONTEXT)], which=which, python=python)
+    try:
+        argv = engines.command("llamacpp", model, port, ["--ctx-size", str(CONTEXT)], which=which)
+    except engines.EngineError as error:
+        return str(error)
     log_path = workdir / "llamacpp.log"
     log_path.unlink(missing_ok=True)  # its last lines must be this run's
     deadline = time.monotonic() + timeout
@@ -142,7 +144,7 @@ def check_llamacpp(
     process = engines.spawn(argv, log_path, engines.engine_env("llamacpp", secret))
     _running.add(process.pid)
     try:
-        if not engines.wait_until_answers(process, port, timeout, secret=secret):
+        if not engines.wait_until_answers(process, port, timeout, secret=secret, engine="llamacpp"):
             code = process.poll()
             if code is not None:
                 return _ended_sentence("llamacpp", code, log_path)
@@ -197,19 +199,17 @@ def check_vllm(timeout: float = TIMEOUT_S, which=shutil.which, python: str = sys
 def fingerprint(engine: str, which=shutil.which) -> tuple:
     """What changes when the engine is installed, upgraded or rebuilt: its files' sizes and times."""
     paths: list[Path] = []
-    binary = which("llama-server" if engine == "llamacpp" else "vllm")
+    binary = engine_binary.llama_server(which) if engine == "llamacpp" else which("vllm")
     if binary:
-        paths.append(Path(binary))
-    module = {"llamacpp": "llama_cpp", "vllm": "vllm"}.get(engine)
-    try:
-        spec = importlib.util.find_spec(module) if module else None
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.origin:
-        package = Path(spec.origin).parent
-        paths.append(Path(spec.origin))
-        if engine == "llamacpp":
-            paths += sorted(package.glob("lib/*.so*"))
+        # Resolved: `make engine` switches a link between builds for two instruction-set mixes.
+        paths.append(Path(binary).resolve())
+    if engine == "vllm":
+        try:
+            spec = importlib.util.find_spec("vllm")
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin:
+            paths.append(Path(spec.origin))
     marks = []
     for path in paths:
         try:

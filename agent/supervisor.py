@@ -32,7 +32,7 @@ from django.conf import settings
 
 from contracts import credentials, signing
 
-from . import engine_state, engines, runtime
+from . import engine_state, engine_stats, engines, runtime
 from .replica_reports import Report, celery_report
 
 __all__ = ["Report", "Supervisor", "celery_report", "start"]
@@ -170,7 +170,13 @@ class Supervisor:
                 if not alive:
                     reports.append(self._crashed(entry, now, code))
                 elif not entry["ready"]:
-                    if engines.answers(entry["port"], host=self.check_host, timeout=0.5, secret=self.secret(entry)):
+                    if engines.answers(
+                        entry["port"],
+                        host=self.check_host,
+                        timeout=0.5,
+                        secret=self.secret(entry),
+                        engine=entry["engine"],
+                    ):
                         # What the liveness check measured was of the engine before this one.
                         entry.update(ready=True, ready_since=now, cpu=None, busy_since=None)
                         reports.append((replica_id, "ready", self.endpoint(entry["port"]), ""))
@@ -184,7 +190,7 @@ class Supervisor:
                     if now - entry.get("ready_since", now) > STABLE_S:
                         entry["restarts"] = 0
                     if now - entry.get("checked", entry.get("ready_since", now)) >= self.liveness_interval:
-                        to_check.append((replica_id, entry["pid"], entry["port"], self.secret(entry)))
+                        to_check.append((replica_id, entry["pid"], entry["port"], self.secret(entry), entry["engine"]))
                 if now - self.last_report.get(replica_id, 0) > REREPORT_S and not any(
                     r[0] == replica_id for r in reports
                 ):
@@ -203,16 +209,20 @@ class Supervisor:
                     # The broker may be away for a moment; the report is repeated later.
                     log.exception("replica %s: the report could not be sent", replica_id)
 
-    def _check_liveness(self, to_check: list[tuple[int, int, int, str]], now: float) -> list[tuple[int, str, str, str]]:
+    def _check_liveness(
+        self, to_check: list[tuple[int, int, int, str, str]], now: float
+    ) -> list[tuple[int, str, str, str]]:
         """Ask ready engines whether they answer; outside the state lock, since a hung one takes the whole timeout."""
         answered = {
-            replica_id: engines.answers(port, host=self.check_host, timeout=self.liveness_timeout, secret=secret)
-            for replica_id, _, port, secret in to_check
+            replica_id: engines.answers(
+                port, host=self.check_host, timeout=self.liveness_timeout, secret=secret, engine=engine
+            )
+            for replica_id, _, port, secret, engine in to_check
         }
-        cpu = {replica_id: cpu_seconds(pid) for replica_id, pid, _, _ in to_check}
+        cpu = {replica_id: cpu_seconds(pid) for replica_id, pid, *_ in to_check}
         reports = []
         with engine_state.locked_state(self.cache) as state:
-            for replica_id, pid, port, _ in to_check:
+            for replica_id, pid, port, *_ in to_check:
                 entry = state["replicas"].get(str(replica_id))
                 if entry is None or not entry.get("ready") or entry.get("pid") != pid or entry.get("port") != port:
                     continue  # stopped, restarted or replaced meanwhile
@@ -238,7 +248,7 @@ class Supervisor:
                     entry["unanswered"] = entry.get("unanswered", 0) + 1
                     if entry["unanswered"] < self.liveness_failures:
                         continue
-                    why = f"stopped answering ({self.liveness_failures} checks of /v1/models in a row went unanswered)"
+                    why = f"stopped answering ({self.liveness_failures} health checks in a row went unanswered)"
                 log.warning("replica %s: the engine (pid %s) stopped answering; killing it", replica_id, pid)
                 engines.stop_group(pid, grace=5)
                 child = self.children.pop(pid, None)
@@ -289,7 +299,14 @@ class Supervisor:
             started=now,
             keyed=self.key_id,
         )
-        log.info("replica %s: started %s as pid %s on port %s", replica_id, entry["engine"], process.pid, port)
+        log.info(
+            "replica %s: started %s as pid %s on port %s%s",
+            replica_id,
+            entry["engine"],
+            process.pid,
+            port,
+            _threads_said(argv),
+        )
         return (replica_id, "starting", "", "")
 
     def _crashed(self, entry: dict, now: float, code: int | None, why: str = "") -> tuple[int, str, str, str]:
@@ -333,6 +350,15 @@ class Supervisor:
             except Exception:
                 log.exception("supervisor step failed")
             stop.wait(interval)
+
+
+def _threads_said(argv: list[str]) -> str:
+    """ ", 2 threads, 4 slots": what the engine was given, in the supervisor's log beside the start."""
+    said = []
+    for flag, what in (("--threads", "threads"), ("-t", "threads"), ("--parallel", "slots"), ("-np", "slots")):
+        if flag in argv[:-1]:
+            said.append(f"{argv[argv.index(flag) + 1]} {what}")
+    return (", " + ", ".join(said)) if said else ""
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -412,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         token=token,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s supervisor: %(message)s")
+    # The engines' own count of their load (slots busy, requests deferred), for the control plane.
+    reader = engine_stats.StatsReader(options.cache, runtime.node_name(), supervisor.key, host=supervisor.check_host)
+    threading.Thread(target=reader.run, args=(stop,), name="engine-stats", daemon=True).start()
     supervisor.run(stop)
     # Engines are left running on purpose: the next supervisor adopts them.
     return 0

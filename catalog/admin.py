@@ -8,7 +8,14 @@ class ProfileInline(admin.StackedInline):
     extra = 0
     # A model with no profile has nowhere to run, and placement would say nothing about why.
     min_num = 1
-    fields = [("name", "engine"), "args", ("weight", "priority"), ("min_memory_gb", "gpus"), "node_selector"]
+    fields = [
+        ("name", "engine"),
+        "args",
+        ("weight", "priority"),
+        ("min_memory_gb", "gpus"),
+        "parallel",
+        "node_selector",
+    ]
 
     # A declared model's profiles are in the file too; see ModelAdmin below.
     def has_add_permission(self, request, obj=None) -> bool:

@@ -14,6 +14,8 @@ import yaml
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
+from contracts.engines import SPECS
+
 from . import defaults
 from .models import Engine, Kind, Model, Profile
 from .rules import name_problem
@@ -31,7 +33,7 @@ MODEL_KEYS = {
     "profiles",
 }
 SCALING_KEYS = {"min", "max", "target_load", "quiet_s", "idle_s", "priority"}
-PROFILE_KEYS = {"name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus"}
+PROFILE_KEYS = {"name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus", "parallel"}
 # Where in an entry of the file a model's field is written, when it is not under its own name.
 FILE_KEYS = {
     "scaling_min": "scaling.min",
@@ -117,6 +119,9 @@ def _model(path, index: int, entry) -> dict:
     profiles = entry.get("profiles")
     if not isinstance(profiles, list) or not profiles:
         raise CatalogFileError(f"{where}: profiles must list at least one profile (engine, args, ...)")
+    read_profiles = [_profile(where, i, p) for i, p in enumerate(profiles)]
+    # Unless it says: what one replica answers at once, its first profile's slots.
+    target_load = _whole(where, "scaling.target_load", scaling.get("target_load"), read_profiles[0]["parallel"])
     model = {
         "name": name,
         "description": str(entry.get("description") or ""),
@@ -128,14 +133,14 @@ def _model(path, index: int, entry) -> dict:
         "routing_profile": str(entry.get("routing_profile") or "chat"),
         "scaling_min": scaling_min,
         "scaling_max": scaling_max,
-        "target_load": _whole(where, "scaling.target_load", scaling.get("target_load"), defaults.TARGET_LOAD),
+        "target_load": target_load,
         "quiet_s": _whole(where, "scaling.quiet_s", scaling.get("quiet_s"), defaults.QUIET_S),
         "idle_s": _whole(where, "scaling.idle_s", scaling.get("idle_s"), defaults.IDLE_S),
         "priority": _whole(where, "scaling.priority", scaling.get("priority"), defaults.PRIORITY),
     }
     # The rules the admin and the API ask (Model.problems, then the fields' own), before the profiles'.
     _refuse(where, Model(declared=True, **model), FILE_KEYS)
-    model["profiles"] = [_profile(where, i, p) for i, p in enumerate(profiles)]
+    model["profiles"] = read_profiles
     profile_names = [p["name"] for p in model["profiles"]]
     if len(set(profile_names)) != len(profile_names):
         raise CatalogFileError(f"{where}: two profiles have the same name")
@@ -181,7 +186,8 @@ def _profile(model_where: str, index: int, entry) -> dict:
         "priority": _whole(where, "priority", entry.get("priority"), defaults.PRIORITY),
         "min_memory_gb": _whole(where, "min_memory_gb", entry.get("min_memory_gb"), defaults.MIN_MEMORY_GB),
         "node_selector": selector,
-        "gpus": _whole(where, "gpus", entry.get("gpus"), 1 if engine == Engine.VLLM else 0),
+        "gpus": _whole(where, "gpus", entry.get("gpus"), SPECS[engine].default_gpus),
+        "parallel": _whole(where, "parallel", entry.get("parallel"), 1, minimum=1),
     }
     _refuse(where, Profile(**profile), {})
     return profile

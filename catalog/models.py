@@ -7,6 +7,8 @@ from django.core.validators import MaxLengthValidator
 from django.db import models
 from django.utils import timezone
 
+from contracts.engines import slot_args
+
 from . import defaults
 from .rules import (
     MAX_DESCRIPTION,
@@ -61,8 +63,8 @@ class Model(models.Model):
     target_load = models.PositiveIntegerField(
         "target load",
         default=defaults.TARGET_LOAD,
-        help_text="Requests in flight per ready replica before another is added. 1 for llama.cpp as the agent "
-        "runs it (one answer at a time); N for llama-server with --parallel N.",
+        help_text="Requests in flight per ready replica before another is added: a llama.cpp model's parallel "
+        "slots (the serve page sets it so), since one replica answers that many at once.",
     )
     quiet_s = models.PositiveIntegerField(
         "quiet period (s)",
@@ -134,6 +136,12 @@ class Profile(models.Model):
         default=dict, blank=True, help_text="Labels a node must carry, as {key: value}; empty for any node."
     )
     gpus = models.PositiveIntegerField("GPUs", default=0, help_text="GPUs a replica needs; 0 runs on the CPU.")
+    parallel = models.PositiveIntegerField(
+        "parallel slots",
+        default=1,
+        help_text="Requests one replica answers at once (llama.cpp's --parallel); they share the context pool "
+        "(--ctx-size), each getting its share. vLLM schedules its own and ignores this.",
+    )
 
     class Meta:
         ordering = ["model", "priority", "name"]
@@ -142,9 +150,15 @@ class Profile(models.Model):
     def __str__(self) -> str:
         return f"{self.model.name}/{self.name}"
 
+    def engine_args(self) -> list[str]:
+        """What its engine is started with: its args, and `--parallel N` for an engine with slots."""
+        return [*self.args, *slot_args(self.engine, self.parallel, self.args)]
+
     def problems(self) -> dict[str, str]:
         """What the catalog's rules find wrong with this profile, by field (see Model.problems)."""
         errors = {}
+        if self.parallel < 1:
+            errors["parallel"] = "a replica needs at least one slot"
         if problem := args_problem(self.args, self.engine):
             errors["args"] = problem
         if problem := selector_problem(self.node_selector):

@@ -17,65 +17,14 @@ from __future__ import annotations
 
 import re
 
-REMOTE_CODE = "--trust-remote-code"
+from .engines import LLAMACPP_ARGS as LLAMACPP
+from .engines import REMOTE_CODE, SPECS, kind_args, no_such_engine
+from .engines import VLLM_ARGS as VLLM
 
-# flag -> whether it takes a value (as the next argument or after "=").
-LLAMACPP: dict[str, bool] = {
-    # llama-server's spellings, the ones the serve page and the docs write
-    **dict.fromkeys(["--ctx-size", "-c", "--n-gpu-layers", "-ngl", "--gpu-layers", "--threads", "-t"], True),
-    **dict.fromkeys(["--threads-batch", "-tb", "--batch-size", "-b", "--ubatch-size", "-ub"], True),
-    **dict.fromkeys(["--parallel", "-np", "--n-predict", "-n", "--keep", "--seed", "-s"], True),
-    **dict.fromkeys(["--cache-type-k", "-ctk", "--cache-type-v", "-ctv", "--flash-attn", "-fa"], True),
-    **dict.fromkeys(["--rope-scaling", "--rope-freq-base", "--rope-freq-scale", "--yarn-orig-ctx"], True),
-    **dict.fromkeys(["--split-mode", "-sm", "--tensor-split", "-ts", "--main-gpu", "-mg", "--numa"], True),
-    **dict.fromkeys(["--chat-template", "--alias", "-a", "--pooling", "--reasoning-format"], True),
-    **dict.fromkeys(["--reasoning-budget", "--cache-reuse", "--defrag-thold", "--timeout", "-to"], True),
-    **dict.fromkeys(["--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n"], True),
-    **dict.fromkeys(["--cont-batching", "-cb", "--no-cont-batching", "-nocb", "--mlock", "--no-mmap"], False),
-    **dict.fromkeys(["--jinja", "--embedding", "--embeddings", "--metrics", "--no-warmup", "--swa-full"], False),
-    **dict.fromkeys(["--no-kv-offload", "-nkvo", "--no-webui", "--verbose", "-v", "--reranking", "--rerank"], False),
-    # PyPI's llama-cpp-python server, which the agent translates the spellings above into
-    **dict.fromkeys(["--n_ctx", "--n_gpu_layers", "--n_threads", "--n_threads_batch", "--n_batch"], True),
-    **dict.fromkeys(["--n_ubatch", "--chat_format", "--model_alias", "--flash_attn", "--use_mlock"], True),
-    **dict.fromkeys(["--use_mmap", "--seed", "--split_mode", "--main_gpu", "--tensor_split"], True),
-    # Off unless a profile says otherwise: on, a new request cuts the one streaming (docs/engines.md).
-    "--interrupt_requests": True,
-}
+__all__ = ["ALLOWED", "LLAMACPP", "REMOTE_CODE", "VLLM", "args_problem", "kind_args"]
 
-VLLM: dict[str, bool] = {
-    **dict.fromkeys(["--max-model-len", "--gpu-memory-utilization", "--tensor-parallel-size", "-tp"], True),
-    **dict.fromkeys(["--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp", "--dtype"], True),
-    **dict.fromkeys(["--quantization", "-q", "--kv-cache-dtype", "--max-num-seqs"], True),
-    **dict.fromkeys(["--max-num-batched-tokens", "--block-size", "--swap-space", "--cpu-offload-gb"], True),
-    **dict.fromkeys(["--seed", "--served-model-name", "--max-logprobs", "--tool-call-parser"], True),
-    **dict.fromkeys(["--reasoning-parser", "--tokenizer-mode", "--rope-theta", "--max-seq-len-to-capture"], True),
-    **dict.fromkeys(["--distributed-executor-backend", "--uvicorn-log-level", "--guided-decoding-backend"], True),
-    **dict.fromkeys(["--limit-mm-per-prompt", "--rope-scaling", "--compilation-config", "-O"], True),
-    **dict.fromkeys(["--task", "--runner", "--convert"], True),
-    **dict.fromkeys(["--enforce-eager", "--enable-prefix-caching", "--no-enable-prefix-caching"], False),
-    **dict.fromkeys(["--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enable-auto-tool-choice"], False),
-    **dict.fromkeys(["--disable-log-requests", "--disable-log-stats", "--disable-custom-all-reduce"], False),
-    **dict.fromkeys(["--disable-sliding-window", "--enable-expert-parallel"], False),
-    # Only when LLMGW_ALLOW_REMOTE_CODE is set; see args_problem.
-    REMOTE_CODE: False,
-}
-
-ALLOWED: dict[str, dict[str, bool]] = {"llamacpp": LLAMACPP, "vllm": VLLM}
-
-# The arguments that start an engine for a model's kind (chat needs none), added by the
-# control plane to the profile's when it sends a start, and so signed with the rest.
-# vLLM: `--task` is what 0.9-0.10 read; from 0.11 `--runner pooling` replaces it (docs/engines.md).
-KIND_ARGS: dict[str, dict[str, list[str]]] = {
-    "llamacpp": {"embedding": ["--embedding"], "rerank": ["--reranking"]},
-    "vllm": {"embedding": ["--task", "embed"], "rerank": ["--task", "score"]},
-}
-
-
-def kind_args(engine: str, kind: str, args: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """What to add to a profile's `args` to start `engine` for a model of `kind`; none it already has."""
-    wanted = KIND_ARGS.get(engine, {}).get(kind, [])
-    given = {arg.split("=", 1)[0] for arg in args}
-    return [] if wanted and wanted[0] in given else list(wanted)
+# The allow-lists are each engine's spec's (contracts/engines.py); here is how they are applied.
+ALLOWED: dict[str, dict[str, bool]] = {name: spec.allowed_args for name, spec in SPECS.items()}
 
 
 # A value given as its own argument may start with "-" only as a negative number
@@ -90,7 +39,7 @@ def args_problem(engine: str, args: list[str], allow_remote_code: bool = False) 
     """
     allowed = ALLOWED.get(engine)
     if allowed is None:
-        return f"no engine called {engine!r}; llmgw runs {' and '.join(ALLOWED)}"
+        return no_such_engine(engine)
     i = 0
     while i < len(args):
         arg = args[i]

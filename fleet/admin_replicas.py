@@ -15,7 +15,7 @@ from catalog.memory import GB, MB
 from catalog.models import Model
 from common.admin import RecordAdmin
 
-from . import memory, reconcile
+from . import engine_stats, memory, reconcile
 from .models import MeasuredMemory, Replica, Scale
 
 # What one page of replicas shows of memory, read once for the page (one Redis read, one
@@ -27,6 +27,10 @@ def _gb(size: int) -> str:
     return f"{size / GB:.1f} GB" if size >= GB else f"{size / MB:.0f} MB"
 
 
+# The engines' stats read for the page being drawn, by this thread.
+_seen = threading.local()
+
+
 @admin.register(Replica)
 class ReplicaAdmin(RecordAdmin):
     list_display = [
@@ -34,6 +38,7 @@ class ReplicaAdmin(RecordAdmin):
         "profile_name",
         "node",
         "state",
+        "engine_load",
         "cause",
         "endpoint",
         "memory_asked",
@@ -63,6 +68,7 @@ class ReplicaAdmin(RecordAdmin):
         "gpus",
         "cause",
         "created",
+        "engine_load",
     ]
     exclude = ["reason"]
     actions = ["replace"]
@@ -73,6 +79,8 @@ class ReplicaAdmin(RecordAdmin):
         _page.headers = memory.headers_for(r.source for r in rows)
 
     def changelist_view(self, request, extra_context=None):
+        # Read once per page, not once per row: what every replica's engine last said.
+        _seen.stats = engine_stats.read()
         # A profile whose replicas use more than it asks for: said with the number to raise it to.
         for peak, asked in memory.under_asking():
             self.message_user(request, memory.warning(peak, asked), messages.WARNING)
@@ -119,6 +127,21 @@ class ReplicaAdmin(RecordAdmin):
         if m.gpu:
             parts.append(f"GPU {_gb(m.gpu)}")
         return format_html('<span class="memory-measured">{}</span>', " · ".join(parts))
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        _seen.stats = engine_stats.read()
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    @admin.display(description="engine")
+    def engine_load(self, replica: Replica) -> str:
+        """`3 of 4 slots busy, 1 deferred, KV cache 42%, 55 tokens/s`, as the engine counts; "" when it did not say."""
+        found = getattr(_seen, "stats", {}).get(replica.pk)
+        if found is None:
+            return ""
+        return (
+            f"{found['slots_busy']} of {found['slots']} slots busy, {found['requests_deferred']} deferred, "
+            f"KV cache {round(100 * found['kv_cache_used'])}%, {found['tokens_per_second']:g} tokens/s"
+        )
 
     @admin.display(description="why")
     def short_reason(self, replica: Replica) -> str:

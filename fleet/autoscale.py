@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from contracts import demand
 
+from . import engine_stats
 from .live import redis_client
 from .models import Replica, Scale
 from .snapshots import READY, ModelView, Plan, Scaling
@@ -59,11 +60,28 @@ def duration(seconds: float) -> str:
 
 
 def decide(
-    scaling: Scaling, state: State, load: demand.ModelLoad | None, idle_replicas: int, now: float
+    scaling: Scaling,
+    state: State,
+    load: demand.ModelLoad | None,
+    idle_replicas: int,
+    now: float,
+    engines: tuple[int, int, int] | None = None,
 ) -> tuple[State, str]:
-    """The model's new state, and what a replica stopped for a lower count says ("" when none)."""
+    """The model's new state, and what a replica stopped for a lower count says ("" when none).
+
+    `engines` is what the model's engines themselves say (fleet.engine_stats): (slots,
+    slots busy, requests deferred), None where none said. The load is then the larger of
+    the gateway's requests in flight and the engines' busy slots plus deferred requests
+    (a request from a gateway that has not written its count yet is still in a slot), and a
+    request deferred by an engine, all its slots taken, asks for one more replica whatever
+    the target load says.
+    """
     in_flight = int(load["in_flight"]) if load else 0
     waiting = int(load["waiting"]) if load else 0
+    deferred = 0
+    if engines is not None:
+        _, busy, deferred = engines
+        in_flight = max(in_flight, busy + deferred)
     last_request = max(state.last_request, float(load["last_request"]) if load else 0.0)
     count = min(max(state.replicas, scaling.fewest), scaling.most)
     why, changed = state.why, state.changed
@@ -74,11 +92,15 @@ def decide(
     need = math.ceil((in_flight + waiting) / max(scaling.target_load, 1))
     if waiting:
         need = max(need, 1)
+    if deferred:
+        need = max(need, count + 1)
     busy_at = state.busy_at
     if need >= count and need > 0:
         busy_at = now
     if need > count and count < scaling.most:
         why = WOKEN if count == 0 else f"load: {in_flight} in flight, {waiting} waiting"
+        if deferred:
+            why += f", {deferred} deferred by the engines"
         count, changed = min(need, scaling.most), now
     elif count == 1 and scaling.fewest == 0 and in_flight == 0 and waiting == 0:
         # Idle from the last request, or from the last change (a wake, fewest lowered to 0).
@@ -131,6 +153,8 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
         return models
     at = now.timestamp()
     loads, per_replica = read_load()
+    stats = engine_stats.read(at)
+    per_model = engine_stats.model_totals(stats, [r for r in replicas if r.state == READY and r.node_id is not None])
     client = redis_client()
     times = _read_times(client)
     rows = {s.model_name: s for s in Scale.objects.all()}
@@ -139,9 +163,12 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
     for r in replicas:
         if r.state == READY and r.node_id is not None:
             ready[r.model_name] = ready.get(r.model_name, 0) + 1
-            if not per_replica.get(r.pk):
+            # Idle by the gateway's count and by the engine's own, when it says.
+            if not per_replica.get(r.pk) and not (stats.get(r.pk) or {}).get("slots_busy"):
                 idle[r.model_name] = idle.get(r.model_name, 0) + 1
-    busy = frozenset(replica_id for replica_id, count in per_replica.items() if count > 0)
+    busy = frozenset(replica_id for replica_id, count in per_replica.items() if count > 0) | frozenset(
+        replica_id for replica_id, found in stats.items() if found["slots_busy"] > 0
+    )
     out, changed, created, new_times = [], [], [], {}
     for model in models:
         if model.scaling is None:
@@ -160,7 +187,9 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
             max(row.last_request, last_request),
             max(row.busy_at, busy_at),
         )
-        after, stop_reason = decide(model.scaling, before, loads.get(model.name), idle.get(model.name, 0), at)
+        after, stop_reason = decide(
+            model.scaling, before, loads.get(model.name), idle.get(model.name, 0), at, per_model.get(model.name)
+        )
         if (after.replicas, after.changed, after.why) != (before.replicas, before.changed, before.why):
             _write(row, after)
             if row.pk is not None:

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from common import metrics
 from contracts import progress
 
+from . import engine_stats
 from .live import redis_client
 from .models import Fetch, Node, Replica, heartbeat_deadline
 from .placement import PENDING
@@ -58,7 +59,36 @@ class FleetCollector(Collector):
     def collect(self):
         yield from self.nodes()
         yield from self.replicas()
+        yield from self.engines()
         yield from self.fetches()
+
+    def engines(self):
+        """What each replica's engine says of its load (fleet.engine_stats), for the replicas whose engine said."""
+        stats = engine_stats.read()
+        names = dict(Replica.objects.filter(pk__in=stats).values_list("pk", "model_name")) if stats else {}
+        labels = ["model", "replica"]
+        slots = GaugeMetricFamily(
+            "llmgw_engine_slots", "An engine's parallel slots: all, and busy.", labels=[*labels, "kind"]
+        )
+        deferred = GaugeMetricFamily(
+            "llmgw_engine_requests_deferred", "Requests waiting in an engine for a slot.", labels=labels
+        )
+        kv = GaugeMetricFamily(
+            "llmgw_engine_kv_cache_used_ratio", "The share of an engine's context pool in use.", labels=labels
+        )
+        rate = GaugeMetricFamily(
+            "llmgw_engine_tokens_per_second", "Tokens an engine generated per second, lately.", labels=labels
+        )
+        for pk, found in sorted(stats.items()):
+            if pk not in names:
+                continue
+            key = [names[pk], str(pk)]
+            slots.add_metric([*key, "total"], found["slots"])
+            slots.add_metric([*key, "busy"], found["slots_busy"])
+            deferred.add_metric(key, found["requests_deferred"])
+            kv.add_metric(key, found["kv_cache_used"])
+            rate.add_metric(key, found["tokens_per_second"])
+        yield from (slots, deferred, kv, rate)
 
     def nodes(self):
         deadline = heartbeat_deadline()

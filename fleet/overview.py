@@ -12,6 +12,7 @@ from django.db.models import Count, Q, Sum
 
 from contracts import progress
 
+from . import engine_stats
 from .live import redis_client
 from .models import Node, Replica, heartbeat_deadline
 
@@ -98,3 +99,26 @@ def fetches_under_way() -> list[dict]:
                 }
             )
     return rows
+
+
+def engines() -> list[dict]:
+    """Per model, what its engines say of their load (fleet.engine_stats): slots busy, deferred, KV cache, tokens/s."""
+    stats = engine_stats.read()
+    if not stats:
+        return []
+    rows: dict[str, dict] = {}
+    for pk, model in Replica.objects.filter(pk__in=stats).values_list("pk", "model_name"):
+        found = stats[pk]
+        row = rows.setdefault(
+            model, {"model": model, "replicas": 0, "slots": 0, "busy": 0, "deferred": 0, "kv": 0.0, "tps": 0.0}
+        )
+        row["replicas"] += 1
+        row["slots"] += found["slots"]
+        row["busy"] += found["slots_busy"]
+        row["deferred"] += found["requests_deferred"]
+        row["kv"] += found["kv_cache_used"]
+        row["tps"] += found["tokens_per_second"]
+    for row in rows.values():
+        row["kv_percent"] = round(100 * row.pop("kv") / row["replicas"])
+        row["tokens_per_second"] = round(row.pop("tps"), 1)
+    return sorted(rows.values(), key=lambda r: r["model"])

@@ -101,7 +101,8 @@ def model_views() -> list[ModelView]:
                 ProfileView(
                     name=p.name,
                     engine=p.engine,
-                    args=tuple(p.args or ()),
+                    # With --parallel N: a change of slots is a change of how the engine runs.
+                    args=tuple(p.engine_args()),
                     weight=p.weight,
                     priority=p.priority,
                     min_memory_gb=p.min_memory_gb,

@@ -24,6 +24,7 @@ class LlmgwAdminSite(admin.AdminSite):
         context = {
             "nodes": fleet_overview.nodes(),
             "replicas": fleet_overview.replicas(),
+            "engines": fleet_overview.engines(),
             "fetches": fetches,
             "usage_day": usage_overview.last_24_hours(),
             "usage_month": usage_overview.last_30_days(),

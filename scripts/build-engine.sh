@@ -1,19 +1,38 @@
 #!/bin/sh
-# Build and install llama.cpp (PyPI's llama-cpp-python) for the CPU this machine has.
+# Build llama.cpp's own `llama-server` for the CPU this machine has, and link it into the venv.
 #
-# Why not pip's default build: it compiles with -march=native, which on these CPUs turns
-# on AMX kernels; the CPU reports AMX but a process here cannot use it, and the engine
-# dies with SIGILL on the first token of a Q4/Q8 model. So GGML_NATIVE is off and each
-# instruction set is turned on only when /proc/cpuinfo lists it; AMX is always off.
-# The wheel is kept under a key made of those flags, never in pip's own cache (which
-# keys on the source alone and would hand a wheel built for another CPU to this one).
+# The source is the llama.cpp that the pinned llama-cpp-python sdist vendors
+# (requirements-engine.txt names the version; nothing of it is installed): one
+# pinned llama.cpp, fetched through pip like every other package.
+#
+# Why not llama.cpp's default build: it compiles with -march=native, which on these
+# CPUs turns on AMX kernels; the CPU reports AMX but a process here cannot use it, and
+# the engine dies with SIGILL on the first token of a Q4/Q8 model. So GGML_NATIVE is
+# off and each instruction set is turned on only when /proc/cpuinfo lists it; AMX is
+# always off. LLMGW_ENGINE_ISA=avx2 builds for AVX2 without AVX-512 even where the CPU
+# has it: the other mix a fleet runs on, so the real-model tests can be run against it
+# here (docs/testing.md).
+#
+# The binary is kept under a key made of the version and those flags
+# (~/.cache/llmgw/engines/<key>/llama-server, or under LLMGW_ENGINE_BUILDS), so a
+# build for one mix is never handed to another CPU, and switching back is a link.
 #
 # Usage: sh scripts/build-engine.sh [PYTHON]   (default .venv/bin/python)
+#        sh scripts/build-engine.sh --where    the path this CPU's build has (built or not)
 set -e
+WHERE=
+if [ "$1" = "--where" ]; then WHERE=1; shift; fi
 PY=${1:-.venv/bin/python}
-SPEC=$(grep -v '^#' requirements-engine.txt | grep llama-cpp-python | head -n 1)
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+SPEC=$(grep -v '^#' "$HERE/requirements-engine.txt" | grep llama-cpp-python | head -n 1)
 VERSION=${SPEC##*==}
 flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+case "${LLMGW_ENGINE_ISA:-native}" in
+    native) ;;
+    # What an AMD EPYC of the kind CI lands on reports: AVX2, FMA, F16C, BMI2, no AVX-512, no AVX-VNNI.
+    avx2) flags=$(printf '%s\n' "$flags" | tr ' ' '\n' | grep -v -e '^avx512' -e '^avx_vnni$' | tr '\n' ' ') ;;
+    *) echo "LLMGW_ENGINE_ISA is ${LLMGW_ENGINE_ISA}; it may be native (this CPU's own) or avx2" >&2; exit 1 ;;
+esac
 has() { case " $flags " in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
 ARGS="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 ARGS="$ARGS -DGGML_SSE42=$(has sse4_2) -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2)"
@@ -21,24 +40,33 @@ ARGS="$ARGS -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) -DGGML_BMI2=$(has bmi2
 ARGS="$ARGS -DGGML_AVX_VNNI=$(has avx_vnni) -DGGML_AVX512=$(has avx512f)"
 ARGS="$ARGS -DGGML_AVX512_VBMI=$(has avx512vbmi) -DGGML_AVX512_VNNI=$(has avx512_vnni)"
 ARGS="$ARGS -DGGML_AVX512_BF16=$(has avx512_bf16)"
+# One binary, no curl (a node fetches weights itself), the server and nothing else.
+ARGS="$ARGS -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF"
+ARGS="$ARGS -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release"
 KEY=$(printf '%s %s %s' "$VERSION" "$(uname -m)" "$ARGS" | sha256sum | cut -c1-16)
-DIR=${LLMGW_ENGINE_WHEELS:-$HOME/.cache/llmgw/engine-wheels}/$KEY
-if ! ls "$DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    echo "Building the llama.cpp engine for this CPU (about 7 minutes the first time)..."
-    mkdir -p "$DIR.tmp"
-    CMAKE_ARGS="$ARGS" "$PY" -m pip wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python \
-        -w "$DIR.tmp" "llama-cpp-python==$VERSION"
-    printf '%s\n' "$ARGS" > "$DIR.tmp/CMAKE_ARGS"
-    rm -rf "$DIR" && mv "$DIR.tmp" "$DIR"
+BUILDS=${LLMGW_ENGINE_BUILDS:-$HOME/.cache/llmgw/engines}
+DIR=$BUILDS/llama-server-$VERSION-$KEY
+if [ -n "$WHERE" ]; then echo "$DIR/llama-server"; exit 0; fi
+if [ ! -x "$DIR/llama-server" ]; then
+    echo "Building llama.cpp's llama-server $VERSION for this CPU (about 6 minutes on two cores)..."
+    WORK="$DIR.tmp"
+    rm -rf "$WORK" && mkdir -p "$WORK/src"
+    SDIST=$BUILDS/sources/llama_cpp_python-$VERSION.tar.gz
+    if [ ! -f "$SDIST" ]; then
+        mkdir -p "$BUILDS/sources"
+        "$PY" -m pip download -q --no-deps --no-binary :all: -d "$BUILDS/sources" "llama-cpp-python==$VERSION"
+    fi
+    tar -xzf "$SDIST" -C "$WORK/src" --strip-components=1 "llama_cpp_python-$VERSION/vendor/llama.cpp"
+    # shellcheck disable=SC2086  # ARGS is a list of words on purpose
+    cmake -S "$WORK/src/vendor/llama.cpp" -B "$WORK/build" $ARGS >"$WORK/configure.log"
+    cmake --build "$WORK/build" --target llama-server -j2 >"$WORK/build.log"
+    cp "$WORK/build/bin/llama-server" "$WORK/llama-server"
+    printf '%s\n' "$ARGS" > "$WORK/CMAKE_ARGS"
+    rm -rf "$WORK/src" "$WORK/build"
+    rm -rf "$DIR" && mv "$WORK" "$DIR"
 fi
-# --only-binary: the wheel above or nothing, never pip building (or taking from its own
-# cache) one with -march=native.
-"$PY" -m pip install -q --only-binary llama-cpp-python --find-links "$DIR" -r requirements-engine.txt
-# A venv that already holds an engine built some other way (an older `make`, a plain pip
-# install) keeps it through the line above, which sees the version satisfied: replace it.
-MARK="$(dirname "$PY")/../.engine-cmake-args"
-if [ "$(cat "$MARK" 2>/dev/null)" != "$ARGS" ]; then
-    "$PY" -m pip install -q --no-deps --force-reinstall "$DIR"/llama_cpp_python-*.whl
-fi
-"$PY" -c 'import llama_cpp.server'
-printf '%s\n' "$ARGS" > "$MARK"
+# The venv's bin/ is where this checkout's agent looks first (agent/engine_binary.py).
+BIN="$(dirname "$PY")"
+ln -sfn "$DIR/llama-server" "$BIN/llama-server"
+"$BIN/llama-server" --version >/dev/null 2>&1 || { echo "the llama-server built in $DIR does not run" >&2; exit 1; }
+printf '%s\n' "$ARGS" > "$BIN/../.engine-cmake-args"

@@ -11,7 +11,7 @@ from django import forms
 from catalog.models import Engine, Kind, Model
 
 from . import services
-from .planning import ServeError, ServePlan, build_model
+from .planning import ServeError, ServePlan, build_model, slot_warning
 
 
 class TextField(forms.CharField):
@@ -50,8 +50,13 @@ class ServeForm(forms.Form):
         widget=forms.Select(choices=(("", "—"), *((e.value, e.label) for e in Engine))),
     )
     profile = text("Profile", "Named for the hardware it runs on.")
+    parallel = text(
+        "Parallel slots",
+        "Requests one replica answers at once (llama.cpp's --parallel); the model's target load follows it.",
+    )
     ctx_size = text(
-        "Engine context pool", "llama.cpp's --ctx-size, shared by its parallel slots; blank for the engine's default."
+        "Engine context pool",
+        "llama.cpp's --ctx-size, shared by its slots, each getting its share; blank for slots × context length.",
     )
     min_memory_gb = text(
         "Min memory (GB)",
@@ -63,12 +68,25 @@ class ServeForm(forms.Form):
     FIELDSETS = (
         ("The catalog entry", ("name", "description", "aliases", "source", "kind")),
         ("What clients get", ("context_length", "max_output", "replicas")),
-        ("Where and how it runs", ("engine", "profile", "ctx_size", "min_memory_gb", "selector_key", "selector_value")),
+        (
+            "Where and how it runs",
+            (
+                "engine",
+                "profile",
+                "parallel",
+                "ctx_size",
+                "min_memory_gb",
+                "selector_key",
+                "selector_value",
+            ),
+        ),
     )
 
     def __init__(self, *args, byte_base: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.byte_base = byte_base
+        # Said once the entry is saved, not a refusal (planning.slot_warning).
+        self.warning = ""
         for name, field in self.fields.items():
             field.name = name
 
@@ -81,6 +99,7 @@ class ServeForm(forms.Form):
             "kind": plan.kind,
             "engine": plan.engine,
             "profile": plan.profile,
+            "parallel": str(plan.parallel or ""),
             "min_memory_gb": str(plan.min_memory_gb or ""),
         }
         return cls(initial=initial, byte_base=byte_base)
@@ -95,6 +114,8 @@ class ServeForm(forms.Form):
                 self.entry, self.entry_profile = build_model(cleaned, self.byte_base)
             except ServeError as refused:
                 self.add_serve_error(refused)
+            else:
+                self.warning = slot_warning(self.entry, self.entry_profile)
         return cleaned
 
     def add_serve_error(self, refused: ServeError) -> None:

@@ -12,8 +12,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from urllib.parse import quote
 
-from catalog.models import Engine, Kind, Model, Profile
+from catalog.models import Kind, Model, Profile
 from catalog.rules import source_problem
+from contracts import engines as engine_specs
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,21 @@ class ServePlan:
     file_names: list[str] = field(default_factory=list)
     # Which figure fills min_memory_gb and its parts (serving/memory.py): the header estimate or the size rule.
     memory: dict = field(default_factory=dict)
+    # Requests one replica answers at once (llama.cpp's --parallel); 0 for an engine without slots.
+    parallel: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def engine_for(file_name: str) -> str:
-    """The engine that reads this kind of weights file, or "" when none does."""
-    return {".gguf": Engine.LLAMACPP.value, ".safetensors": Engine.VLLM.value, ".bin": Engine.VLLM.value}.get(
-        ext_of(file_name).lower(), ""
-    )
+    """The engine that reads this kind of weights file, or "" when none does (contracts/engines.py)."""
+    return engine_specs.engine_reading(file_name)
+
+
+# Slots the serve page offers a llama.cpp model: what llama-server picks by itself, and on two
+# cores about where its tokens per second stop growing (docs/benchmarks.md).
+DEFAULT_SLOTS = 4
 
 
 def ext_of(file_name: str) -> str:
@@ -148,7 +154,9 @@ def plan_serve(
         # Offered now, a node would fetch a file cut short; the mirror says when to look again.
         plan.refusal = f"this version is not ready yet: {not_ready}; reload the page when the copy is done"
         return plan
-    plan.profile = "cpu" if plan.engine == Engine.LLAMACPP else "gpu"
+    spec = engine_specs.SPECS[plan.engine]
+    plan.profile = "gpu" if spec.default_gpus else "cpu"
+    plan.parallel = DEFAULT_SLOTS if spec.slots else 0
 
     # Whether any node can actually run it. A warning, not a refusal: an engine
     # can be installed this afternoon, and a node that reports nothing is an
@@ -160,7 +168,7 @@ def plan_serve(
                 f" (installed on {failing} node{'s' if failing != 1 else ''} but failing its self-test: "
                 "the node's page says why)"
             )
-        if plan.engine != Engine.LLAMACPP and gpu_total(fleet) == 0:
+        if spec.default_gpus and gpu_total(fleet) == 0:
             plan.warning += ". This fleet has no GPU either; a GGUF build of the same model runs on the CPU nodes"
 
     plan.min_memory_gb = estimated_gb or memory_for(plan.bytes_total)
@@ -249,6 +257,54 @@ class _Problems(list):
         return int(value.strip())
 
 
+def _slots_and_pool(get, problems: _Problems, spec, model: Model, profile: Profile) -> None:
+    """Parallel slots and the context pool they share; the model's target load follows its slots."""
+    slots = get("parallel")
+    # Blank: what the serve page pre-fills, so a request from automation gets the same replica.
+    profile.parallel = DEFAULT_SLOTS if spec is not None and spec.slots else 1
+    if slots:
+        profile.parallel = problems.whole_number(slots, "the number of parallel slots", "parallel")
+        if spec is not None and not spec.slots:
+            problems.append(("parallel", f"parallel slots are a llama.cpp setting; {spec.label} schedules its own"))
+        elif profile.parallel < 1:
+            problems.append(("parallel", "a replica needs at least one slot"))
+    # One replica answers this many at once, so the autoscaler adds another only past them.
+    model.target_load = max(1, profile.parallel)
+    if ctx_size := get("ctx_size"):
+        # The pool, not the per-request limit: llama.cpp divides it across its
+        # parallel slots, so the number a client may use is smaller and is what
+        # the context length above says.
+        pool = problems.whole_number(ctx_size, "the engine's context pool", "ctx_size")
+        if spec is not None and not spec.pool_flag:
+            problems.append(
+                ("ctx_size", "the context pool is a llama.cpp setting; vLLM sizes its pool from GPU memory")
+            )
+        profile.args = [spec.pool_flag if spec and spec.pool_flag else "--ctx-size", str(pool)]
+    elif spec is not None and spec.pool_flag and model.context_length:
+        # Left blank: each slot gets the context length a client may ask for.
+        profile.args = [spec.pool_flag, str(max(1, profile.parallel) * model.context_length)]
+
+
+def slot_warning(model: Model, profile: Profile) -> str:
+    """A sentence when the pool gives a slot less than the context length a client may ask for; else "".
+
+    Not a refusal: the operator may know its clients ask for less. But a client that asks for
+    the whole context length is then cut off at the slot's share, which it was not told.
+    """
+    spec = engine_specs.spec(profile.engine)
+    pool = engine_specs.pool_size(profile.args)
+    if spec is None or not spec.slots or not pool or not model.context_length:
+        return ""
+    slots = max(1, profile.parallel)
+    if pool // slots >= model.context_length:
+        return ""
+    return (
+        f"the context pool of {pool} tokens gives each of the {slots} slots {pool // slots}, less than the context "
+        f"length of {model.context_length} a client may ask for: make the pool {slots * model.context_length} "
+        "or the context length smaller"
+    )
+
+
 def build_model(form: Mapping[str, str], byte_base: str) -> tuple[Model, Profile]:
     """Turn the submitted serve form into an unsaved catalog entry and its profile.
 
@@ -281,23 +337,15 @@ def build_model(form: Mapping[str, str], byte_base: str) -> tuple[Model, Profile
     model.scaling_min = model.scaling_max = replicas
 
     engine = get("engine")
+    spec = engine_specs.spec(engine)
     if not engine:
         problems.append(("engine", "which engine should run it?"))
-    elif engine not in Engine.values:
-        problems.append(("engine", f"the engine must be llamacpp or vllm, not {engine}"))
+    elif spec is None:
+        problems.append(("engine", f"the engine must be {' or '.join(engine_specs.NAMES)}, not {engine}"))
     profile = Profile(name=get("profile") or engine, engine=engine, weight=1, priority=100)
     # vLLM without a card is not a setup anyone runs; a profile for it asks for one.
-    profile.gpus = 1 if engine == Engine.VLLM else 0
-    if ctx_size := get("ctx_size"):
-        # The pool, not the per-request limit: llama.cpp divides it across its
-        # parallel slots, so the number a client may use is smaller and is what
-        # the context length above says.
-        pool = problems.whole_number(ctx_size, "the engine's context pool", "ctx_size")
-        if engine == Engine.VLLM:
-            problems.append(
-                ("ctx_size", "the context pool is a llama.cpp setting; vLLM sizes its pool from GPU memory")
-            )
-        profile.args = ["--ctx-size", str(pool)]
+    profile.gpus = spec.default_gpus if spec else 0
+    _slots_and_pool(get, problems, spec, model, profile)
     if get("min_memory_gb"):
         profile.min_memory_gb = problems.whole_number(get("min_memory_gb"), "the memory requirement", "min_memory_gb")
     key, value = get("selector_key"), get("selector_value")

@@ -30,6 +30,8 @@ def serve_version(request: HttpRequest, model: str, version: str) -> HttpRespons
         entry = form.save(added_by=request.user.get_username())
         if entry is not None:
             messages.success(request, f"Added {entry.name} to the catalog; placement will start its replicas.")
+            if form.warning:
+                messages.warning(request, form.warning[0].upper() + form.warning[1:] + ".")
             destination = reverse("admin:catalog_model_change", args=[entry.pk])
             return HttpResponseClientRedirect(destination) if request.htmx else redirect(destination)
 

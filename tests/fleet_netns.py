@@ -220,10 +220,10 @@ class Node:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if state == "Z" or b"agent.llamacpp_server" not in argv:
+            if state == "Z" or not argv[0].endswith(b"llama-server"):
                 continue
             args = [a.decode() for a in argv]
-            found[pid] = args[args.index("--model_alias") + 1] if "--model_alias" in args else "?"
+            found[pid] = args[args.index("--alias") + 1] if "--alias" in args else "?"
         return found
 
     def engine_log(self, replica_id: int) -> Path:
@@ -231,9 +231,9 @@ class Node:
 
 
 def chat_requests_in(log: Path) -> int:
-    """Chat requests an engine answered, from its own access log (uvicorn's, in the replica's log)."""
+    """Requests an engine took into a slot, from its own log (llama-server's, in the replica's log)."""
     try:
-        return len(re.findall(r'"POST /v1/chat/completions HTTP', log.read_text(errors="replace")))
+        return len(re.findall(r"launch_slot_: id +\d+ \| task \d+ \| processing task", log.read_text(errors="replace")))
     except OSError:
         return 0
 

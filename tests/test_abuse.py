@@ -239,7 +239,7 @@ def test_an_engine_busy_reading_a_long_prompt_is_not_killed_by_its_liveness_chec
     reports = Reports()
     # Checked every second, half a second to answer, three in a row: killed after about 4.5 s of silence.
     sup = supervisor.Supervisor(cache, reports, liveness_interval=1, liveness_timeout=0.5, liveness_failures=3)
-    engine_state.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--n_ctx", "256"], "tiny")
+    engine_state.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--ctx-size", "256"], "tiny")
     step_until(sup, lambda: "ready" in reports.states(), 120, "llama.cpp to answer on /v1/models")
     endpoint = reports.last()[2]
     pid = engine_state.read_state(cache)["replicas"]["1"]["pid"]
@@ -252,7 +252,7 @@ def test_an_engine_busy_reading_a_long_prompt_is_not_killed_by_its_liveness_chec
         try:
             answer = requests.post(
                 endpoint + "/chat/completions",
-                json={"messages": [{"role": "user", "content": "x" * 300_000}], "max_tokens": 8},
+                json={"messages": [{"role": "user", "content": "x" * 600_000}], "max_tokens": 8},
                 timeout=300,
             )
             outcome["status"] = answer.status_code

@@ -192,9 +192,10 @@ def test_an_engine_is_never_handed_the_nodes_token_nor_a_key_meant_for_another(m
     monkeypatch.setenv("API_KEY", "someone-elses")
     env = engines.engine_env("llamacpp", "s3")
     assert "LLMGW_NODE_TOKEN" not in env and "API_KEY" not in env
-    assert env["LLMGW_ENGINE_API_KEY"] == env["LLAMA_API_KEY"] == "s3"
+    assert env["LLAMA_API_KEY"] == "s3" and "VLLM_API_KEY" not in env
     assert engines.engine_env("vllm", "s3")["VLLM_API_KEY"] == "s3"
-    assert "LLMGW_ENGINE_API_KEY" not in engines.engine_env("llamacpp", "")
+    monkeypatch.setenv("LLAMA_API_KEY", "left-over")
+    assert "LLAMA_API_KEY" not in engines.engine_env("llamacpp", "")
 
 
 def test_the_gateway_and_the_node_compute_the_same_secret_and_a_new_replica_of_a_reused_id_another():

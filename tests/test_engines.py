@@ -1,6 +1,6 @@
 """Engines on a node: argument lists, and a real llama.cpp started, killed and brought back.
 
-llama.cpp runs for real (PyPI's llama-cpp-python) on a tiny GGUF the tests write.
+llama.cpp runs for real (llama.cpp's llama-server, as `make engine` builds it) on a tiny GGUF the tests write.
 vLLM needs a GPU, so its launch is tested with a stand-in: a small script named
 `vllm` on PATH that records its arguments and answers /v1/models like an engine.
 """
@@ -39,44 +39,71 @@ def no_llama_server(name):
     return None
 
 
-def test_llamacpp_without_llama_server_runs_the_python_server_on_the_first_file_of_a_set_in_its_spelling(tmp_path):
+LLAMA_SERVER = "/usr/bin/llama-server"
+
+
+def on_path(name):
+    return LLAMA_SERVER if name == "llama-server" else None
+
+
+def test_llamacpp_runs_llama_server_on_the_first_file_of_a_set_with_its_threads_one_slot_and_metrics(tmp_path):
     for name in ("m-00002-of-00003.gguf", "m-00001-of-00003.gguf", "m-00003-of-00003.gguf", ".complete"):
         (tmp_path / name).write_bytes(b"")
-    argv = engines.command("llamacpp", tmp_path, 9000, ["--ctx-size", "4096"], which=no_llama_server, python="py")
+    argv = engines.command("llamacpp", tmp_path, 9000, ["--ctx-size", "4096"], which=on_path)
     assert argv == [
-        "py",
-        "-m",
-        # PyPI's server, through the shim that puts usage into streamed answers.
-        "agent.llamacpp_server",
-        "--model",
-        str(tmp_path / "m-00001-of-00003.gguf"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "9000",
-        # The serve page writes llama-server's --ctx-size; PyPI's server calls it --n_ctx.
-        "--n_ctx",
-        "4096",
-        # Each answer finished, never cut for the next request (docs/engines.md).
-        "--interrupt_requests",
-        "false",
+        *[LLAMA_SERVER, "--model", str(tmp_path / "m-00001-of-00003.gguf"), "--host", "127.0.0.1", "--port", "9000"],
+        # Chosen by the agent and said: the CPUs it may use, not llama-server's count of cores.
+        *["--threads", str(len(os.sched_getaffinity(0)))],
+        # Written even when one: left out, llama-server takes 4 slots over one unified pool.
+        *["--parallel", "1"],
+        # /metrics is where the agent reads the slots from; no web UI on an engine's port.
+        *["--metrics", "--no-webui"],
+        *["--ctx-size", "4096"],
     ]
 
 
-def test_llamacpp_prefers_llama_server_and_takes_a_single_file_as_it_is(tmp_path):
+def test_a_profiles_own_threads_and_slots_win_over_the_agents_choice(tmp_path):
     weights = tmp_path / "model.gguf"
     weights.write_bytes(b"")
-    argv = engines.command("llamacpp", weights, 9001, ["--ctx-size", "512"], which=lambda n: "/usr/bin/llama-server")
-    assert argv == [
-        *["/usr/bin/llama-server", "--model", str(weights), "--host", "127.0.0.1", "--port", "9001"],
-        *["--ctx-size", "512"],
-    ]
+    args = ["--threads", "1", "--parallel", "8", "--ctx-size", "8192"]
+    argv = engines.command("llamacpp", weights, 9001, args, which=on_path)
+    assert argv[7:] == ["--metrics", "--no-webui", *args]
+
+
+def test_a_node_without_llama_server_is_told_how_to_get_one(tmp_path, monkeypatch):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(engines.EngineError, match="llama-server is not installed on this node: run `make engine`"):
+        engines.command("llamacpp", weights, 9001, [], which=no_llama_server)
+
+
+def test_the_setting_names_the_llama_server_a_node_runs_before_path(tmp_path, monkeypatch):
+    binary = tmp_path / "llama-server-custom"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("LLMGW_LLAMA_SERVER", str(binary))
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"")
+    assert engines.command("llamacpp", weights, 9001, [], which=on_path)[0] == str(binary)
+
+
+def test_make_engine_links_this_cpus_build_beside_the_interpreter_where_the_agent_finds_it():
+    beside = Path(sys.executable).parent / "llama-server"
+    assert beside.is_symlink(), "run `make engine`: it links llama-server into the venv"
+    built = Path(os.readlink(beside))
+    where = subprocess.run(
+        ["sh", "scripts/build-engine.sh", "--where"], cwd=BASE_DIR, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    # Keyed by its flags under the cache: the mix this machine (or LLMGW_ENGINE_ISA) asks for.
+    assert str(built) == where and "/llama-server-0.3.36-" in where
+    assert (built.parent / "CMAKE_ARGS").read_text().startswith("-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF")
 
 
 def test_a_set_without_a_gguf_file_is_refused_with_a_sentence(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(engines.EngineError, match="holds no .gguf file for llama.cpp"):
-        engines.command("llamacpp", tmp_path, 9000, [], which=no_llama_server)
+        engines.command("llamacpp", tmp_path, 9000, [], which=on_path)
 
 
 def test_vllm_is_handed_the_directory(tmp_path):
@@ -104,27 +131,21 @@ def test_a_profile_that_names_the_served_model_itself_is_left_to_do_so(tmp_path,
     assert argv == ["/opt/bin/vllm", "serve", str(tmp_path), "--host", "127.0.0.1", "--port", "9002", *named]
 
 
-def test_llamacpp_is_given_the_catalog_name_as_its_alias_in_either_server_spelling(tmp_path):
+def test_llamacpp_is_given_the_catalog_name_as_its_alias_unless_the_profile_names_one(tmp_path):
     weights = tmp_path / "model.gguf"
     weights.write_bytes(b"")
-    native = engines.command("llamacpp", weights, 9001, [], model="llama-3", which=lambda n: "/usr/bin/llama-server")
-    assert native[-2:] == ["--alias", "llama-3"]
-    python = engines.command("llamacpp", weights, 9001, [], model="llama-3", which=no_llama_server, python="py")
-    assert python[-4:-2] == ["--model_alias", "llama-3"]
-    own = engines.command("llamacpp", weights, 9001, ["-a", "mine"], model="llama-3", which=no_llama_server)
-    assert own[-4:-2] == ["--model_alias", "mine"] and "llama-3" not in own
+    native = engines.command("llamacpp", weights, 9001, [], model="llama-3", which=on_path)
+    assert native[7:9] == ["--alias", "llama-3"]
+    own = engines.command("llamacpp", weights, 9001, ["-a", "mine"], model="llama-3", which=on_path)
+    assert own[-2:] == ["-a", "mine"] and "llama-3" not in own
 
 
-def test_pypis_server_finishes_each_answer_unless_the_profile_says_otherwise(tmp_path):
+@pytest.mark.parametrize("gone", ["--n_ctx", "--interrupt_requests", "--no-slots", "--no-cache-prompt", "--kv-unified"])
+def test_what_llama_server_does_not_take_or_would_lose_the_fleet_its_slots_is_refused(tmp_path, gone):
     weights = tmp_path / "model.gguf"
     weights.write_bytes(b"")
-    argv = engines.command("llamacpp", weights, 9001, [], which=no_llama_server, python="py")
-    assert argv[-2:] == ["--interrupt_requests", "false"]
-    own = engines.command("llamacpp", weights, 9001, ["--interrupt_requests=true"], which=no_llama_server)
-    assert own[-1] == "--interrupt_requests=true" and "false" not in own
-    # llama-server has no such flag: it serves requests side by side in its slots.
-    native = engines.command("llamacpp", weights, 9001, [], which=lambda n: "/usr/bin/llama-server")
-    assert "--interrupt_requests" not in native
+    with pytest.raises(engines.EngineError, match=f"{gone} is not an argument llmgw gives llamacpp"):
+        engines.command("llamacpp", weights, 9001, [gone, "1"] if gone.startswith("--n_") else [gone], which=on_path)
 
 
 def test_vllm_missing_says_so(tmp_path):
@@ -242,23 +263,22 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     cache = tmp_path / "cache"
     reports = Reports()
     sup = supervisor.Supervisor(cache, reports)
-    assert engine_state.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--n_ctx", "256"], "tiny")
+    assert engine_state.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--ctx-size", "256"], "tiny")
 
-    step_until(sup, lambda: "ready" in reports.states(), 120, "llama.cpp to answer on /v1/models")
+    step_until(sup, lambda: "ready" in reports.states(), 120, "llama.cpp to answer on /health")
     _, _, endpoint, _ = reports.last()
     assert reports.states() == ["starting", "ready"]
     first = engine_state.read_state(cache)["replicas"]["1"]
-    assert first["argv"][1:4] == ["-m", "agent.llamacpp_server", "--model"]
-    assert first["argv"][4] == str(tiny_gguf / "tiny-00001-of-00003.gguf")
+    assert first["argv"][0].endswith("llama-server") and first["argv"][1] == "--model"
+    assert first["argv"][2] == str(tiny_gguf / "tiny-00001-of-00003.gguf")
     assert endpoint == f"http://127.0.0.1:{first['port']}/v1"
 
     # The engine lists itself under the catalog's name, as the gateway does.
     assert [m["id"] for m in requests.get(endpoint + "/models", timeout=10).json()["data"]] == ["tiny"]
     answer = chat(endpoint)
-    # Generated up to the limit: tokens, not an empty answer. (The usage count may
-    # differ from 8, since llama-cpp-python counts the decoded text's tokens again.)
+    # Generated up to the limit: tokens, not an empty answer, and counted as such.
     assert answer["choices"][0]["finish_reason"] == "length"
-    assert answer["usage"]["completion_tokens"] > 0
+    assert answer["usage"]["completion_tokens"] == 8
     assert answer["choices"][0]["message"]["role"] == "assistant"
 
     # The engine dies: the supervisor says so with its last lines, and brings it back.
@@ -266,7 +286,7 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     step_until(sup, lambda: reports.states()[-1] == "failed", 20, "the crash to be reported")
     reason = reports.last()[3]
     assert reason.startswith("the engine exited with code -9; starting it again in 1 s. Its last lines:")
-    assert "agent.llamacpp_server" in reason or "Uvicorn" in reason or "INFO" in reason
+    assert "llama" in reason or "srv" in reason or "main" in reason
     step_until(sup, lambda: reports.states()[-1] == "ready", 120, "llama.cpp to come back")
     second = engine_state.read_state(cache)["replicas"]["1"]
     assert second["pid"] != first["pid"]

@@ -74,7 +74,7 @@ def test_a_streamed_request_for_a_model_at_zero_wakes_it_and_waits_while_its_rep
     box = {}
 
     def client():
-        body = {"model": MODEL, **ask(), "stream": True}
+        body = {"model": MODEL, **ask(), "stream": True, "stream_options": {"include_usage": True}}
         with requests.post(
             gateway.url + "/v1/chat/completions",
             json=body,

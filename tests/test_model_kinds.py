@@ -149,22 +149,25 @@ def test_the_start_of_an_embedding_models_replica_carries_the_embedding_switch_i
     assert kwargs == {"model": "embed", "nonce": credentials.replica_nonce(replica.created)}
 
 
-def test_each_engine_is_told_its_kind_in_its_own_spelling_and_pypis_server_refuses_to_rerank(tmp_path):
+def test_each_engine_is_told_its_kind_in_its_own_spelling(tmp_path):
     weights = tmp_path / "m.gguf"
     weights.write_bytes(b"GGUF")
-    no_llama_server = lambda name: None  # noqa: E731
-    pypi = engines.command("llamacpp", weights, 1, kind_args("llamacpp", "embedding"), which=no_llama_server)
-    assert pypi[pypi.index("--embedding") + 1] == "true"
     native = engines.command(
         "llamacpp", weights, 1, kind_args("llamacpp", "rerank"), which=lambda n: "/bin/llama-server"
     )
     assert "--reranking" in native
-    with pytest.raises(engines.EngineError, match="cannot rerank; a rerank model needs llama.cpp's own llama-server"):
-        engines.command("llamacpp", weights, 1, kind_args("llamacpp", "rerank"), which=no_llama_server)
+    embedding = engines.command(
+        "llamacpp", weights, 1, kind_args("llamacpp", "embedding"), which=lambda n: "/bin/llama-server"
+    )
+    assert "--embedding" in embedding
     # vLLM's pooling runner: no GPU here, so only the argument list is checked.
     vllm = engines.command("vllm", tmp_path, 1, kind_args("vllm", "embedding"), which=lambda n: "/bin/vllm")
     assert vllm[-2:] == ["--task", "embed"]
     assert kind_args("llamacpp", "chat") == [] and kind_args("llamacpp", "embedding", ["--embedding"]) == []
+    assert (
+        kind_args("llamacpp", "embedding", ["--embeddings"]) == []
+        and kind_args("llamacpp", "rerank", ["--rerank"]) == []
+    )
 
 
 # --- the serve page -------------------------------------------------------------------
@@ -293,7 +296,13 @@ def test_an_embedding_model_served_through_the_api_is_started_by_the_agent_with_
     from agent import engine_state
 
     _, cache = agent_n1
-    assert engine_state.read_state(cache)["replicas"][str(replica.pk)]["args"] == ["--ctx-size", "256", "--embedding"]
+    assert engine_state.read_state(cache)["replicas"][str(replica.pk)]["args"] == [
+        "--ctx-size",
+        "256",
+        "--parallel",
+        "4",
+        "--embedding",
+    ]
 
 
 def test_the_serve_plan_of_a_mirrored_gguf_with_a_pooling_type_offers_embedding(live_server, mirror_root, admin_client):

@@ -118,14 +118,22 @@ def test_through_the_gateway_the_real_model_says_paris_whole_and_streamed_and_bo
     assert_chat_answer(answer)
 
     with client.post(
-        url + "/v1/chat/completions", json={"model": MODEL, **ask(), "stream": True}, stream=True, timeout=120
+        url + "/v1/chat/completions",
+        json={"model": MODEL, **ask(), "stream": True, "stream_options": {"include_usage": True}},
+        stream=True,
+        timeout=120,
     ) as streamed:
         assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
         text, usage, finish = streamed_whole(real_model.stream_events(streamed))
     # Greedy: the same words as the whole answer, and the same count.
     assert text == answer["choices"][0]["message"]["content"]
     assert finish == answer["choices"][0]["finish_reason"]
-    assert usage == answer["usage"]
+
+    # The same count; how much of the prompt came from the slot's cache differs (the second reuses the first's).
+    def counts(u: dict) -> dict:
+        return {k: v for k, v in u.items() if k != "prompt_tokens_details"}
+
+    assert counts(usage) == counts(answer["usage"])
 
     def counted():
         row = Usage.objects.filter(key__name="real", model_name=MODEL).first()
@@ -161,7 +169,7 @@ def test_a_prompt_longer_than_the_engines_context_is_the_engines_own_400(served)
     )
     assert too_long.status_code == 400, too_long.text
     message = too_long.json()["error"]["message"]
-    assert "maximum context length is 2048 tokens" in message, message
+    assert "exceeds the available context size" in message and "2048" in message, message
 
 
 STREAMS = 16
@@ -184,7 +192,12 @@ def test_sixteen_clients_streaming_at_once_for_a_minute_each_get_their_whole_ans
         session.headers["Authorization"] = secret
         i = 0
         while time.monotonic() < stop_at:
-            body = {"model": MODEL, **ask(PROMPTS[(n + i) % len(PROMPTS)], max_tokens=24), "stream": True}
+            body = {
+                "model": MODEL,
+                **ask(PROMPTS[(n + i) % len(PROMPTS)], max_tokens=24),
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             i += 1
             try:
                 with session.post(url + "/v1/chat/completions", json=body, stream=True, timeout=300) as r:

@@ -100,7 +100,7 @@ def ready_replica(timeout: float = 240) -> Replica:
 
 def streamed(url: str, secret: str, question: str = real_model.QUESTION) -> tuple[int, list[str]]:
     """(status, lines) of a streamed chat through the gateway."""
-    body = {"model": MODEL, **ask(question, max_tokens=16), "stream": True}
+    body = {"model": MODEL, **ask(question, max_tokens=16), "stream": True, "stream_options": {"include_usage": True}}
     with requests.post(
         url + "/v1/chat/completions",
         json=body,
@@ -171,7 +171,7 @@ def test_a_request_arriving_during_a_rolling_replacement_waits_and_is_answered(n
     assert status == 200, text
     assert_chat_answer(json.loads(text))
     new = ready_replica()
-    assert new.pk != old.pk and new.args == ["--ctx-size", "1024"]
+    assert new.pk != old.pk and new.args == ["--ctx-size", "1024", "--parallel", "1"]
     wait_until(lambda: not Replica.objects.filter(pk=old.pk).exists(), timeout=60, what="the old replica to go")
 
 
@@ -246,7 +246,7 @@ def test_streams_in_flight_on_a_replica_being_replaced_finish_whole(node, gatewa
     assert {status for status, _ in results} == {200}, [r for r in results if r[0] != 200][:2]
     cut = [lines[-3:] for _, lines in results if "data: [DONE]" not in lines or any('"error"' in x for x in lines)]
     assert not cut, f"{len(cut)} of {len(results)} streams cut: {cut[:2]}"
-    assert ready_replica().args == ["--ctx-size", "1024"]
+    assert ready_replica().args == ["--ctx-size", "1024", "--parallel", "1"]
 
 
 def test_a_model_back_at_zero_soon_after_a_wake_is_woken_again_at_once(tmp_path, gateway, redis_client):

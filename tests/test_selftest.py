@@ -87,12 +87,28 @@ def test_an_unusable_engine_is_tested_again_at_the_next_probe(tmp_path, monkeypa
 @pytest.mark.engine
 def test_this_hosts_llamacpp_generates_from_a_quantized_model_and_is_proven_once_per_build(tmp_path, monkeypatch):
     monkeypatch.setattr(selftest, "_proven", {})
-    # The engine the supervisor starts here (PyPI's llama-cpp-python, no llama-server on PATH).
+    # The engine the supervisor starts here: the llama-server `make engine` linked into the venv.
     assert selftest.check_llamacpp(tmp_path, which=lambda name: None) is None
     assert selftest.unusable(["llamacpp"], tmp_path) == {}
     # Proven for these files: the next probe does not start the engine again.
     monkeypatch.setattr(selftest, "check_llamacpp", lambda *a, **k: pytest.fail("tested again"))
     assert selftest.unusable(["llamacpp"], tmp_path) == {}
+
+
+def test_switching_the_build_a_link_points_at_is_a_new_engine_to_prove(tmp_path, monkeypatch):
+    # `LLMGW_ENGINE_ISA=avx2 make engine` and `make engine` move one link between two builds.
+    for mix in ("avx512", "avx2"):
+        (tmp_path / mix).mkdir()
+        (tmp_path / mix / "llama-server").write_text(f"#!/bin/sh\n# {mix}\n")
+        (tmp_path / mix / "llama-server").chmod(0o755)
+    link = tmp_path / "llama-server"
+    link.symlink_to(tmp_path / "avx512" / "llama-server")
+    monkeypatch.setenv("LLMGW_LLAMA_SERVER", str(link))
+    first = selftest.fingerprint("llamacpp")
+    link.unlink()
+    link.symlink_to(tmp_path / "avx2" / "llama-server")
+    assert selftest.fingerprint("llamacpp") != first
+    assert str(tmp_path / "avx2" / "llama-server") in str(selftest.fingerprint("llamacpp"))
 
 
 @pytest.mark.django_db(transaction=True)

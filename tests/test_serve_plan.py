@@ -14,6 +14,7 @@ from serving.planning import (
     build_model,
     memory_for,
     plan_serve,
+    slot_warning,
 )
 
 BASE = "http://mirror:8001/"
@@ -272,3 +273,46 @@ def test_the_context_pool_is_a_llamacpp_setting():
     _, profile = built(engine="vllm")
     assert profile.gpus == 1
     assert profile.args == []
+
+
+# --- parallel slots and the pool they share ---------------------------------------
+
+
+def test_a_gguf_is_offered_with_four_slots_and_a_safetensors_model_with_none():
+    assert plan_serve("m", "v1", [FileFacts("m.gguf", 10)], BASE, [], CatalogFacts()).parallel == 4
+    assert plan_serve("m", "v1", [FileFacts("m.safetensors", 10)], BASE, [], CatalogFacts()).parallel == 0
+
+
+def test_the_pool_left_blank_is_slots_times_the_context_length_and_the_target_load_is_the_slots():
+    model, profile = built(parallel="8")
+    assert profile.parallel == 8 and model.target_load == 8
+    assert profile.args == ["--ctx-size", str(8 * 4096)]
+    assert slot_warning(model, profile) == ""
+    # What the engine is started with: the pool and the slots it is shared by.
+    assert profile.engine_args() == ["--ctx-size", "32768", "--parallel", "8"]
+
+
+def test_the_api_without_slots_gets_what_the_page_offers():
+    model, profile = built()
+    assert (profile.parallel, model.target_load, profile.args) == (4, 4, ["--ctx-size", "16384"])
+
+
+def test_a_pool_that_gives_a_slot_less_than_the_context_length_is_saved_with_a_warning():
+    model, profile = built(parallel="4", ctx_size="8192")
+    assert slot_warning(model, profile) == (
+        "the context pool of 8192 tokens gives each of the 4 slots 2048, less than the context length of 4096 "
+        "a client may ask for: make the pool 16384 or the context length smaller"
+    )
+
+
+@pytest.mark.parametrize(
+    "changes, sentence",
+    [
+        ({"parallel": "0"}, "a replica needs at least one slot"),
+        ({"parallel": "many"}, "the number of parallel slots must be a whole number"),
+        ({"engine": "vllm", "parallel": "4"}, "parallel slots are a llama.cpp setting; vLLM schedules its own"),
+    ],
+)
+def test_slots_that_cannot_be_are_refused_beside_their_field(changes, sentence):
+    problem = refused(**changes)
+    assert (problem.field, problem.sentence) == ("parallel", sentence)

@@ -97,7 +97,7 @@ def test_an_argument_off_the_allow_list_is_refused_with_a_sentence(engine, args)
     [
         ("llamacpp", ["--ctx-size", "8192", "--parallel", "2"]),
         ("llamacpp", ["-c", "4096", "-ngl", "-1", "--flash-attn", "on", "--jinja", "--alias", "x"]),
-        ("llamacpp", ["--n_ctx", "256"]),
+        ("llamacpp", ["--parallel", "4", "--slot-prompt-similarity", "0.5", "--metrics", "--reranking"]),
         ("vllm", ["--max-model-len", "16384", "--dtype", "half", "--gpu-memory-utilization=0.9"]),
         ("vllm", ["--tensor-parallel-size", "2", "--enable-prefix-caching", "--served-model-name", "m"]),
     ],

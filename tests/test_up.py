@@ -214,6 +214,66 @@ def test_make_runs_own_agent_fetches_and_serves_with_no_extra_step_and_its_engin
     assert process.wait(timeout=60) == 0, output()
 
 
+README = (BASE_DIR / "README.md").read_text()
+
+
+@pytest.mark.engine
+def test_the_readmes_first_answer_is_paris_from_make_run_with_the_serve_pages_slots_and_pool(up):
+    """The README's walk as a newcomer takes it: SmolLM2 served with what the README says to type, its curl."""
+    process, ports, mirror, output = up
+    admin = f"http://127.0.0.1:{ports['admin']}"
+    api = requests.Session()
+    api.headers["Authorization"] = "Token " + manage(process, "api_token", "admin")
+    wait_until(
+        lambda: api.get(admin + "/api/serve/plan/?model=smollm2-135m&version=instruct-q4_1", timeout=10).ok,
+        timeout=60,
+        what="the scan to index the demo model",
+    )
+    plan = api.get(admin + "/api/serve/plan/?model=smollm2-135m&version=instruct-q4_1", timeout=10).json()
+    # What the page pre-fills, and the README's "Context length 2048, Replicas 1": no pool typed.
+    assert plan["parallel"] == 4 and "**Parallel slots** `4`" in README
+    fields = {k: plan[k] for k in ("source", "engine", "profile", "min_memory_gb", "parallel")}
+    served = api.post(
+        admin + "/api/serve/",
+        json={"name": plan["model"], **fields, "context_length": 2048, "replicas": 1},
+        timeout=30,
+    )
+    assert served.status_code == 201, served.text
+    (profile,) = served.json()["profiles"]
+    # The pool the README says fills itself in: slots x context length.
+    assert profile["args"] == ["--ctx-size", "8192"] and "`8192`" in README
+    assert served.json()["target_load"] == 4 and served.json()["warnings"] == []
+
+    def ready():
+        replicas = api.get(admin + "/api/fleet/replicas/", timeout=10).json()
+        rows = replicas["results"] if isinstance(replicas, dict) else replicas
+        return next((r for r in rows if r["state"] == "ready"), None)
+
+    wait_until(ready, timeout=300, interval=1, what=f"a ready replica\n{output()[-3000:]}")
+    key = manage(process, "api_key", "create", "demo")
+    # The README's curl, its body as written there.
+    body = re.search(r"-d '(\{.*?\})'", README, re.S).group(1)
+    answer = wait_until(
+        lambda: (
+            r := requests.post(
+                admin + "/v1/chat/completions",
+                data=body,
+                headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+                timeout=120,
+            )
+        ).status_code
+        == 200
+        and r,
+        timeout=30,
+        interval=0.5,
+        what="the gateway to answer the README's curl",
+    )
+    content = answer.json()["choices"][0]["message"]["content"]
+    assert "Paris" in content and "`The capital of France is Paris.`" in README, content
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=60) == 0, output()
+
+
 def test_an_address_in_use_is_said_before_anything_starts(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ from ..models import Model, Profile
 class ProfileSerializer(serializers.ModelSerializer):
     class Meta:
         model = Profile
-        fields = ["name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus"]
+        fields = ["name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus", "parallel"]
 
     def validate(self, attrs):
         _clean(Profile(**attrs))

@@ -69,4 +69,8 @@ class ServeView(APIView):
             field, sentence = form.first_error()
             return Response({"field": field, "error": sentence}, status=status.HTTP_400_BAD_REQUEST)
         model = Model.objects.prefetch_related("profiles").get(pk=model.pk)
-        return Response(ModelSerializer(model).data, status=status.HTTP_201_CREATED)
+        # What the serve page says beside its saved message: a slot smaller than the context length.
+        return Response(
+            {**ModelSerializer(model).data, "warnings": [form.warning] if form.warning else []},
+            status=status.HTTP_201_CREATED,
+        )
