@@ -221,11 +221,10 @@ def under_asking() -> list[tuple[MeasuredMemory, int]]:
 
     Only figures measured of what the profile runs now (same weights, engine, arguments).
     """
+    # What each profile runs as now: its args with the engine's slots (Profile.engine_args), as placed.
     profiles = {
-        (m, p): (gb, source, engine, args or [])
-        for m, p, gb, source, engine, args in Profile.objects.values_list(
-            "model__name", "name", "min_memory_gb", "model__source", "engine", "args"
-        )
+        (p.model.name, p.name): (p.min_memory_gb, p.model.source, p.engine, p.engine_args())
+        for p in Profile.objects.select_related("model")
     }
     out = []
     for peak in MeasuredMemory.objects.order_by("model_name", "profile_name"):

@@ -109,7 +109,7 @@ def model_views() -> list[ModelView]:
                     node_selector=dict(p.node_selector or {}),
                     gpus=p.gpus,
                     measured_gb=measured_memory.measured_gb_for(
-                        peaks.get((m.name, p.name)), m.source, p.engine, p.args or ()
+                        peaks.get((m.name, p.name)), m.source, p.engine, p.engine_args()
                     ),
                 )
                 for p in m.profiles.all()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .processes import start_byte_listener, start_celery_worker
+from .support.processes import start_byte_listener, start_celery_worker
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +110,7 @@ def gateway(transactional_db, tmp_path):
     """A real gateway process (`manage.py gateway`, uvicorn) on the test database: `.url` and `.process`."""
     from types import SimpleNamespace
 
-    from .gateway_process import start_gateway
+    from .support.gateway_process import start_gateway
 
     process, url = start_gateway(tmp_path)
     yield SimpleNamespace(url=url, process=process)
@@ -232,7 +232,7 @@ def agent_n1(tmp_path, mirror_root, byte_listener):
     from agent import engine_state, engines
     from fleet.enrolment import issue_token
 
-    from .processes import Process, node_env
+    from .support.processes import Process, node_env
 
     token = issue_token("n1")
     cache = tmp_path / "cache-n1"

@@ -21,8 +21,8 @@ from urllib.parse import urlparse
 import requests
 
 from .netns import Fleet, Host
-from .processes import CountingProxy, Process, node_env, process_env, wait_for_status, wait_until
 from .services import free_port
+from .support.processes import CountingProxy, Process, node_env, process_env, wait_for_status, wait_until
 
 # Short, so that a lost node is found out in seconds: a heartbeat a second, lost after three missed.
 TIMING = {"LLMGW_HEARTBEAT_S": "1", "LLMGW_HEARTBEATS_MISSED": "3", "LLMGW_RECONCILE_INTERVAL_S": "1"}
@@ -288,13 +288,3 @@ class Asker:
     def failures(self, since: float = 0.0) -> list[tuple[float, int, str, str]]:
         """Requests begun at or after `since` (time.monotonic) that were not answered."""
         return [o for o in self.outcomes if o[1] != 200 and o[0] >= since]
-
-
-def wait_for(condition, timeout: float, what, interval: float = 0.5):
-    """wait_until, with `what()` said on a timeout: the fleet's state then, not when the wait began."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what()}")

@@ -17,10 +17,10 @@ from gateway.intake import LONGEST_TOKEN_CHARS
 from gateway.keys import create_key
 from gateway.models import Usage
 
-from .processes import as_node, node_pass, start_byte_listener
 from .support.engines import Reports, step_until
 from .support.factories import add_model, add_replica
 from .support.gateway import client, error_of, until_routed
+from .support.processes import as_node, node_pass, start_byte_listener
 from .support.waiting import wait_until
 
 # --- 2. a prompt that cannot fit its model's context --------------------------------

@@ -22,9 +22,9 @@ from gateway.keys import create_key
 from gateway.models import Usage
 
 from .fake_replica import FakeReplica
-from .gateway_process import start_gateway
 from .support.factories import add_model, add_replica
 from .support.gateway import clear_of_minute_boundary, client, until_routed
+from .support.gateway_process import start_gateway
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -11,9 +11,9 @@ from agent import progress
 from agent.fetch import cache_path
 from fleet.models import Fetch, Node
 
-from .processes import CountingProxy, as_node, children_of, start_agent
 from .support.fleet import live, send_fetch
 from .support.mirror import put
+from .support.processes import CountingProxy, as_node, children_of, start_agent
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -231,7 +231,7 @@ def test_the_agent_refuses_to_start_without_a_token_or_a_database(tmp_path):
     import subprocess
     import sys
 
-    from .processes import BASE_DIR, node_env
+    from .support.processes import BASE_DIR, node_env
 
     env = node_env()
     env.pop("LLMGW_NODE_TOKEN", None)

@@ -10,7 +10,7 @@ import pytest
 
 from agent import memory
 
-from .processes import wait_until
+from .support.processes import wait_until
 
 # A launcher whose child holds 80 MB it has written to: the tree's RSS holds both.
 CHILD = "x = bytearray(80_000_000); import time; time.sleep(120)"
@@ -46,6 +46,7 @@ def write_mock(path, body: str) -> None:
     path.chmod(0o755)
 
 
+@pytest.mark.processes  # runs the mock nvidia-smi, a process, through agent/memory.py
 def test_gpu_memory_per_process_is_read_from_nvidia_smi_and_nothing_without_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert memory.gpu_memory_by_pid() == {}

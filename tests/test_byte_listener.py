@@ -7,8 +7,8 @@ from urllib.parse import urlparse
 import pytest
 import requests
 
-from .processes import as_node, node_pass
 from .support.mirror import put
+from .support.processes import as_node, node_pass
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -227,7 +227,7 @@ def test_a_download_longer_than_the_worker_timeout_is_not_cut(mirror_root, tmp_p
     """A slow node reading for longer than gunicorn's worker timeout still gets every byte."""
     import time
 
-    from .processes import start_byte_listener
+    from .support.processes import start_byte_listener
 
     # Far more than loopback's socket buffers hold, so the server is still sending at the end.
     content = os.urandom(64 << 20)

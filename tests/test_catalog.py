@@ -16,8 +16,8 @@ from django.core.management.base import CommandError
 from catalog import config
 from catalog.models import Model, Profile
 
-from .processes import BASE_DIR, process_env
 from .services import free_port
+from .support.processes import BASE_DIR, process_env
 
 VALID = """
 models:

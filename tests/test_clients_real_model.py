@@ -18,9 +18,9 @@ from gateway.keys import create_key
 from gateway.models import Usage
 
 from . import real_model
-from .processes import wait_until
 from .real_model import ANSWER, GREEDY, MODEL, QUESTION, SYSTEM
 from .support.gateway import client, until_routed
+from .support.processes import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 

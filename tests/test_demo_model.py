@@ -12,8 +12,8 @@ from mirror import disk, scan
 from mirror.models import MirrorVersion
 from serving.services import plan_for
 
-from .processes import BASE_DIR
 from .support.mirror import listing, put
+from .support.processes import BASE_DIR
 
 pytestmark = pytest.mark.django_db
 
@@ -40,7 +40,9 @@ def test_the_serve_page_offers_the_demo_model_to_llama_cpp_as_a_set_named_tiny_d
     plan = plan_for(MirrorVersion.objects.get(model="tiny-demo", version="v1"))
     assert (plan.model, plan.engine, plan.profile, plan.files) == ("tiny-demo", "llamacpp", "cpu", 3)
     assert plan.source == "http://127.0.0.1:8001/tiny-demo/v1/"
-    assert plan.refusal == "" and plan.min_memory_gb == 2
+    # The header's estimate (a few hundred KB of weights and the engine's own), in whole GB.
+    assert plan.refusal == "" and plan.min_memory_gb == 1
+    assert plan.memory["source"] == "header"
 
 
 def test_while_the_demo_model_is_written_the_mirror_shows_no_part_of_it(mirror_root, monkeypatch):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from .processes import BASE_DIR, process_env
+from .support.processes import BASE_DIR, process_env
 
 DEPLOY = BASE_DIR / "deploy"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
@@ -142,9 +142,9 @@ def _start_nginx(work: Path, https_port: int, http_port: int, admin_port: int, g
 
 @pytest.mark.skipif(not (shutil.which("nginx") or os.path.exists("/usr/sbin/nginx")), reason="nginx is not installed")
 def test_the_tls_proxy_of_the_fleet_doc_serves_the_admin_port_over_https_only(tmp_path, transactional_db):
-    from .gateway_process import start_gateway
-    from .processes import start_admin_server
     from .services import free_port
+    from .support.gateway_process import start_gateway
+    from .support.processes import start_admin_server
     from .support.waiting import wait_until
 
     admin, url = start_admin_server(tmp_path, LLMGW_HTTPS="true")

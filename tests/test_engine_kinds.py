@@ -23,7 +23,7 @@ from gateway.models import Usage
 from serving.services import header_kind
 
 from . import bert_model
-from .processes import wait_until
+from .support.processes import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 

@@ -23,10 +23,10 @@ from gateway.keys import create_key
 from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 from mirror import scan
 
-from .processes import engine_secret
 from .staff_api import token_session
 from .support.engines import Reports, step_until
 from .support.mirror import put
+from .support.processes import engine_secret
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

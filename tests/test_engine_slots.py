@@ -34,9 +34,9 @@ from fleet.snapshots import Scaling
 from gateway.keys import create_key
 
 from . import real_model
-from .processes import wait_until
 from .real_model import MODEL, ask, streamed_whole
 from .scrape import samples, value
+from .support.processes import wait_until
 
 pytestmark = pytest.mark.engine
 

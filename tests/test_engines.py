@@ -25,8 +25,8 @@ from agent import engine_state, engines, supervisor
 from agent.engine_tasks import start_on_node
 from launcher.demo_model import EOS_TOKEN_ID
 
-from .processes import node_env
 from .support.engines import Reports, step_until
+from .support.processes import node_env
 from .support.waiting import wait_until
 
 BASE_DIR = Path(__file__).resolve().parent.parent

@@ -12,8 +12,8 @@ import pytest
 from agent.fetch import FetchError, cache_path, fetch_source, is_set
 from agent.progress import Cancelled, Progress
 
-from .processes import BASE_DIR, CountingProxy, as_node, node_env
 from .support.mirror import listing, put
+from .support.processes import BASE_DIR, CountingProxy, as_node, node_env
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -13,8 +13,8 @@ import pytest
 
 from agent.fetch import FetchError, cache_path, fetch_source
 
-from .processes import BASE_DIR, node_env, start_byte_listener
 from .support.mirror import put
+from .support.processes import BASE_DIR, node_env, start_byte_listener
 from .support.servers import LoopbackServer
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -14,8 +14,8 @@ from django.utils import timezone
 from fleet.enrolment import node_for_token
 from fleet.models import Node
 
-from .processes import BASE_DIR, process_env
 from .staff_api import token_session
+from .support.processes import BASE_DIR, process_env
 from .support.waiting import wait_until
 
 TOKEN = re.compile(r"llmgw-node-[A-Za-z0-9_-]{40,}")

@@ -44,9 +44,9 @@ from fleet.models import Replica  # noqa: E402
 from gateway.keys import create_key  # noqa: E402
 from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama  # noqa: E402
 
-from .fleet_netns import Asker, ControlPlane, Node, chat_requests_in, endpoint_host, wait_for  # noqa: E402
+from .fleet_netns import Asker, ControlPlane, Node, chat_requests_in, endpoint_host  # noqa: E402
 from .staff_api import token_session  # noqa: E402
-from .support.waiting import wait_until
+from .support.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -142,10 +142,10 @@ def placed_at_most(model: str, count: int, seen: list[int]) -> None:
 def answered_more(asker: Asker, n: int, timeout: float = 60) -> None:
     """Wait until the client has had `n` more answers than it has now: it asked on through what came before."""
     start = sum(1 for o in asker.outcomes if o[1] == 200)
-    wait_for(
+    wait_until(
         lambda: sum(1 for o in asker.outcomes if o[1] == 200) >= start + n,
         timeout,
-        lambda: f"{n} more answers to the client; its last outcomes: {asker.outcomes[-3:]}",
+        what=lambda: f"{n} more answers to the client; its last outcomes: {asker.outcomes[-3:]}",
         interval=0.1,
     )
 
@@ -161,7 +161,7 @@ def routed(control: ControlPlane, key: str, model: str = "tiny") -> None:
             for url in control.gateway_urls
         )
 
-    wait_for(answered, 20, lambda: f"both gateways to answer {model}")
+    wait_until(answered, 20, what=lambda: f"both gateways to answer {model}")
 
 
 def state(nodes: list[Node]) -> str:
@@ -181,7 +181,9 @@ def test_both_nodes_enrol_and_two_replicas_answer_through_the_gateway_from_the_n
 
     wait_until(enrolled, timeout=90, interval=0.5, what=f"both nodes to enrol\n{nodes[0].agent.output()[-2000:]}")
     serve(control, "tiny", "v1")
-    replicas = wait_for(lambda: len(r := ready("tiny")) == 2 and r, 240, lambda: f"two ready replicas: {state(nodes)}")
+    replicas = wait_until(
+        lambda: len(r := ready("tiny")) == 2 and r, 240, what=lambda: f"two ready replicas: {state(nodes)}"
+    )
     addresses = {node.name: node.host.address for node in nodes}
     # Spread over both nodes, each replica at its own node's address on the bridge.
     assert sorted(r.node.name for r in replicas) == ["n1", "n2"]
@@ -269,7 +271,7 @@ def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_g
         parts = list(target.glob("*.part")) if target.is_dir() else []
         return parts if any(p.stat().st_size > 0 for p in parts) else None
 
-    wait_for(fetching_on_n1, 60, lambda: f"n1 to be fetching late: {state([n1, n2])}", interval=0.2)
+    wait_until(fetching_on_n1, 60, what=lambda: f"n1 to be fetching late: {state([n1, n2])}", interval=0.2)
     routed(control, client_key)
     seen: list[int] = []
     with Asker(control.gateway_urls, client_key, {"model": "tiny", **ASK}) as asker:
@@ -277,7 +279,7 @@ def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_g
         cut_at = time.monotonic()
         n1.host.cut()
         n1.kill_everything()
-        wait_for(lambda: not n1.engines(), 10, lambda: f"n1's engines to die: {n1.engines()}")
+        wait_until(lambda: not n1.engines(), 10, what=lambda: f"n1's engines to die: {n1.engines()}")
         assert not (target / ".complete").exists(), "n1's fetch had finished before it was cut off"
         control.proxy.rate = None  # n2's copy may finish now
 
@@ -287,7 +289,7 @@ def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_g
             replicas = ready("tiny") + ready("late")
             return len(replicas) == 4 and all(r.node.name == "n2" for r in replicas)
 
-        wait_for(all_on_n2, 240, lambda: f"n1's replicas on n2: {state([n1, n2])}")
+        wait_until(all_on_n2, 240, what=lambda: f"n1's replicas on n2: {state([n1, n2])}")
         answered_more(asker, 11)  # and answered once all four are on n2: more than ten after the cut
     # Every request answered: those sent to n1 after the cut (on a kept-alive connection,
     # which no connect timeout guards) and the one n1 had when its link went down, too.
@@ -307,7 +309,7 @@ def test_a_node_that_comes_back_stops_its_old_engines_and_the_gateway_never_rout
         lambda: NodeRow.objects.get(name="n1").state == NodeRow.State.READY, timeout=30, what="n1 back and ready"
     )
     # Whatever its supervisor started again from its state file is told to stop: those replicas are n2's now.
-    wait_for(lambda: not n1.engines(), 60, lambda: f"n1 to run nothing: {state([n1, n2])}")
+    wait_until(lambda: not n1.engines(), 60, what=lambda: f"n1 to run nothing: {state([n1, n2])}")
     # Now n2 is cut off with its engines running: only its agent is killed, as a host
     # whose network and agent fail while its engines go on.
     stale = n2.engines()
@@ -323,7 +325,7 @@ def test_a_node_that_comes_back_stops_its_old_engines_and_the_gateway_never_rout
         replicas = ready("tiny") + ready("late")
         return len(replicas) == 4 and all(r.node.name == "n1" for r in replicas)
 
-    wait_for(all_on_n1, 240, lambda: f"n2's replicas on n1: {state([n1, n2])}")
+    wait_until(all_on_n1, 240, what=lambda: f"n2's replicas on n1: {state([n1, n2])}")
     assert set(stale) <= set(n2.engines()), "n2's engines stopped while it was cut off: nothing left to come back"
     routed(control, client_key)
     before = {replica_id: chat_requests_in(n2.engine_log(replica_id)) for replica_id in stale_ids}
@@ -337,7 +339,7 @@ def test_a_node_that_comes_back_stops_its_old_engines_and_the_gateway_never_rout
             placed_at_most("late", 2, seen)
             return not n2.engines()
 
-        wait_for(stale_gone, 120, lambda: f"n2 to stop its old engines: {state([n1, n2])}")
+        wait_until(stale_gone, 120, what=lambda: f"n2 to stop its old engines: {state([n1, n2])}")
         answered_more(asker, 5)  # and answered once they are gone
     after = {replica_id: chat_requests_in(n2.engine_log(replica_id)) for replica_id in stale_ids}
     assert after == before, f"the gateway sent requests to n2's stale engines: {before} then {after}"

@@ -170,7 +170,7 @@ def impatient_gateway(transactional_db, tmp_path):
     """A gateway whose requests wait a second for a replica (LLMGW_HOLD_S=1), not five minutes."""
     from types import SimpleNamespace
 
-    from .gateway_process import start_gateway
+    from .support.gateway_process import start_gateway
 
     process, url = start_gateway(tmp_path, LLMGW_HOLD_S=1)
     yield SimpleNamespace(url=url, process=process)
@@ -270,7 +270,7 @@ def test_completions_and_embeddings_reach_the_same_addresses_on_the_replica(gate
 
 
 def test_a_body_over_the_limit_is_a_413_and_is_not_passed_on(tmp_path, transactional_db, replicas):
-    from .gateway_process import start_gateway
+    from .support.gateway_process import start_gateway
 
     add_model()
     replica = replicas()

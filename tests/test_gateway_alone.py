@@ -18,10 +18,10 @@ from django.db.models import Sum
 from gateway.keys import create_key
 from gateway.models import ApiKey, Usage
 
-from .gateway_process import start_gateway, start_postgres, start_redis, stop_postgres, stop_redis
-from .processes import start_admin_server, wait_until
 from .support.factories import add_model, add_replica
 from .support.gateway import chat, client, error_of, until_routed
+from .support.gateway_process import start_gateway, start_postgres, start_redis, stop_postgres, stop_redis
+from .support.processes import start_admin_server, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

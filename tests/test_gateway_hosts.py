@@ -28,10 +28,10 @@ from gateway.keys import create_key
 from gateway.models import ApiKey, Usage
 
 from . import netns
-from .processes import BASE_DIR, Process, process_env, wait_until
 from .services import free_port
 from .support.factories import add_model, add_replica
 from .support.gateway import chat, client, until_routed
+from .support.processes import BASE_DIR, Process, process_env, wait_until
 
 if reason := netns.unavailable():
     pytest.skip(reason, allow_module_level=True)

@@ -14,10 +14,10 @@ from gateway.keys import create_key
 from gateway.limits import used_now
 from gateway.models import ApiKey
 
-from .gateway_process import start_gateway
 from .staff_api import token_session
 from .support.factories import add_model, add_replica
 from .support.gateway import chat, clear_of_minute_boundary, client, error_of, held_stream, until_routed
+from .support.gateway_process import start_gateway
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -25,9 +25,9 @@ from contracts import progress as contracts_progress
 from fleet.models import Replica
 from gateway.keys import create_key
 
-from .gateway_process import start_gateway as start_gateway_process
 from .support.factories import add_model, add_replica
 from .support.gateway import client, error_of
+from .support.gateway_process import start_gateway as start_gateway_process
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

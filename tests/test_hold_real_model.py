@@ -29,9 +29,9 @@ from gateway.keys import create_key
 from mirror import scan
 
 from . import real_model
-from .processes import Process, node_env, wait_until
 from .real_model import MODEL, ask, streamed_whole
 from .support.gateway import until_routed
+from .support.processes import Process, node_env, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 

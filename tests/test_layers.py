@@ -18,7 +18,7 @@ from packaging.utils import canonicalize_name
 
 from contracts.env import NODE_VARIABLES
 
-from .processes import env_file
+from .support.processes import env_file
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]

@@ -24,8 +24,8 @@ from fleet.models import MeasuredMemory, Node, Replica
 from launcher.demo_model import write_tiny_llama
 from mirror import scan
 
-from .processes import Process, process_env, wait_until
 from .support.mirror import put
+from .support.processes import Process, process_env, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
 

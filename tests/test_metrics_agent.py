@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from agent import engine_state, engines
 from agent.metrics import NodeCollector
 
-from .processes import BASE_DIR, node_env, start_agent
 from .scrape import samples, value
 from .services import free_port
+from .support.processes import BASE_DIR, node_env, start_agent
 
 TOKEN = "a-nodes-scrape-token"
 

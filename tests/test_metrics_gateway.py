@@ -14,11 +14,11 @@ from catalog.models import Model
 from gateway.keys import create_key
 from gateway.metrics import HOUR_PREFIX
 
-from .gateway_process import start_gateway
 from .scrape import samples, total, value
 from .services import free_port
 from .support.factories import add_model, add_replica
 from .support.gateway import chat, client, held_stream, until_routed
+from .support.gateway_process import start_gateway
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -20,7 +20,9 @@ from agent.progress import Progress
 from contracts import credentials, signing
 from fleet.enrolment import issue_token, revoke_token
 
-from .processes import (
+from .support.fleet import live, send_fetch
+from .support.mirror import put
+from .support.processes import (
     BASE_DIR,
     CountingProxy,
     NoAuth,
@@ -30,8 +32,6 @@ from .processes import (
     start_agent,
     start_byte_listener,
 )
-from .support.fleet import live, send_fetch
-from .support.mirror import put
 from .support.servers import LoopbackServer
 from .support.waiting import wait_until
 

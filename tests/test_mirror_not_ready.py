@@ -26,8 +26,8 @@ from mirror.models import MirrorVersion
 from mirror.readiness import source_being_written
 from serving.services import plan_for
 
-from .processes import BASE_DIR, CountingProxy, as_node, node_env, start_byte_listener, wait_until
 from .support.mirror import put
+from .support.processes import BASE_DIR, CountingProxy, as_node, node_env, start_byte_listener, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

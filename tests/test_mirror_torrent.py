@@ -21,8 +21,8 @@ from agent.torrents import checked_torrent
 from mirror import scan, tasks
 from mirror.models import MirrorVersion
 
-from .processes import NoAuth, as_node
 from .support.mirror import put
+from .support.processes import NoAuth, as_node
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

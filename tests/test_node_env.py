@@ -22,9 +22,9 @@ from fleet.models import Node, Replica
 from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 from mirror import scan
 
-from .processes import BASE_DIR, Process, engine_secret, env_file, process_env, wait_until
 from .staff_api import token_session
 from .support.mirror import put
+from .support.processes import BASE_DIR, Process, engine_secret, env_file, process_env, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
 

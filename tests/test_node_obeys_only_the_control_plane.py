@@ -24,9 +24,9 @@ from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from launcher.demo_model import write_tiny_llama
 
-from .processes import engine_secret, start_agent
 from .services import free_port
 from .support.mirror import put
+from .support.processes import engine_secret, start_agent
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -31,9 +31,9 @@ from fleet.live import redis_client
 from fleet.models import Node, Replica, Scale
 
 from . import real_model
-from .processes import CountingProxy, engine_secret, start_agent
 from .real_model import MODEL, ask
 from .staff_api import token_session
+from .support.processes import CountingProxy, engine_secret, start_agent
 from .support.waiting import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]

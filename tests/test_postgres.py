@@ -21,7 +21,7 @@ from contracts import signing
 from fleet.models import Node, Replica
 from fleet.reconcile import LOCK_NAME
 
-from .processes import start_celery_worker
+from .support.processes import start_celery_worker
 from .support.waiting import wait_until
 
 ON_POSTGRES = os.environ.get("LLMGW_TEST_DATABASE", "postgres") == "postgres"

@@ -12,11 +12,11 @@ import yaml
 
 from gateway.keys import create_key
 
-from .gateway_process import start_gateway
-from .processes import BASE_DIR, Process, start_admin_server, start_agent
 from .services import free_port
 from .support.factories import add_model, add_replica
 from .support.gateway import chat, client, until_routed
+from .support.gateway_process import start_gateway
+from .support.processes import BASE_DIR, Process, start_admin_server, start_agent
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -29,9 +29,9 @@ from gateway.models import Usage
 from mirror import scan
 
 from . import real_model
-from .processes import Process, node_env, wait_until
 from .real_model import ANSWER, MODEL, ask, assert_chat_answer, complete, streamed_whole
 from .staff_api import token_session
+from .support.processes import Process, node_env, wait_until
 
 pytestmark = pytest.mark.engine
 

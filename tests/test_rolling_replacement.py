@@ -35,9 +35,9 @@ from fleet.models import Node, Replica
 from gateway.keys import create_key
 
 from . import real_model
-from .processes import start_agent
 from .real_model import MODEL, ask, assert_chat_answer, streamed_whole
 from .support.gateway import until_routed
+from .support.processes import start_agent
 from .support.waiting import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]

@@ -22,7 +22,7 @@ from fleet.placement import ModelView, ProfileView
 from serving.planning import FileFacts, NodeFacts, plan_serve
 
 from . import fake_llama_server
-from .processes import start_agent
+from .support.processes import start_agent
 from .support.waiting import wait_until
 
 SIGILL_SENTENCE = "llama.cpp crashed with SIGILL on this CPU"

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from .processes import BASE_DIR, node_env, process_env
+from .support.processes import BASE_DIR, node_env, process_env
 
 
 @pytest.mark.parametrize(

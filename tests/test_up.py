@@ -13,8 +13,8 @@ import requests
 
 from agent.download import NodePass
 
-from .processes import BASE_DIR, NoAuth
 from .services import free_port
+from .support.processes import BASE_DIR, NoAuth
 from .support.waiting import wait_until
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import requests
 from django.conf import settings
 
-from .services import free_port
+from ..services import free_port
+from .waiting import wait_until
 
-BASE_DIR = Path(__file__).resolve().parent.parent
+BASE_DIR = Path(__file__).resolve().parents[2]
 
 
 def test_database_url() -> str:
@@ -184,16 +185,6 @@ class NoAuth(requests.auth.AuthBase):
 
     def __call__(self, request):
         return request
-
-
-def wait_until(condition, timeout: float = 20.0, interval: float = 0.1, what: str = "the condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def start_byte_listener(mirror_root: Path, log_dir: Path, **settings_env) -> tuple[Process, str]:

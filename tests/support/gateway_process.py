@@ -15,9 +15,9 @@ from pathlib import Path
 
 import requests
 
-from . import services
+from .. import services
+from ..services import free_port
 from .processes import Process, process_env, wait_until
-from .services import free_port
 
 
 def start_gateway(
