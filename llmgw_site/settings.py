@@ -22,7 +22,7 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = env_path("LLMGW_VAR", Path("var"), BASE_DIR)
 
 # The control plane's processes. A node is none of them: its settings are agent.settings.
-ROLES = ("control", "bytes")
+ROLES = ("control", "bytes", "gateway")
 ROLE = env_str("LLMGW_ROLE", "control")
 if ROLE not in ROLES:
     raise ImproperlyConfigured(
