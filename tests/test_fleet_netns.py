@@ -46,6 +46,7 @@ from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama  # noqa: E402
 
 from .fleet_netns import Asker, ControlPlane, Node, chat_requests_in, endpoint_host  # noqa: E402
 from .staff_api import token_session  # noqa: E402
+from .support.mirror import settle  # noqa: E402
 from .support.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -92,6 +93,7 @@ def fleet(db_access, tmp_path_factory):
             (mirror / "tiny" / version).mkdir(parents=True)
             for part in (log_dir / "gguf").glob("*.gguf"):
                 shutil.copyfile(part, mirror / "tiny" / version / part.name)
+        settle(mirror)  # copied in a while ago: whole, not still being written
         control = ControlPlane(network, mirror, log_dir)
         for name in ("n1", "n2"):
             node = Node(name, network.add_host(name), issue_token(name), control, log_dir)

@@ -31,6 +31,7 @@ from mirror import scan
 from . import real_model
 from .real_model import MODEL, ask, streamed_whole
 from .support.gateway import until_routed
+from .support.mirror import settle
 from .support.processes import Process, node_env, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
@@ -59,6 +60,7 @@ def test_a_streamed_request_for_a_model_at_zero_wakes_it_and_waits_while_its_rep
     version = mirror_root / MODEL / "instruct-q4_1"
     version.mkdir(parents=True)
     shutil.copyfile(weights, version / weights.name)
+    settle(version)  # copied in a while ago: whole, not still being written (LLMGW_MIRROR_SETTLE_S)
     scan.scan_mirror()
     wait_until(
         lambda: "llamacpp" in (Node.objects.filter(name="n1").values_list("engines", flat=True).first() or []),

@@ -31,6 +31,7 @@ from mirror import scan
 from . import real_model
 from .real_model import ANSWER, MODEL, ask, assert_chat_answer, complete, streamed_whole
 from .staff_api import token_session
+from .support.mirror import settle
 from .support.processes import Process, node_env, wait_until
 
 pytestmark = pytest.mark.engine
@@ -249,6 +250,7 @@ def test_the_real_model_copied_into_the_mirror_is_served_fetched_started_and_say
     version = mirror_root / MODEL / "instruct-q4_1"
     version.mkdir(parents=True)
     shutil.copyfile(weights, version / weights.name)
+    settle(version)  # copied in a while ago: whole, not still being written (LLMGW_MIRROR_SETTLE_S)
     scan.scan_mirror()
 
     def enrolled():

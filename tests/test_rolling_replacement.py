@@ -37,6 +37,7 @@ from gateway.keys import create_key
 from . import real_model
 from .real_model import MODEL, ask, assert_chat_answer, streamed_whole
 from .support.gateway import until_routed
+from .support.mirror import settle
 from .support.processes import start_agent
 from .support.waiting import wait_until
 
@@ -50,6 +51,7 @@ def node(tmp_path, mirror_root, byte_listener, control_worker, settings):
     version = mirror_root / MODEL / "instruct-q4_1"
     version.mkdir(parents=True)
     shutil.copyfile(weights, version / weights.name)
+    settle(version)  # copied in a while ago: whole, not still being written (LLMGW_MIRROR_SETTLE_S)
     settings.BYTES_URL = byte_listener
     cache = tmp_path / "cache-n1"
     agent = start_agent("n1", issue_token("n1"), cache, tmp_path, LLMGW_BYTES_URL=byte_listener)
