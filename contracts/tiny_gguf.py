@@ -28,6 +28,10 @@ EOS_TOKEN_ID = 2
 # gguf's file types: what most of the matrices are.
 ALL_F32, MOSTLY_Q8_0 = 0, 7
 
+# The writer logs what it plans at INFO (from its constructor on); in an agent's log or
+# `make run`'s output that is noise, whoever writes the file.
+logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
+
 
 def write_llama(
     path: Path,
@@ -106,10 +110,6 @@ def write_llama(
     for tensor_name, (data, qtype) in tensors:
         writer.add_tensor(tensor_name, data, raw_dtype=qtype)
 
-    # The writer logs what it plans at INFO; in an agent's log or `make run`'s output that is noise.
-    writer_log = logging.getLogger("gguf.gguf_writer")
-    level = writer_log.level
-    writer_log.setLevel(logging.WARNING)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -118,7 +118,6 @@ def write_llama(
         if files == 1:
             os.replace(target, path)
     finally:
-        writer_log.setLevel(level)
         if files == 1:
             target.unlink(missing_ok=True)
     if files == 1:

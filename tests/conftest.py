@@ -300,6 +300,14 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "processes: starts a process (a server, a worker, an engine); not in make test-fast"
     )
+    # No connection kept between requests in the test process: tests/test_gateway_alone.py
+    # stops and starts the tests' PostgreSQL, and a connection the live server's thread kept
+    # from before would fail its next request ("terminating connection due to administrator
+    # command") in whatever test came after.
+    from django.conf import settings
+
+    if settings.configured and settings.DATABASES:
+        settings.DATABASES["default"]["CONN_MAX_AGE"] = 0
 
 
 def pytest_collection_modifyitems(config, items):
