@@ -25,14 +25,15 @@ GB = 1 << 30
 MB = 1 << 20
 
 # The llama.cpp engine's own resident memory beside weights, KV cache and compute
-# buffers: the server, its libraries and its allocator. Measured on a model of no size
-# (bench/memory.py, docs/benchmarks.md).
-LLAMACPP_FOOTPRINT_BYTES = 90 * MB
-# What each token of the vocabulary costs the engine at the default micro-batch: the
-# logits of a micro-batch in the compute buffer, the server's own copy of them, the
-# tokenizer's tables. Measured at two vocabularies (49,152 and 151,936 tokens): 6.8 KB
-# each, to within 1%, whatever the width (bench/memory.py, docs/benchmarks.md).
-LLAMACPP_BYTES_PER_VOCAB_TOKEN = 7000
+# buffers: `llama-server`, its libraries and its allocator. Measured on a model of no
+# size (bench/memory.py, docs/benchmarks.md: 21-22 MB at both pools).
+LLAMACPP_FOOTPRINT_BYTES = 21 * MB
+# The compute buffers in use at the default micro-batch, fitted on llama-server at four
+# shapes (vocabularies of 259, 49,152 and 151,936 tokens; 2 to 30 layers of 64 to 1,536):
+# a share per token of the vocabulary (the micro-batch's logits, the tokenizer's tables)
+# and a share per layer and unit of width (the activations the graph keeps).
+LLAMACPP_BYTES_PER_VOCAB_TOKEN = 216
+LLAMACPP_BYTES_PER_LAYER_WIDTH = 1510
 # Tensor types llama.cpp's CPU backend repacks at load into its interleaved layouts
 # (q4_K_8x8, q4_0_8x8, iq4_nl_4x4 on x86 with AVX2): a second copy in the engine's own
 # memory, while the mapped file's pages stay resident too. Measured: a 1.5B Q4_K model
@@ -152,7 +153,15 @@ def _llamacpp(header: dict, weights: int, args: list[str], parallel: int) -> Est
     vocab = int(header.get("vocab") or 0)
     # The vocabulary's share scales with the micro-batch (its logits are a micro-batch
     # of rows); each further slot keeps a row of logits of its own.
-    compute = int(vocab * LLAMACPP_BYTES_PER_VOCAB_TOKEN * ubatch / LLAMACPP_UBATCH) + (parallel - 1) * vocab * 4
+    layer_width = int(header.get("layers") or 0) * int(header.get("embedding") or 0)
+    compute = (
+        int(
+            (vocab * LLAMACPP_BYTES_PER_VOCAB_TOKEN + layer_width * LLAMACPP_BYTES_PER_LAYER_WIDTH)
+            * ubatch
+            / LLAMACPP_UBATCH
+        )
+        + (parallel - 1) * vocab * 4
+    )
     types = header.get("tensor_types") or {}
     repacked = sum(int(types.get(name, 0)) for name in LLAMACPP_REPACKED_TYPES)
     return Estimate(

@@ -256,7 +256,7 @@ def test_the_readmes_first_answer_is_paris_from_make_run_with_the_serve_pages_sl
     answer = wait_until(
         lambda: (
             r := requests.post(
-                admin + "/v1/chat/completions",
+                f"http://127.0.0.1:{ports['gateway']}/v1/chat/completions",  # the README's 8080
                 data=body,
                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
                 timeout=120,
