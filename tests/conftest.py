@@ -300,14 +300,6 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "processes: starts a process (a server, a worker, an engine); not in make test-fast"
     )
-    # No connection kept between requests in the test process: tests/test_gateway_alone.py
-    # stops and starts the tests' PostgreSQL, and a connection the live server's thread kept
-    # from before would fail its next request ("terminating connection due to administrator
-    # command") in whatever test came after.
-    from django.conf import settings
-
-    if settings.configured and settings.DATABASES:
-        settings.DATABASES["default"]["CONN_MAX_AGE"] = 0
 
 
 def pytest_collection_modifyitems(config, items):
@@ -330,6 +322,11 @@ def pytest_collection_modifyitems(config, items):
             or any(_starts_a_process(f, seen) for f in functions if f is not None)
         ):
             item.add_marker(pytest.mark.processes)
+    # Last: tests/test_gateway_alone.py stops and starts the tests' PostgreSQL, and a
+    # connection opened before it in another context of this process (Playwright's, a
+    # fixture's thread) is dead after it ("the connection is closed") in whatever test
+    # came next. Run after everything else, it leaves no test behind it to break.
+    items.sort(key=lambda item: item.nodeid.startswith("tests/test_gateway_alone.py"))
 
 
 @pytest.fixture(autouse=True)
