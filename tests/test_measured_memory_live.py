@@ -101,13 +101,14 @@ def test_a_running_replica_s_measured_memory_reaches_the_replicas_page_and_bench
 
     page, found = wait_until(measured_on_the_page, timeout=60, interval=0.5, what="the measured memory on the page")
     rss, pss, gpu = (float(x) for x in found.groups())
-    # A tiny model in llama.cpp: some tens of MB, well under a GB, and never nothing.
-    assert 0 < pss <= rss < 1024 and rss > 10, (rss, pss)
+    # A tiny model in llama-server: some MB, well under a GB, and never nothing.
+    assert 0 < pss <= rss < 1024 and rss > 4, (rss, pss)
     assert gpu == 1.2  # the mock's 1,234 MiB
     assert '<td class="field-memory_asked">1 GB</td>' in page
     peak = MeasuredMemory.objects.get(model_name="tiny", profile_name="cpu")
     assert peak.node_name == "n1" and peak.replica_id == replica.pk
-    assert 10 * (1 << 20) < peak.host_bytes < (1 << 30)
+    # llama-server on the tiny GGUF holds a few MB (its own 21 MB footprint is mostly shared pages).
+    assert 4 * (1 << 20) < peak.host_bytes < (1 << 30)
     assert peak.gpu_bytes == 1234 * (1 << 20)
 
     # --- manage.py bench_replica, through the gateway ---

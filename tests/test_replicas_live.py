@@ -147,7 +147,7 @@ def test_a_served_gguf_is_fetched_started_answers_and_comes_back_after_its_engin
     events = [line[len(b"data: ") :] for line in streamed.iter_lines() if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
     # The streamed answer is counted too, from the usage the engine put in its last chunk.
