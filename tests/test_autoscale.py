@@ -7,14 +7,15 @@ each is checked in a pass or two, and the pure choices (`decide`, `room.choose`)
 import time
 
 import pytest
-from django.utils import timezone
 
-from catalog.models import Model, Profile
-from contracts import demand, signing
+from contracts import demand
 from fleet import autoscale, reconcile, room
 from fleet.live import redis_client
-from fleet.models import Node, Replica, Scale
+from fleet.models import Replica, Scale
 from fleet.placement import Scaling
+
+from .support.factories import add_node as node
+from .support.factories import add_served_model as serve
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -24,22 +25,6 @@ SOURCE = "http://127.0.0.1:8001/tiny/v1/"
 @pytest.fixture(autouse=True)
 def clean_redis():
     redis_client().flushdb()
-
-
-def node(name: str, memory_gb: int = 32) -> Node:
-    return Node.objects.create(
-        name=name,
-        engines=["llamacpp"],
-        memory_gb=memory_gb,
-        last_heartbeat=timezone.now(),
-        token_hash=signing.token_hash(f"token-of-{name}"),
-    )
-
-
-def serve(name: str, memory_gb: int = 0, **scaling) -> Model:
-    model = Model.objects.create(name=name, source=SOURCE, context_length=512, **scaling)
-    Profile.objects.create(model=model, name="cpu", engine="llamacpp", min_memory_gb=memory_gb)
-    return model
 
 
 def load(models: dict | None = None, replicas: dict | None = None, at: float | None = None, field: str = "g1"):

@@ -30,21 +30,6 @@ OUTAGE_S = 60
 
 
 @pytest.fixture
-def replicas():
-    from .fake_replica import FakeReplica
-
-    made = []
-
-    def make(name: str = "fake") -> FakeReplica:
-        made.append(FakeReplica(name))
-        return made[-1]
-
-    yield make
-    for replica in made:
-        replica.stop()
-
-
-@pytest.fixture
 def processes():
     """Processes started by a test, stopped at its end whatever happened."""
     started = []

@@ -5,17 +5,18 @@ from __future__ import annotations
 import time
 
 import pytest
-from django.utils import timezone
 
 from catalog.memory import GB
 from catalog.models import Model, Profile
-from contracts import signing
 from fleet import autoscale, reconcile, room
 from fleet import memory as measured_memory
 from fleet.live import redis_client
 from fleet.models import MeasuredMemory, Node, Replica
 from fleet.placement import ModelView, NodeView, ProfileView, ReplicaView, place
 from fleet.tasks import heartbeat
+
+from .support.factories import add_node as node
+from .support.factories import add_served_model as serve
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -25,22 +26,6 @@ SOURCE = "http://127.0.0.1:8001/tiny/v1/"
 @pytest.fixture(autouse=True)
 def clean_redis():
     redis_client().flushdb()
-
-
-def node(name: str, memory_gb: int = 32) -> Node:
-    return Node.objects.create(
-        name=name,
-        engines=["llamacpp"],
-        memory_gb=memory_gb,
-        last_heartbeat=timezone.now(),
-        token_hash=signing.token_hash(f"token-of-{name}"),
-    )
-
-
-def serve(name: str, memory_gb: int = 0, **scaling) -> Model:
-    model = Model.objects.create(name=name, source=SOURCE, context_length=512, **scaling)
-    Profile.objects.create(model=model, name="cpu", engine="llamacpp", min_memory_gb=memory_gb)
-    return model
 
 
 def beat(node_name: str, replica_memory: dict, available: int = 10 * GB) -> None:

@@ -50,6 +50,13 @@ def add_node(name: str, memory_gb: int = 32, **kw) -> Node:
     )
 
 
+def add_served_model(name: str, memory_gb: int = 0, source: str = "http://127.0.0.1:8001/tiny/v1/", **scaling) -> Model:
+    """A model with one llamacpp profile `cpu` asking `memory_gb`, its scaling fields as given."""
+    model = Model.objects.create(name=name, source=source, context_length=512, **scaling)
+    Profile.objects.create(model=model, name="cpu", engine="llamacpp", min_memory_gb=memory_gb)
+    return model
+
+
 def new_model(**fields) -> dict:
     """The body of a POST to the catalog API for model `m`, with `fields` over it."""
     return {
