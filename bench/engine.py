@@ -8,7 +8,7 @@ One replica of SmolLM2-135M-Instruct Q4_1 (launcher/smollm2.py), side by side in
 
   gateway   llama-server as the agent starts it (`agent.engines.command` and `spawn`:
             --parallel SLOTS over a pool of SLOTS x 512, --threads, --metrics), behind
-            `manage.py admin_server` (the gateway) with a key, as a client of `make run` sees it
+            `manage.py gateway` with a key and a Redis of its own, as a client of `make run` sees it
   direct    the same binary with the same arguments, asked directly
   old       PyPI's llama-cpp-python server (`python -m llama_cpp.server`, --interrupt_requests
             false, one answer at a time), as the agent ran it before: only when
@@ -159,15 +159,22 @@ Replica.objects.update_or_create(model_name="{model}", profile_name="cpu", node=
 """
 
 
-def start_gateway(engine_port: int, work: Path, slots: int) -> tuple[subprocess.Popen, str, str]:
-    """`manage.py admin_server` (Django and the gateway) on its own SQLite, routing the model to the engine."""
-    port = engines.free_port()
+def start_gateway(engine_port: int, work: Path, slots: int) -> tuple[list[subprocess.Popen], str, str]:
+    """`manage.py gateway` (the data plane alone) on its own SQLite and Redis, routing the model to the engine."""
+    port, redis_port = engines.free_port(), engines.free_port()
+    redis = subprocess.Popen(
+        ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(work)],
+        stdout=(work / "redis.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     env = dict(
         os.environ,
-        LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
+        LLMGW_GATEWAY_ADDR=f"127.0.0.1:{port}",
+        LLMGW_ADMIN_ADDR=f"127.0.0.1:{engines.free_port()}",
         LLMGW_VAR=str(work / "var"),
         DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
-        REDIS_URL=f"redis://127.0.0.1:{engines.free_port()}/0",  # nothing there: a key without limits never asks
+        REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
     )
     manage = [sys.executable, str(ROOT / "manage.py")]
     subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
@@ -178,7 +185,7 @@ def start_gateway(engine_port: int, work: Path, slots: int) -> tuple[subprocess.
     )
     key = created.stdout.strip().splitlines()[-1].strip()
     process = subprocess.Popen(
-        manage + ["admin_server"],
+        manage + ["gateway"],
         env=env,
         cwd=ROOT,
         stdout=(work / "gateway.log").open("wb"),
@@ -191,7 +198,7 @@ def start_gateway(engine_port: int, work: Path, slots: int) -> tuple[subprocess.
         try:
             listed = requests.get(url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=2)
             if listed.status_code == 200 and any(m.get("ready") for m in listed.json().get("data", [])):
-                return process, url, key
+                return [redis, process], url, key
         except requests.RequestException:
             pass
         time.sleep(0.3)
@@ -223,8 +230,8 @@ def main() -> int:
         built = Path(os.path.realpath(argv[0])).parent / "CMAKE_ARGS"
         if built.is_file():
             print(f"built with: {built.read_text().strip()}", flush=True)
-        gateway, gateway_url, key = start_gateway(gateway_engine_port, work, options.slots)
-        processes.append(gateway)
+        started, gateway_url, key = start_gateway(gateway_engine_port, work, options.slots)
+        processes.extend(started)
         targets.append(("through the gateway", gateway_url, {"Authorization": f"Bearer {key}"}))
         targets.append(("llama-server direct", f"http://127.0.0.1:{direct_port}/v1", {}))
         if options.old_python:
