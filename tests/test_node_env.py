@@ -15,16 +15,15 @@ import subprocess
 import sys
 
 import pytest
-import requests
 
 from agent import engine_state, engines
 from fleet.models import Node, Replica
-from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
+from launcher.demo_model import write_tiny_llama
 from mirror import scan
 
 from .staff_api import token_session
 from .support.mirror import put
-from .support.processes import BASE_DIR, Process, engine_secret, env_file, process_env, wait_until
+from .support.processes import BASE_DIR, Process, ask_replica, env_file, process_env, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
 
@@ -112,15 +111,5 @@ def test_an_agent_with_only_node_env_enrols_and_serves(
         what=f"a ready replica: {list(Replica.objects.values('state', 'reason'))}\n{agent.output()[-3000:]}",
     )
     assert replica.node.name == NODE and replica.endpoint.startswith("http://127.0.0.1:")
-    answer = requests.post(
-        replica.endpoint + "/chat/completions",
-        headers=engine_secret(replica),
-        json={
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 8,
-            "logit_bias": {str(EOS_TOKEN_ID): -100},
-        },
-        timeout=60,
-    ).json()
-    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] > 0
+    ask_replica(replica)
     assert any(cache.rglob(".complete")), "the weights were fetched into node.env's LLMGW_AGENT_CACHE"

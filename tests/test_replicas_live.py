@@ -26,7 +26,7 @@ from mirror import scan
 
 from .staff_api import token_session
 from .support.mirror import put
-from .support.processes import engine_secret
+from .support.processes import ask_replica, engine_secret
 from .support.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
@@ -77,18 +77,7 @@ def test_a_served_gguf_is_fetched_started_answers_and_comes_back_after_its_engin
         what=f"two ready replicas: {list(Replica.objects.values('state', 'reason'))}\n{agent.output()[-3000:]}",
     )
     assert replica.node.name == other.node.name == "n1"
-    answer = requests.post(
-        replica.endpoint + "/chat/completions",
-        headers=engine_secret(replica),
-        json={
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 8,
-            "logit_bias": {str(EOS_TOKEN_ID): -100},
-        },
-        timeout=60,
-    ).json()
-    assert answer["choices"][0]["finish_reason"] == "length"
-    assert answer["usage"]["completion_tokens"] > 0
+    ask_replica(replica)
 
     # The replica's fetch is on the record like any other, which placement reads too.
     from fleet.models import Fetch
