@@ -2,7 +2,7 @@
 """llama.cpp on the real demo model: through the gateway, the same llama-server direct, and the old Python server.
 
     .venv/bin/python bench/engine.py [--duration 30] [--streams 1,4,16,32] [--max-tokens 64]
-                                     [--slots 16] [--threads 2] [--old-python PYTHON]
+                                     [--slots 16] [--threads 2] [--old-python PYTHON] [--engine-cpus 0]
 
 One replica of SmolLM2-135M-Instruct Q4_1 (launcher/smollm2.py), side by side in one run:
 
@@ -156,7 +156,20 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--old-python", default="", help="an interpreter with llama-cpp-python[server] installed")
+    parser.add_argument(
+        "--engine-cpus",
+        default="",
+        help="CPUs (taskset's list, e.g. 0) the engines run on, the clients and the gateway on the others: "
+        "as deployed, where the gateway has a host of its own and does not take the engine's cores",
+    )
     options = parser.parse_args()
+    pin = ["taskset", "-c", options.engine_cpus] if options.engine_cpus else []
+    if pin:
+        others = set(os.sched_getaffinity(0)) - {int(c) for c in options.engine_cpus.split(",")}
+        if not others:
+            raise SystemExit(f"--engine-cpus {options.engine_cpus} leaves no CPU for the clients and the gateway")
+        os.sched_setaffinity(0, others)  # this process, and the gateway it starts, stay off the engines' CPUs
+        print(f"engines on CPU {options.engine_cpus}; clients and gateway on CPU {sorted(others)}", flush=True)
 
     weights = smollm2.gguf_path()
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-engine-"))
@@ -168,9 +181,9 @@ def main() -> int:
         direct_port, gateway_engine_port = engines.free_port(), engines.free_port()
         for name, port in (("direct", direct_port), ("behind-gateway", gateway_engine_port)):
             argv = engines.command("llamacpp", weights, port, args, model=smollm2.MODEL)
-            processes.append(start_engine(argv, work, name, port))
+            processes.append(start_engine(pin + argv, work, name, port))
         print(f"llama-server: {' '.join(argv)}", flush=True)
-        built = Path(os.path.realpath(argv[0])).parent / "CMAKE_ARGS"
+        built = Path(os.path.realpath(argv[0])).parent / "CMAKE_ARGS"  # argv: the engine's, without taskset
         if built.is_file():
             print(f"built with: {built.read_text().strip()}", flush=True)
         started, gateway_url, key = start_gateway(gateway_engine_port, work, options.slots)
@@ -182,7 +195,7 @@ def main() -> int:
             old = [options.old_python, "-m", "llama_cpp.server", "--model", str(weights), "--host", "127.0.0.1"]
             old += ["--port", str(old_port), "--n_ctx", "2048", "--n_threads", str(options.threads)]
             old += ["--model_alias", smollm2.MODEL, "--interrupt_requests", "false"]
-            processes.append(start_engine(old, work, "old", old_port, health="vllm"))
+            processes.append(start_engine(pin + old, work, "old", old_port, health="vllm"))
             targets.append(("old Python server", f"http://127.0.0.1:{old_port}/v1", ""))
         else:
             print("old Python server: left out (no --old-python with llama-cpp-python[server] installed)")
