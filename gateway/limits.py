@@ -413,6 +413,7 @@ class Limiter:
                 futures = [future for _, future in some]
                 args = (*limits.values(), now, STALE_IN_FLIGHT_S, *ids)
                 self._call(pipe, ADMIT, windows.keys, args, functools.partial(_admitted, futures))
+        pipe.flush()  # written now, not a turn of the loop later
 
     def _call(self, pipe: Pipe, script: str, keys, args, then: Callable[[object], None]) -> None:
         def answered(reply) -> None:
