@@ -41,6 +41,7 @@ import os
 import resource
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -486,7 +487,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2000, help="requests one at a time, each target")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--duration", type=float, default=10, help="seconds of concurrent load, each target")
-    parser.add_argument("--repeat", type=int, default=2, help="concurrent runs each target; the best counts")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="concurrent runs each target, taking turns; the best counts (2; --quick 1)",
+    )
     parser.add_argument("--streams", type=int, default=OPEN_STREAMS)
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument(
@@ -511,7 +517,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.duration, args.repeat = 300, 3, 1
+        args.rounds, args.duration = 300, 3
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 2
+    # Stopped from outside (kill PID): the servers it started are stopped too, in `finally` below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     # 1,000 streams through a proxy are 2,000 sockets in it; the children inherit this.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -346,18 +346,18 @@ class Gateway(Forwarding):
         # From here the request's `receive` is read by its hang-up watcher alone.
         hang_up = HangUp(receive)
         routed = Request(
-            scope,
-            held or send,
-            hang_up,
-            held,
-            key,
-            route,
-            endpoint,
-            request,
-            body,
-            translation,
-            client_wants_usage,
-            started,
+            scope=scope,
+            send=held or send,
+            hang_up=hang_up,
+            held=held,
+            key=key,
+            route=route,
+            endpoint=endpoint,
+            payload=request,
+            body=body,
+            translation=translation,
+            client_wants_usage=client_wants_usage,
+            started=started,
         )
         try:
             tokens = await self.answer(routed)

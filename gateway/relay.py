@@ -41,6 +41,7 @@ async def relay(request: Request, response: aiohttp.ClientResponse, replica: int
     answer.event_stream = event_stream
     translation = request.translation
     if translation is not None and not (response.status == 200 and event_stream):
+        answer.event_stream = False  # read as one chat completion (or an error), whatever it said it was
         await _relay_whole_translated(request, response, replica, gateway_s, answer)
         return
     send, hang_up = request.send, request.hang_up
