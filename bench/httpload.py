@@ -228,10 +228,16 @@ class Concurrent:
     seconds: list[float]
     errors: int
     cpu_seconds: float  # the server's, over the measured time
+    also_cpu_seconds: float = 0.0  # the processes named in `also` (say, a Redis it uses), over the same time
 
 
-async def concurrent(target: Target, clients: int, duration: float, warmup: float = 1.0) -> Concurrent:
-    """`clients` connections, each sending the next request as soon as its last one is answered."""
+async def concurrent(
+    target: Target, clients: int, duration: float, warmup: float = 1.0, also: int | None = None
+) -> Concurrent:
+    """`clients` connections, each sending the next request as soon as its last one is answered.
+
+    `also`: another process group whose CPU over the measured time is counted apart.
+    """
     raw = target.request()
     connections = [await Connection.open(target.port) for _ in range(clients)]
     seconds: list[float] = []
@@ -241,6 +247,7 @@ async def concurrent(target: Target, clients: int, duration: float, warmup: floa
     measure_from, stop_at = start + warmup, start + warmup + duration
     counted = 0
     cpu_at_start = None
+    also_at_start = 0.0
 
     async def client(index: int) -> None:
         nonlocal errors, counted
@@ -263,17 +270,21 @@ async def concurrent(target: Target, clients: int, duration: float, warmup: floa
                     errors += 1
 
     async def mark_cpu() -> None:
-        nonlocal cpu_at_start
+        nonlocal cpu_at_start, also_at_start
         await asyncio.sleep(warmup)
         cpu_at_start = cpu_and_rss(target.pid)[0]
+        also_at_start = cpu_and_rss(also)[0]
 
     marker = asyncio.ensure_future(mark_cpu())
     await asyncio.gather(*(client(i) for i in range(clients)))
     cpu_at_stop = cpu_and_rss(target.pid)[0]
+    also_at_stop = cpu_and_rss(also)[0]
     await marker
     for connection in connections:
         connection.close()
-    return Concurrent(counted / duration, seconds, errors, cpu_at_stop - (cpu_at_start or 0.0))
+    return Concurrent(
+        counted / duration, seconds, errors, cpu_at_stop - (cpu_at_start or 0.0), also_at_stop - also_at_start
+    )
 
 
 @dataclass

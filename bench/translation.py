@@ -90,7 +90,7 @@ def main() -> None:
         if started is None:
             raise SystemExit("this tree has no gateway")
         processes.append(started[0])
-        llmgw = started[1]
+        llmgw = started[1][0]  # the key without limits
         chat = Target("chat", llmgw.port, key=llmgw.key)
         messages = Target("messages", llmgw.port, key=llmgw.key, path="/v1/messages")
         responses = ResponsesTarget("responses", llmgw.port, key=llmgw.key, path="/v1/responses")

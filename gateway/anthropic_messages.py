@@ -11,21 +11,11 @@ from __future__ import annotations
 import json
 import uuid
 
+from .endpoints import ANTHROPIC
 from .errors import Refusal
-from .translation import ChatStream, Translation, engine_message, sse, text_of
+from .events import sse
+from .translation import ChatStream, Translation, text_of
 
-# Anthropic's error type for each status the gateway or a replica answers.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
 TEXT_DELTA = (
     b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": %d, '
     b'"delta": {"type": "text_delta", "text": %s}}\n\n'
@@ -33,20 +23,10 @@ TEXT_DELTA = (
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 
 
-def error_body(status: int, message: str) -> bytes:
-    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
-
-
-class AnthropicRefusal(Refusal):
-    """A refusal said in Anthropic's error shape."""
-
-    @classmethod
-    def of(cls, refusal: Refusal) -> AnthropicRefusal:
-        return cls(refusal.status, refusal.message, refusal.kind, refusal.code, refusal.param, refusal.headers)
-
-    def body(self) -> bytes:
-        return error_body(self.status, self.message)
+def anthropic_usage(usage: dict | None) -> dict:
+    """The engine's usage (a chat completion's) as Anthropic's `usage`: the one place it is mapped."""
+    usage = usage or {}
+    return {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)}
 
 
 def _tool_call(block: dict) -> dict:
@@ -136,6 +116,8 @@ def _tools(request: dict) -> dict:
 
 
 class Messages(Translation):
+    dialect = ANTHROPIC
+
     def __init__(self, request: dict) -> None:
         self.model = request["model"]
         wanted = request.get("max_tokens")
@@ -183,7 +165,6 @@ class Messages(Translation):
                 }
             )
         reason, sequence = self.stop(choice.get("finish_reason"), choice)
-        usage = completion.get("usage") or {}
         return {
             "id": self.id,
             "type": "message",
@@ -192,17 +173,11 @@ class Messages(Translation):
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": {
-                "input_tokens": usage.get("prompt_tokens", 0),
-                "output_tokens": usage.get("completion_tokens", 0),
-            },
+            "usage": anthropic_usage(completion.get("usage")),
         }
 
     def stream(self) -> MessagesStream:
         return MessagesStream(self)
-
-    def error(self, status: int, body: bytes) -> bytes:
-        return error_body(status, engine_message(body))
 
 
 def _arguments(arguments) -> dict:
@@ -218,18 +193,14 @@ def _arguments(arguments) -> dict:
 class MessagesStream(ChatStream):
     """message_start, then each content block (start, deltas, stop), message_delta, message_stop."""
 
+    dialect = ANTHROPIC
+
     def __init__(self, messages: Messages) -> None:
         super().__init__()
         self.messages = messages
-        self.started = False
         self.block = -1  # the index of the open content block
-        self.open_kind = None  # "text", or the tool call's index in the chat stream
-        self.finish_reason = None
-        self.last_choice: dict = {}
-        self.usage: dict = {}
 
-    def _start(self) -> bytes:
-        self.started = True
+    def opening(self) -> bytes:
         message = {
             "id": self.messages.id,
             "type": "message",
@@ -238,72 +209,37 @@ class MessagesStream(ChatStream):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": anthropic_usage(None),
         }
         return sse("message_start", {"type": "message_start", "message": message}) + sse("ping", {"type": "ping"})
 
-    def _close(self) -> bytes:
-        if self.open_kind is None:
-            return b""
-        self.open_kind = None
-        return sse("content_block_stop", {"type": "content_block_stop", "index": self.block})
-
-    def _open(self, kind, block: dict) -> bytes:
-        out = self._close()
+    def _block(self, block: dict) -> bytes:
         self.block += 1
-        self.open_kind = kind
-        return out + sse(
-            "content_block_start", {"type": "content_block_start", "index": self.block, "content_block": block}
+        return sse("content_block_start", {"type": "content_block_start", "index": self.block, "content_block": block})
+
+    def text_opened(self) -> bytes:
+        return self._block({"type": "text", "text": ""})
+
+    def text(self, text: str) -> bytes:
+        # The event of every token, written without building a dict to encode.
+        return TEXT_DELTA % (self.block, json.dumps(text).encode())
+
+    def tool_opened(self, call_id: str | None, name: str) -> bytes:
+        return self._block(
+            {"type": "tool_use", "id": call_id or "toolu_" + uuid.uuid4().hex[:24], "name": name, "input": {}}
         )
 
-    def _delta(self, delta: dict) -> bytes:
+    def tool_arguments(self, piece: str) -> bytes:
+        delta = {"type": "input_json_delta", "partial_json": piece}
         return sse("content_block_delta", {"type": "content_block_delta", "index": self.block, "delta": delta})
 
-    def chunk(self, chunk: dict) -> bytes:
-        out = b"" if self.started else self._start()
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            text = delta.get("content")
-            if text:
-                if self.open_kind != "text":
-                    out += self._open("text", {"type": "text", "text": ""})
-                # The event of every token, written without building a dict to encode.
-                out += TEXT_DELTA % (self.block, json.dumps(text).encode())
-            for call in delta.get("tool_calls") or []:
-                index = call.get("index", 0)
-                function = call.get("function") or {}
-                if self.open_kind != ("tool", index):
-                    block = {
-                        "type": "tool_use",
-                        "id": call.get("id") or "toolu_" + uuid.uuid4().hex[:24],
-                        "name": function.get("name") or "",
-                        "input": {},
-                    }
-                    out += self._open(("tool", index), block)
-                if function.get("arguments"):
-                    out += self._delta({"type": "input_json_delta", "partial_json": function["arguments"]})
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-                self.last_choice = choice
-        return out
+    def closed(self) -> bytes:
+        return sse("content_block_stop", {"type": "content_block_stop", "index": self.block})
 
-    def finish(self) -> bytes:
-        out = b"" if self.started else self._start()
-        out += self._close()
+    def ending(self) -> bytes:
         reason, sequence = self.messages.stop(self.finish_reason, self.last_choice)
-        usage = {
-            "input_tokens": self.usage.get("prompt_tokens", 0),
-            "output_tokens": self.usage.get("completion_tokens", 0),
-        }
-        out += sse(
-            "message_delta",
-            {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage},
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        usage = anthropic_usage(self.usage)
+        return sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}) + sse(
+            "message_stop", {"type": "message_stop"}
         )
-        return out + sse("message_stop", {"type": "message_stop"})
-
-    def failed(self, chunk: dict) -> bytes:
-        self.finished = True
-        message = engine_message(json.dumps(chunk).encode())
-        return sse("error", {"type": "error", "error": {"type": "api_error", "message": message}})

@@ -31,7 +31,7 @@ from django.db import connection
 from common import metrics as site_metrics
 
 from . import endpoints, hold, listing, metrics, prospects, routes
-from .anthropic_messages import AnthropicRefusal, Messages
+from .anthropic_messages import Messages
 from .demand import Demand
 from .errors import ClientGone, Refusal
 from .forward import Forwarding
@@ -40,6 +40,7 @@ from .keys import hash_key
 from .limits import Limiter
 from .openai_responses import Responses
 from .relay import timing
+from .request import HangUp, Request
 from .upstream import IDLE_S, upstream_socket
 from .usage import Recorder, one_line
 
@@ -232,9 +233,7 @@ class Gateway(Forwarding):
         try:
             await self.handle(scope, receive, send, started)
         except Refusal as refusal:
-            if endpoints.dialect_of(scope.get("path", "")) == endpoints.ANTHROPIC:
-                refusal = AnthropicRefusal.of(refusal)
-            await self.refuse(send, refusal, started)
+            await self.refuse(send, refusal, started, endpoints.dialect_of(scope.get("path", "")))
         except ClientGone:
             pass
         except Exception:
@@ -243,17 +242,15 @@ class Gateway(Forwarding):
             failure = Refusal(
                 500, "The gateway failed to answer; its log says why.", kind="api_error", code="internal_error"
             )
-            if endpoints.dialect_of(scope.get("path", "")) == endpoints.ANTHROPIC:
-                failure = AnthropicRefusal.of(failure)
             try:
-                await self.refuse(send, failure, started)
+                await self.refuse(send, failure, started, endpoints.dialect_of(scope.get("path", "")))
             except Exception:
                 pass  # the answer had begun: uvicorn ends the connection
         finally:
             self.observer.end(exchange)
 
-    async def refuse(self, send, refusal: Refusal, started: float) -> None:
-        body = refusal.body()
+    async def refuse(self, send, refusal: Refusal, started: float, dialect: str = endpoints.OPENAI) -> None:
+        body = refusal.body(dialect)
         headers = [JSON_TYPE, (b"content-length", str(len(body)).encode()), *refusal.headers]
         headers.append(timing(time.perf_counter() - started))
         await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
@@ -293,7 +290,6 @@ class Gateway(Forwarding):
             raise Refusal(
                 404, f"There is nothing at {path}. The gateway answers {endpoints.listed()}.", code="unknown_url"
             )
-        target = endpoint.engine_path
         if method != "POST":
             raise Refusal(405, f"{path} answers POST only.", code="method_not_allowed")
         key = await self.authorize(scope)
@@ -347,27 +343,31 @@ class Gateway(Forwarding):
         tokens = 0
         streamed = request.get("stream") is True and route.kind == "chat"
         held = hold.HeldStream(send, endpoint.dialect) if streamed else None
+        # From here the request's `receive` is read by its hang-up watcher alone.
+        hang_up = HangUp(receive)
+        routed = Request(
+            scope=scope,
+            send=held or send,
+            hang_up=hang_up,
+            held=held,
+            key=key,
+            route=route,
+            endpoint=endpoint,
+            payload=request,
+            body=body,
+            translation=translation,
+            client_wants_usage=client_wants_usage,
+            started=started,
+        )
         try:
-            tokens = await self.answer(
-                scope,
-                receive,
-                held or send,
-                held,
-                key,
-                route,
-                target,
-                body,
-                request,
-                translation,
-                client_wants_usage,
-                started,
-            )
+            tokens = await self.answer(routed)
         except Refusal as refusal:
             if held is None or not held.started:
                 raise
             # The client has a 200 and comments already: the refusal goes in the stream.
             await held.fail(refusal.status, refusal.message, refusal.kind, refusal.code)
         finally:
+            hang_up.close()
             if ticket is not None:
                 self.limiter.settle(ticket, tokens)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import aiohttp
 from django.conf import settings
@@ -22,8 +23,10 @@ from .endpoints import CHAT
 from .errors import Refusal
 from .intake import sentence_of
 from .relay import relay
-from .translation import relay_translated
 from .usage import Answer
+
+if TYPE_CHECKING:
+    from .request import Request
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -33,15 +36,13 @@ COOLDOWN_S = 5.0
 
 
 class Forwarding:
-    async def answer(
-        self, scope, receive, send, held, key, route, target, body, request, translation, client_wants_usage, started
-    ) -> int:
+    async def answer(self, request: Request) -> int:
         """forward(), after waiting for a usable replica when there is none (gateway/hold.py)."""
         deadline = None
         unreachable = None
         waited = False
         while True:
-            route = self.table.routes.get(route.name, route)
+            route = request.route = self.table.routes.get(request.route.name, request.route)
             # The first try goes to a replica that refused a moment ago as well, as it always did;
             # a newcomer queues behind requests still being let go, first come first served.
             if (
@@ -57,14 +58,12 @@ class Forwarding:
                 if deadline is None:
                     deadline = time.monotonic() + settings.HOLD_S
                 also = f"The last try: {unreachable.message}" if unreachable is not None else ""
-                await self.holding.wait(route.name, receive, held, deadline, prospect, also)
+                await self.holding.wait(route.name, request.hang_up.gone, request.held, deadline, prospect, also)
                 waited = True
                 continue
             self.demand.started(route.name)
             try:
-                return await self.forward(
-                    scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation
-                )
+                return await self.forward(request)
             except Refusal as refusal:
                 if not getattr(refusal, "engine_down", False):
                     raise
@@ -92,10 +91,9 @@ class Forwarding:
                 best, best_score = upstream, score
         return best
 
-    async def forward(
-        self, scope, receive, send, key, route, target, body, client_wants_usage, started, request, translation=None
-    ) -> int:
+    async def forward(self, request: Request) -> int:
         """Pass the request to a replica and its answer back; returns the answer's tokens."""
+        scope, route = request.scope, request.route
         tried: set[int] = set()
         resent: set[int] = set()
         failures = []
@@ -120,8 +118,8 @@ class Forwarding:
                 sent_at = time.perf_counter()
                 try:
                     response = await self._session.post(
-                        upstream.base + target,
-                        data=body,
+                        upstream.base + request.endpoint.engine_path,
+                        data=request.body,
                         headers={
                             "Content-Type": "application/json",
                             "X-Request-Id": metrics.engine_request_id(scope),
@@ -168,19 +166,16 @@ class Forwarding:
                     refused_secret = True
                     continue
                 self.cooling.pop(replica, None)
-                gateway_s = sent_at - started
-                answer = Answer(scope["path"] if translation is None else CHAT)
+                gateway_s = sent_at - request.started
+                answer = Answer(scope["path"] if request.translation is None else CHAT)
                 try:
-                    if translation is None:
-                        await relay(receive, send, response, replica, gateway_s, client_wants_usage, answer)
-                    else:
-                        await relay_translated(translation, receive, send, response, replica, gateway_s, answer)
+                    await relay(request, response, replica, gateway_s, answer)
                 finally:
                     response.close()
                     # Counted however the answer ended: a stream cut short, by either side, is billed for
                     # what was relayed, since its usage chunk (the last) never came.
-                    prompt, completion = answer.tokens(request)
-                    self.usage.add(key.id, route.name, prompt, completion)
+                    prompt, completion = answer.tokens(request.payload)
+                    self.usage.add(request.key.id, route.name, prompt, completion)
                     self.observer.answered(scope, replica, gateway_s, prompt, completion)
                 return prompt + completion
             finally:

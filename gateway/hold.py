@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,9 +32,8 @@ from django.db import connection
 from contracts import demand as contract
 
 from . import prospects
-from .anthropic_messages import error_body as anthropic_error_body
 from .demand import Demand
-from .errors import ClientGone, Refusal
+from .errors import ClientGone, Refusal, error_event, error_of
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -68,29 +66,6 @@ def unavailable(message: str, code: str = "no_ready_replica") -> Refusal:
 # --- a streamed request that waited --------------------------------------------------
 
 
-def error_event(fmt: str, status: int, message: str, kind: str = "api_error", code: str | None = None) -> bytes:
-    """An error said inside an event stream, in the stream's format, and the stream's end."""
-    if fmt == "anthropic":
-        return b"event: error\ndata: " + anthropic_error_body(status, message) + b"\n\n"
-    if fmt == "responses":
-        data = {"type": "error", "sequence_number": 0, "code": code or kind, "message": message, "param": None}
-        return b"event: error\ndata: " + json.dumps(data).encode() + b"\n\n"
-    error = {"message": message, "type": kind, "param": None, "code": code}
-    return b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n"
-
-
-def error_of(body: bytes) -> tuple[str, str, str | None]:
-    """(message, type, code) of an error body in OpenAI's or Anthropic's shape, or of any body."""
-    try:
-        error = json.loads(body).get("error")
-    except (ValueError, AttributeError):
-        error = None
-    if isinstance(error, dict) and error.get("message"):
-        return str(error["message"]), str(error.get("type") or "api_error"), error.get("code")
-    text = body.decode("utf-8", "replace").strip()[:2000]
-    return text or "the request failed", "api_error", None
-
-
 class HeldStream:
     """The `send` of a streamed request while and after it waits.
 
@@ -100,9 +75,9 @@ class HeldStream:
     end of the stream.
     """
 
-    def __init__(self, send, fmt: str) -> None:
+    def __init__(self, send, dialect: str) -> None:
         self.send = send
-        self.fmt = fmt
+        self.dialect = dialect
         self.started = False
         self._passing = False
         self._status = 0
@@ -135,7 +110,7 @@ class HeldStream:
             await self.fail(self._status, *error_of(self._body))
 
     async def fail(self, status: int, message: str, kind: str = "api_error", code: str | None = None) -> None:
-        await self.send({"type": "http.response.body", "body": error_event(self.fmt, status, message, kind, code)})
+        await self.send({"type": "http.response.body", "body": error_event(self.dialect, status, message, kind, code)})
 
 
 # --- the queues --------------------------------------------------------------------------
@@ -197,9 +172,12 @@ class Holding:
     # --- waiting ------------------------------------------------------------------
 
     async def wait(
-        self, name: str, receive, stream: HeldStream | None, deadline: float, prospect, also: str = ""
+        self, name: str, gone: asyncio.Future, stream: HeldStream | None, deadline: float, prospect, also: str = ""
     ) -> None:
-        """Until the model has a usable replica (release); raises Refusal (503) or ClientGone instead."""
+        """Until the model has a usable replica (release); raises Refusal (503) or ClientGone instead.
+
+        `gone`: done when the client hangs up (the request's HangUp, gateway/request.py).
+        """
         queue = self.queues.setdefault(name, collections.deque())
         if len(queue) >= self.size:
             raise unavailable(
@@ -218,7 +196,6 @@ class Holding:
         self.began_waiting.set()
         if self._watcher is None or self._watcher.done():
             self._watcher = loop.create_task(self._watch())
-        gone = loop.create_task(_hung_up(receive))
         next_comment = time.monotonic() + FIRST_COMMENT_S
         try:
             while True:
@@ -241,7 +218,6 @@ class Holding:
                     await stream.comment(f"waiting for a replica of {name}: {self.status[name].status}")
                     next_comment = now + COMMENT_EVERY_S
         finally:
-            gone.cancel()
             if waiter.queued:
                 waiter.queued = False
                 queue.remove(waiter)
@@ -338,10 +314,3 @@ def moved(old, new) -> set[int]:
         return set()
     before = {u.replica_id: u.base for route in old.models for u in route.upstreams}
     return {u.replica_id for route in new.models for u in route.upstreams if before.get(u.replica_id, u.base) != u.base}
-
-
-async def _hung_up(receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

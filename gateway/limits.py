@@ -1,12 +1,15 @@
-"""Per-key limits, kept in Redis so that every admin-server process counts against the same numbers.
+"""Per-key limits, kept in Redis so that every gateway process, on every host, counts against the same numbers.
 
 A key with no limits costs nothing here: the gateway does not call Redis for it.
-A key with limits costs one round trip before its request goes on: a Lua script
+A key with limits waits for one reply before its request goes on: a Lua script
 that reads the key's windows, refuses when one is full, and otherwise counts the
 request and marks it in flight, atomically, so two processes cannot both take
 the last request of a minute. After the answer, its tokens (from the engine's
 usage) are added to the windows and the in-flight mark removed; that write is
-sent after the client has its answer, and is not waited for.
+sent after the client has its answer, and is not waited for. The requests of one
+turn of the event loop share those scripts (one admission and one settling a key,
+see Limiter), which is what makes a limited request cost little more than one
+without limits.
 
 Windows are fixed: the minute, the UTC day and the UTC month, each a counter
 under its own Redis key that expires after the window. Tokens are known only
@@ -18,12 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import itertools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, field, fields
 from datetime import UTC, datetime
 
+import hiredis
 import redis
 from django.conf import settings
 from redis.connection import parse_url
@@ -34,42 +41,57 @@ log = logging.getLogger("llmgw.gateway")
 
 # In-flight marks older than this are taken for requests whose process died before removing them.
 STALE_IN_FLIGHT_S = 3600
-# The longest a request waits for Redis before it goes on unchecked.
+# How long Redis may stay silent before the requests waiting on it go on unchecked (at most twice this).
 TIMEOUT_S = 2.0
 
+# Admits the requests of one key that came in one turn of a gateway's event loop, in order.
 # KEYS: requests this minute, tokens this minute, tokens today, tokens this month, the in-flight set.
-# ARGV: the four limits and the in-flight limit (0: none), now, this request's id, STALE_IN_FLIGHT_S.
-# Answers {which limit refused (0: none), requests, tokens minute, day, month, in flight}.
+# ARGV: the four limits and the in-flight limit (0: none), now, STALE_IN_FLIGHT_S, then each request's id.
+# Answers six numbers a request: which limit refused it (0: none), requests, tokens minute, day, month, in flight.
 ADMIT = """
 local used = {}
 for i = 1, 4 do used[i] = tonumber(redis.call('GET', KEYS[i]) or '0') end
 local now = tonumber(ARGV[6])
-redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - tonumber(ARGV[8]))
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - tonumber(ARGV[7]))
 local flying = redis.call('ZCARD', KEYS[5])
-for i = 1, 4 do
-  local limit = tonumber(ARGV[i])
-  if limit > 0 and used[i] >= limit then return {i, used[1], used[2], used[3], used[4], flying} end
-end
 local most = tonumber(ARGV[5])
-if most > 0 and flying >= most then return {5, used[1], used[2], used[3], used[4], flying} end
-used[1] = redis.call('INCR', KEYS[1])
-if used[1] == 1 then redis.call('EXPIRE', KEYS[1], 120) end
-redis.call('ZADD', KEYS[5], now, ARGV[7])
-redis.call('EXPIRE', KEYS[5], tonumber(ARGV[8]))
-return {0, used[1], used[2], used[3], used[4], flying + 1}
+local answers, marks, admitted = {}, {}, 0
+for r = 8, #ARGV do
+  local which = 0
+  for i = 1, 4 do
+    local limit = tonumber(ARGV[i])
+    if limit > 0 and used[i] >= limit then which = i break end
+  end
+  if which == 0 and most > 0 and flying >= most then which = 5 end
+  if which == 0 then
+    admitted = admitted + 1
+    used[1] = used[1] + 1
+    flying = flying + 1
+    marks[#marks + 1] = now
+    marks[#marks + 1] = ARGV[r]
+  end
+  local n = #answers
+  answers[n + 1], answers[n + 2], answers[n + 3] = which, used[1], used[2]
+  answers[n + 4], answers[n + 5], answers[n + 6] = used[3], used[4], flying
+end
+if admitted > 0 then
+  if redis.call('INCRBY', KEYS[1], admitted) == admitted then redis.call('EXPIRE', KEYS[1], 120) end
+  redis.call('ZADD', KEYS[5], unpack(marks))
+  redis.call('EXPIRE', KEYS[5], tonumber(ARGV[7]))
+end
+return answers
 """
 
-# After the answer. KEYS: tokens this minute, today, this month, the in-flight set.
-# ARGV: the answer's tokens, the request's id, and each window's expiry.
+# After the answers of one key. KEYS: tokens this minute, today, this month, the in-flight set.
+# ARGV: the answers' tokens together, each window's expiry (set when its counter is made), then each request's id.
 SETTLE = """
 local tokens = tonumber(ARGV[1])
 if tokens > 0 then
   for i = 1, 3 do
-    redis.call('INCRBY', KEYS[i], tokens)
-    redis.call('EXPIRE', KEYS[i], tonumber(ARGV[i + 2]))
+    if redis.call('INCRBY', KEYS[i], tokens) == tokens then redis.call('EXPIRE', KEYS[i], tonumber(ARGV[i + 1])) end
   end
 end
-return redis.call('ZREM', KEYS[4], ARGV[2])
+return redis.call('ZREM', KEYS[4], unpack(ARGV, 5))
 """
 
 # Each window's counter outlives its window a little, then goes.
@@ -110,12 +132,21 @@ def of(values) -> Limits | None:
     return Limits(*values) if any(values) else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: told apart by identity, a cheap key for a batch
 class Windows:
-    """The Redis keys of one key's windows at one moment, and how long until each resets."""
+    """The Redis keys of one key's windows at one moment, and when each window ends."""
 
     keys: tuple[str, str, str, str, str]
-    resets: tuple[float, float, float]  # seconds to the next minute, day, month
+    ends: tuple[float, float, float]  # the Unix times the minute, the day and the month end
+
+    @property
+    def minute_start(self) -> float:
+        return self.ends[0] - 60
+
+    def resets(self, now: float | None = None) -> tuple[float, float, float]:
+        """Seconds until the minute, the day and the month reset."""
+        now = time.time() if now is None else now
+        return tuple(end - now for end in self.ends)
 
     @classmethod
     def at(cls, tag: str, now: float) -> Windows:
@@ -128,7 +159,7 @@ class Windows:
         keys = (f"{base}:r:{minute}", f"{base}:t:{minute}", f"{base}:td:{day}", f"{base}:tm:{month}", f"{base}:flight")
         midnight = datetime(moment.year, moment.month, moment.day, tzinfo=UTC).timestamp() + 86400
         next_month = datetime(moment.year + moment.month // 12, moment.month % 12 + 1, 1, tzinfo=UTC).timestamp()
-        return cls(keys, ((minute + 1) * 60 - now, midnight - now, next_month - now))
+        return cls(keys, ((minute + 1) * 60, midnight, next_month))
 
 
 def tag_of(key_hash: str) -> str:
@@ -158,10 +189,11 @@ def refusal(limits: Limits, which: int, used: list[int], windows: Windows) -> Re
     """The 429 for the limit `which` (1-5, as the script answers), with OpenAI's x-ratelimit headers."""
     name, unit = WHAT[which]
     limit = limits.values()[which - 1]
+    resets = windows.resets()
     if which == 5:
         retry, sentence = 1.0, f"This API key may have {limit} requests in flight at once, and has {used[5]}."
     else:
-        retry = windows.resets[{1: 0, 2: 0, 3: 1, 4: 2}[which]]
+        retry = resets[{1: 0, 2: 0, 3: 1, 4: 2}[which]]
         sentence = (
             f"This API key is over its limit of {limit} {name}: {used[which]} {unit} used in this window, "
             f"which resets in {duration(retry)}."
@@ -171,7 +203,7 @@ def refusal(limits: Limits, which: int, used: list[int], windows: Windows) -> Re
         headers += [
             (b"x-ratelimit-limit-requests", str(limits.requests_per_minute).encode()),
             (b"x-ratelimit-remaining-requests", str(max(0, limits.requests_per_minute - used[1])).encode()),
-            (b"x-ratelimit-reset-requests", duration(windows.resets[0]).encode()),
+            (b"x-ratelimit-reset-requests", duration(resets[0]).encode()),
         ]
     # The token window the headers speak of: the one that refused, else the shortest one set.
     token_window = which - 1 if which in (2, 3, 4) else next((i for i in (1, 2, 3) if limits.values()[i]), None)
@@ -180,7 +212,7 @@ def refusal(limits: Limits, which: int, used: list[int], windows: Windows) -> Re
         headers += [
             (b"x-ratelimit-limit-tokens", str(token_limit).encode()),
             (b"x-ratelimit-remaining-tokens", str(max(0, token_limit - used[token_window + 1])).encode()),
-            (b"x-ratelimit-reset-tokens", duration(windows.resets[max(0, token_window - 1)]).encode()),
+            (b"x-ratelimit-reset-tokens", duration(resets[max(0, token_window - 1)]).encode()),
         ]
     return Refusal(429, sentence, kind="rate_limit_error", code="rate_limit_exceeded", headers=headers)
 
@@ -190,170 +222,253 @@ class RedisError(Exception):
 
 
 class Pipe(asyncio.Protocol):
-    """One connection to Redis, shared by every request of the process, with commands pipelined.
+    """One connection to Redis, shared by every request of the process.
 
-    redis-py's asyncio client spent about 0.7 ms of CPU on each limited request (its
-    connection pool, a pure-Python reply parser, a coroutine per command): more than
-    the rest of the gateway. Here a command is one write of bytes and its reply, an
-    integer or a list of them, is read straight off the socket; replies come back in
-    the order commands were sent, so each waiting request is a future in a queue.
+    What a limited request paid here was mostly system calls: a write for its admission,
+    a write for its settling, a read for each reply. So commands are not written when
+    made but gathered, and written together once a turn of the event loop (`flush`);
+    Redis answers them in one go, and hiredis (the C parser redis-py uses) reads the
+    replies, which come back in the order the commands were sent: each one's callback
+    waits in a queue. A reply overdue by TIMEOUT_S cuts the connection, and every
+    command waiting on it fails, so no request waits on a Redis that went silent.
     """
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.waiting: collections.deque[asyncio.Future] = collections.deque()
-        self.buffer = b""
+        self.reader = hiredis.Reader(replyError=RedisError)
+        self.waiting: collections.deque[Callable[[object], None]] = collections.deque()
+        self.outgoing: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+        self._flush_soon = False
+        self._replies = 0  # replies read so far, for the watchdog
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._idle: asyncio.Future | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def connection_lost(self, exc) -> None:
         self.transport = None
+        self.outgoing.clear()
+        failure = RedisError(f"the connection to Redis closed: {exc or 'by Redis'}")
         while self.waiting:
-            future = self.waiting.popleft()
-            if not future.done():
-                future.set_exception(RedisError(f"the connection to Redis closed: {exc or 'by Redis'}"))
+            self.waiting.popleft()(failure)
+        self._went_idle()
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
+        self.reader.feed(data)
         while self.waiting:
-            parsed = _reply(self.buffer, 0)
-            if parsed is None:
-                return
-            value, at = parsed
-            self.buffer = self.buffer[at:]
-            future = self.waiting.popleft()
-            if not future.done():
-                if isinstance(value, RedisError):
-                    future.set_exception(value)
-                else:
-                    future.set_result(value)
+            reply = self.reader.gets()
+            if reply is False:
+                break
+            self._replies += 1
+            self.waiting.popleft()(reply)
+        if not self.waiting:
+            self._went_idle()
 
-    def send(self, *parts) -> asyncio.Future:
-        encoded = [p if isinstance(p, bytes) else str(p).encode() for p in parts]
-        self.transport.write(b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in encoded))
-        future = asyncio.get_running_loop().create_future()
-        self.waiting.append(future)
+    def send(self, command: bytes, then: Callable[[object], None]) -> None:
+        """Write `command` (packed) with the next flush; `then` gets its reply, or a RedisError."""
+        if self.transport is None:
+            then(RedisError("the connection to Redis closed"))
+            return
+        self.outgoing.append(command)
+        self.waiting.append(then)
+        if not self._flush_soon:
+            self._flush_soon = True
+            self._loop.call_soon(self.flush)
+        if self._watchdog is None:
+            self._watchdog = self._loop.call_later(TIMEOUT_S, self._check, self._replies)
+
+    def ask(self, *parts) -> asyncio.Future:
+        """`send`, for a caller that awaits the reply."""
+        future = self._loop.create_future()
+        self.send(hiredis.pack_command(parts), lambda reply: _resolve(future, reply))
         return future
 
+    def flush(self) -> None:
+        self._flush_soon = False
+        if self.outgoing and self.transport is not None:
+            self.transport.write(b"".join(self.outgoing))
+            self.outgoing.clear()
 
-def _reply(buffer: bytes, at: int):
-    """(value, where it ends) of the RESP reply at `at`, or None when it has not all come yet."""
-    end = buffer.find(b"\r\n", at)
-    if end < 0:
-        return None
-    kind, line = buffer[at : at + 1], buffer[at + 1 : end]
-    at = end + 2
-    if kind == b":":
-        return int(line), at
-    if kind == b"+":
-        return line.decode(), at
-    if kind == b"-":
-        return RedisError(line.decode(errors="replace")), at
-    if kind == b"$":
-        size = int(line)
-        if size < 0:
-            return None, at
-        if len(buffer) < at + size + 2:
-            return None
-        return buffer[at : at + size], at + size + 2
-    if kind == b"*":
-        items = []
-        for _ in range(max(0, int(line))):
-            parsed = _reply(buffer, at)
-            if parsed is None:
-                return None
-            item, at = parsed
-            items.append(item)
-        return items, at
-    raise RedisError(f"Redis answered something unexpected: {buffer[at - 2 - len(line) - 1 : at]!r}")
+    def _check(self, replies_then: int) -> None:
+        self._watchdog = None
+        if not self.waiting:
+            return
+        if self._replies == replies_then and self.transport is not None:
+            log.warning("Redis did not answer within %g s: the connection is closed and opened again", TIMEOUT_S)
+            self.transport.abort()  # connection_lost fails everything waiting
+            return
+        self._watchdog = self._loop.call_later(TIMEOUT_S, self._check, self._replies)
+
+    def _went_idle(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    async def idle(self) -> None:
+        """Until every command sent has its reply."""
+        if self.waiting:
+            self._idle = self._loop.create_future()
+            await self._idle
+
+
+def _resolve(future: asyncio.Future, reply) -> None:
+    if future.done():
+        return
+    if isinstance(reply, Exception):
+        future.set_exception(reply)
+    else:
+        future.set_result(reply)
 
 
 class Limiter:
-    """Admits a limited key's requests and counts their tokens; one per gateway process, on its event loop."""
+    """Admits a limited key's requests and counts their tokens; one per gateway process, on its event loop.
+
+    What one turn of the event loop asked is sent to Redis together: for each key, one
+    script settles the answers that ended (their tokens added up, their flights ended)
+    and one admits the requests that came, in the order they came. Each script runs
+    atomically in Redis, so the counts are exact across processes and hosts however the
+    requests are batched: a batch of five with four left in the minute admits four.
+    """
 
     def __init__(self, url: str | None = None) -> None:
         self._address = parse_url(url or settings.REDIS_URL)
         self._pipe: Pipe | None = None
-        self._connecting: asyncio.Future | None = None
+        self._connecting: asyncio.Task | None = None
         self._shas: dict[str, bytes] = {}
-        self._pending: set[asyncio.Task] = set()
+        # Waiting for the next send: admissions by key and limits, settlings by key.
+        self._admitting: dict[tuple[Windows, Limits], list[tuple[str, asyncio.Future]]] = {}
+        self._settling: dict[Windows, list] = {}
+        self._send_soon = False
+        self._windows: dict[str, Windows] = {}
+        self._ids = itertools.count()
+        self._id_prefix = secrets.token_hex(4)
         self._warned_at = 0.0
 
-    async def _connection(self) -> Pipe:
-        if self._pipe is not None and self._pipe.transport is not None:
-            return self._pipe
-        if self._connecting is not None:  # another request is connecting: wait for that one
-            return await asyncio.shield(self._connecting)
-        loop = asyncio.get_running_loop()
-        self._connecting = loop.create_future()
-        try:
-            async with asyncio.timeout(TIMEOUT_S):
-                _, pipe = await loop.create_connection(
-                    Pipe, self._address.get("host", "127.0.0.1"), self._address.get("port", 6379)
-                )
-                if self._address.get("password"):
-                    auth = [self._address["password"]]
-                    if self._address.get("username"):
-                        auth.insert(0, self._address["username"])
-                    await pipe.send("AUTH", *auth)
-                if self._address.get("db"):
-                    await pipe.send("SELECT", self._address["db"])
-                for script in (ADMIT, SETTLE):
-                    self._shas[script] = await pipe.send("SCRIPT", "LOAD", script)
-            self._pipe = pipe
-            self._connecting.set_result(pipe)
-            return pipe
-        except BaseException as error:
-            failure = error if isinstance(error, RedisError) else RedisError(f"Redis cannot be reached: {error!r}")
-            self._connecting.set_exception(failure)
-            self._connecting.exception()  # retrieved: nobody else may be waiting
-            raise failure from None
-        finally:
-            self._connecting = None
-
-    async def _run(self, script: str, keys, args):
-        pipe = await self._connection()
-        async with asyncio.timeout(TIMEOUT_S):
-            try:
-                return await pipe.send("EVALSHA", self._shas[script], len(keys), *keys, *args)
-            except RedisError as error:
-                if not str(error).startswith("NOSCRIPT"):  # Redis restarted and forgot it: send it whole
-                    raise
-                return await pipe.send("EVAL", script, len(keys), *keys, *args)
+    # --- the two calls --------------------------------------------------------------------
 
     async def admit(self, tag: str, limits: Limits) -> Ticket | None:
         """A ticket to go on with, or a 429 Refusal raised. None when Redis could not be asked."""
-        now = time.time()
-        windows = Windows.at(tag, now)
-        request_id = secrets.token_hex(8)
+        windows = self.windows(tag, time.time())
+        request_id = f"{self._id_prefix}{next(self._ids):x}"
+        future = asyncio.get_running_loop().create_future()
+        self._admitting.setdefault((windows, limits), []).append((request_id, future))
+        self._send_later()
         try:
-            answer = await self._run(
-                ADMIT,
-                windows.keys,
-                [*limits.values(), f"{now:.3f}", request_id, STALE_IN_FLIGHT_S],
-            )
+            which, *used = await future
         except (RedisError, OSError, TimeoutError) as error:
             # Limits are a guard, not the service: with Redis away requests go on, and the log says so.
             self._warn(error)
             return None
-        which, *used = answer
         if which:
             raise refusal(limits, which, [0, *used], windows)
         return Ticket(windows, request_id)
 
     def settle(self, ticket: Ticket, tokens: int) -> None:
-        """Count an answer's tokens and end its flight; sent without waiting, the client has its answer."""
-        task = asyncio.get_running_loop().create_task(self._settle(ticket, tokens))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        """Count an answer's tokens and end its flight; sent with the next batch, not waited for."""
+        batch = self._settling.get(ticket.windows)
+        if batch is None:
+            batch = self._settling[ticket.windows] = [0]
+        batch[0] += tokens
+        batch.append(ticket.request_id)
+        self._send_later()
 
-    async def _settle(self, ticket: Ticket, tokens: int) -> None:
-        keys = ticket.windows.keys
+    def windows(self, tag: str, now: float) -> Windows:
+        """The key's windows at `now`: worked out once a minute, not for every request."""
+        windows = self._windows.get(tag)
+        if windows is None or not windows.minute_start <= now < windows.ends[0]:
+            windows = self._windows[tag] = Windows.at(tag, now)
+        return windows
+
+    # --- sending --------------------------------------------------------------------------
+
+    def _send_later(self) -> None:
+        if not self._send_soon:
+            self._send_soon = True
+            asyncio.get_running_loop().call_soon(self._send)
+
+    def _send(self) -> None:
+        self._send_soon = False
+        if self._connecting is not None:
+            return  # sent once connected
+        if self._pipe is None or self._pipe.transport is None:
+            self._connecting = asyncio.get_running_loop().create_task(self._connect_and_send())
+            return
+        pipe = self._pipe
+        settling, self._settling = self._settling, {}
+        admitting, self._admitting = self._admitting, {}
+        # Settlings first: a flight that ended makes room for a request in this same batch.
+        for windows, (tokens, *ids) in settling.items():
+            keys = windows.keys
+            for some in _chunks(ids):
+                self._call(pipe, SETTLE, (*keys[1:4], keys[4]), (tokens, *EXPIRES.values(), *some), self._settled)
+                tokens = 0
+        now = f"{time.time():.3f}"
+        for (windows, limits), requests in admitting.items():
+            for some in _chunks(requests):
+                ids = [request_id for request_id, _ in some]
+                futures = [future for _, future in some]
+                args = (*limits.values(), now, STALE_IN_FLIGHT_S, *ids)
+                self._call(pipe, ADMIT, windows.keys, args, functools.partial(_admitted, futures))
+        pipe.flush()  # written now, not a turn of the loop later
+
+    def _call(self, pipe: Pipe, script: str, keys, args, then: Callable[[object], None]) -> None:
+        def answered(reply) -> None:
+            if isinstance(reply, RedisError) and str(reply).startswith("NOSCRIPT"):
+                # Redis forgot the script (SCRIPT FLUSH) with the connection open: sent whole, once.
+                pipe.send(hiredis.pack_command(("EVAL", script, len(keys), *keys, *args)), then)
+            else:
+                then(reply)
+
+        pipe.send(hiredis.pack_command(("EVALSHA", self._shas[script], len(keys), *keys, *args)), answered)
+
+    def _settled(self, reply) -> None:
+        if isinstance(reply, Exception):
+            self._warn(reply)
+
+    async def _connect_and_send(self) -> None:
         try:
-            await self._run(SETTLE, [*keys[1:4], keys[4]], [tokens, ticket.request_id, *EXPIRES.values()])
+            self._pipe = await self._connect()
         except (RedisError, OSError, TimeoutError) as error:
-            self._warn(error)
+            failure = error if isinstance(error, RedisError) else RedisError(f"Redis cannot be reached: {error!r}")
+            for requests in self._admitting.values():
+                for _, future in requests:
+                    _resolve(future, failure)
+            self._admitting.clear()
+            if self._settling:
+                self._settling.clear()
+                self._warn(failure)
+            return
+        finally:
+            self._connecting = None
+        self._send()
+
+    async def _connect(self) -> Pipe:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(TIMEOUT_S):
+            try:
+                transport, pipe = await loop.create_connection(
+                    Pipe, self._address.get("host", "127.0.0.1"), self._address.get("port", 6379)
+                )
+            except OSError as error:
+                raise RedisError(f"Redis cannot be reached: {error!r}") from None
+            try:
+                if self._address.get("password"):
+                    auth = [self._address["password"]]
+                    if self._address.get("username"):
+                        auth.insert(0, self._address["username"])
+                    await pipe.ask("AUTH", *auth)
+                if self._address.get("db"):
+                    await pipe.ask("SELECT", self._address["db"])
+                for script in (ADMIT, SETTLE):
+                    self._shas[script] = await pipe.ask("SCRIPT", "LOAD", script)
+            except BaseException:
+                transport.close()
+                raise
+        return pipe
 
     def _warn(self, error: Exception) -> None:
         if time.monotonic() - self._warned_at > 60:
@@ -361,11 +476,41 @@ class Limiter:
             log.warning("per-key limits are not enforced while Redis cannot be reached: %s", error)
 
     async def close(self) -> None:
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+        """Send what is waiting and wait for its replies (a while at most), then close."""
+        if self._connecting is not None:
+            await asyncio.gather(self._connecting, return_exceptions=True)
+        if self._settling or self._admitting:
+            self._send()
+            if self._connecting is not None:
+                await asyncio.gather(self._connecting, return_exceptions=True)
         if self._pipe is not None and self._pipe.transport is not None:
-            self._pipe.transport.close()
+            self._pipe.flush()
+            try:
+                async with asyncio.timeout(TIMEOUT_S):
+                    await self._pipe.idle()
+            except TimeoutError:
+                pass
+            if self._pipe.transport is not None:
+                self._pipe.transport.close()
         self._pipe = None
+
+
+# Requests (or flights) one script is given at most: Lua's unpack() stops at a few thousand.
+BATCH = 200
+
+
+def _chunks(items: list) -> list[list]:
+    return [items] if len(items) <= BATCH else [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
+
+
+def _admitted(futures: list[asyncio.Future], reply) -> None:
+    """Hand each request of a batch its six numbers of the ADMIT script's answer."""
+    if isinstance(reply, Exception):
+        for future in futures:
+            _resolve(future, reply)
+        return
+    for i, future in enumerate(futures):
+        _resolve(future, reply[6 * i : 6 * i + 6])
 
 
 def used_now(client: redis.Redis, key_hash: str) -> dict[str, int]:

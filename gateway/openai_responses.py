@@ -12,8 +12,10 @@ import json
 import time
 import uuid
 
-from .errors import Refusal
-from .translation import ChatStream, Translation, engine_message, sse, text_of
+from .endpoints import RESPONSES
+from .errors import Refusal, error_event
+from .events import sse
+from .translation import ChatStream, Translation, text_of
 
 TEXT_DELTA = (
     b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "sequence_number": %d, '
@@ -120,6 +122,8 @@ def _format(request: dict) -> dict:
 
 
 class Responses(Translation):
+    dialect = RESPONSES
+
     def __init__(self, request: dict) -> None:
         if request.get("previous_response_id"):
             raise Refusal(
@@ -183,25 +187,14 @@ class Responses(Translation):
             output.append(call_item(call.get("id"), function["name"], function.get("arguments") or "", "completed"))
         finish = choice.get("finish_reason")
         status = "incomplete" if finish == "length" else "completed"
-        return self.response(status, output, usage_of(completion.get("usage")), finish)
+        return self.response(status, output, responses_usage(completion.get("usage")), finish)
 
     def stream(self) -> ResponsesStream:
         return ResponsesStream(self)
 
-    def error(self, status: int, body: bytes) -> bytes:
-        # The replica's refusal is in OpenAI's shape already, or is put in it.
-        try:
-            parsed = json.loads(body)
-            if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-                return body
-        except ValueError:
-            pass
-        return Refusal(
-            status, engine_message(body), kind="api_error" if status >= 500 else "invalid_request_error"
-        ).body()
 
-
-def usage_of(usage: dict | None) -> dict:
+def responses_usage(usage: dict | None) -> dict:
+    """The engine's usage (a chat completion's) as the Responses API's `usage`: the one place it is mapped."""
     usage = usage or {}
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
     return {
@@ -237,34 +230,65 @@ def call_item(call_id: str | None, name: str, arguments: str, status: str) -> di
 class ResponsesStream(ChatStream):
     """response.created and .in_progress; each output item added, its deltas, done; response.completed."""
 
+    dialect = RESPONSES
+
     def __init__(self, responses: Responses) -> None:
         super().__init__()
         self.responses = responses
         self.sequence = 0
-        self.started = False
-        self.output: list[dict] = []
-        self.open: dict | None = None  # the output item being written
-        self.open_key = None  # "text", or the tool call's index in the chat stream
-        self.finish_reason = None
-        self.usage: dict | None = None
+        self.output: list[dict] = []  # the items so far; the last is the open one while a block is open
 
     def _event(self, kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return sse(kind, data)
 
-    def _start(self) -> bytes:
-        self.started = True
+    def opening(self) -> bytes:
         response = self.responses.response("in_progress", [], None)
         return self._event("response.created", response=response) + self._event(
             "response.in_progress", response=response
         )
 
-    def _close(self) -> bytes:
-        item = self.open
-        if item is None:
-            return b""
-        self.open, self.open_key = None, None
+    def _added(self, item: dict) -> bytes:
+        self.output.append(item)
+        index = len(self.output) - 1
+        added = dict(item, status="in_progress", content=[]) if item["type"] == "message" else dict(item)
+        return self._event("response.output_item.added", output_index=index, item=added)
+
+    def text_opened(self) -> bytes:
+        item = message_item("msg_" + uuid.uuid4().hex, "", "in_progress")
+        out = self._added(item)
+        return out + self._event(
+            "response.content_part.added",
+            item_id=item["id"],
+            output_index=len(self.output) - 1,
+            content_index=0,
+            part=text_part(""),
+        )
+
+    def text(self, text: str) -> bytes:
+        item = self.output[-1]
+        item["content"][0]["text"] += text
+        # The event of every token, written without building a dict to encode.
+        out = TEXT_DELTA % (self.sequence, item["id"].encode(), len(self.output) - 1, json.dumps(text).encode())
+        self.sequence += 1
+        return out
+
+    def tool_opened(self, call_id: str | None, name: str) -> bytes:
+        return self._added(call_item(call_id, name, "", "in_progress"))
+
+    def tool_arguments(self, piece: str) -> bytes:
+        item = self.output[-1]
+        item["arguments"] += piece
+        return self._event(
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=len(self.output) - 1,
+            delta=piece,
+        )
+
+    def closed(self) -> bytes:
+        item = self.output[-1]
         index = len(self.output) - 1
         item["status"] = "completed"
         if item["type"] == "message":
@@ -290,69 +314,14 @@ class ResponsesStream(ChatStream):
             )
         return out + self._event("response.output_item.done", output_index=index, item=item)
 
-    def _open(self, key, item: dict) -> bytes:
-        out = self._close()
-        self.output.append(item)
-        self.open, self.open_key = item, key
-        index = len(self.output) - 1
-        added = dict(item, status="in_progress", content=[]) if item["type"] == "message" else dict(item)
-        out += self._event("response.output_item.added", output_index=index, item=added)
-        if item["type"] == "message":
-            out += self._event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=text_part(""),
-            )
-        return out
-
-    def chunk(self, chunk: dict) -> bytes:
-        out = b"" if self.started else self._start()
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            text = delta.get("content")
-            if text:
-                if self.open_key != "text":
-                    out += self._open("text", message_item("msg_" + uuid.uuid4().hex, "", "in_progress"))
-                self.open["content"][0]["text"] += text
-                # The event of every token, written without building a dict to encode.
-                out += TEXT_DELTA % (
-                    self.sequence,
-                    self.open["id"].encode(),
-                    len(self.output) - 1,
-                    json.dumps(text).encode(),
-                )
-                self.sequence += 1
-            for call in delta.get("tool_calls") or []:
-                key = ("tool", call.get("index", 0))
-                function = call.get("function") or {}
-                if self.open_key != key:
-                    out += self._open(key, call_item(call.get("id"), function.get("name") or "", "", "in_progress"))
-                if function.get("arguments"):
-                    self.open["arguments"] += function["arguments"]
-                    out += self._event(
-                        "response.function_call_arguments.delta",
-                        item_id=self.open["id"],
-                        output_index=len(self.output) - 1,
-                        delta=function["arguments"],
-                    )
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        return out
-
-    def finish(self) -> bytes:
-        out = b"" if self.started else self._start()
-        out += self._close()
+    def ending(self) -> bytes:
         incomplete = self.finish_reason == "length"
         response = self.responses.response(
-            "incomplete" if incomplete else "completed", self.output, usage_of(self.usage), self.finish_reason
+            "incomplete" if incomplete else "completed", self.output, responses_usage(self.usage), self.finish_reason
         )
-        return out + self._event("response.incomplete" if incomplete else "response.completed", response=response)
+        return self._event("response.incomplete" if incomplete else "response.completed", response=response)
 
-    def failed(self, chunk: dict) -> bytes:
-        self.finished = True
-        message = engine_message(json.dumps(chunk).encode())
-        return self._event("error", code="engine_error", message=message, param=None)
+    def error(self, message: str, code: str) -> bytes:
+        out = error_event(RESPONSES, 500, message, "api_error", code, sequence_number=self.sequence)
+        self.sequence += 1
+        return out

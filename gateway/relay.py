@@ -4,6 +4,10 @@ The gateway asks streaming replicas for a usage chunk (OpenAI's
 `stream_options.include_usage`) so every answer can be counted. A client that
 did not ask for that chunk does not get it: many clients read `choices[0]` of
 every chunk, and the usage-only chunk has no choices.
+
+A request in another API (translation.py) is passed on the same way, its events
+written by its translation's stream; only a whole (not streamed) translated answer
+is read first, to be translated in one piece.
 """
 
 from __future__ import annotations
@@ -11,89 +15,51 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from typing import TYPE_CHECKING
 
 import aiohttp
 
-from .errors import ClientGone
+from .errors import ClientGone, Refusal, error_body, replica_error_body
+from .events import EventFilter
 from .intake import sentence_of
 
 if TYPE_CHECKING:
+    from .request import Request
     from .usage import Answer
 
 log = logging.getLogger("llmgw.gateway")
 
-EVENT_END = re.compile(rb"\r?\n\r?\n")
-EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
-def complete_events(pending: bytes) -> int:
-    """Where the last complete event in `pending` ends; 0 if none is complete yet."""
-    lf, crlf = pending.rfind(b"\n\n"), pending.rfind(b"\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
-
-
-def without_usage_only_events(events: bytes) -> bytes:
-    """Complete events, less any that carries only usage (no choices)."""
-    if b'"usage"' not in events:
-        return events
-    kept = []
-    start = 0
-    for match in EVENT_END.finditer(events):
-        event = events[start : match.end()]
-        start = match.end()
-        if b'"usage"' in event and EMPTY_CHOICES.search(event):
-            continue
-        kept.append(event)
-    kept.append(events[start:])
-    return b"".join(kept)
-
-
-class EventFilter:
-    """Splits a stream into whole events and drops usage-only ones; holds back a partial event.
-
-    With drop_usage False it only splits: a stream the replica breaks off mid-event must
-    not leave half an event before the error event that ends it.
-    """
-
-    def __init__(self, drop_usage: bool = True) -> None:
-        self.pending = b""
-        self.drop_usage = drop_usage
-
-    def feed(self, chunk: bytes) -> bytes:
-        self.pending += chunk
-        end = complete_events(self.pending)
-        if not end:
-            return b""
-        events, self.pending = self.pending[:end], self.pending[end:]
-        return without_usage_only_events(events) if self.drop_usage else events
-
-    def rest(self) -> bytes:
-        rest, self.pending = self.pending, b""
-        return without_usage_only_events(rest) if self.drop_usage else rest
-
-
-async def relay(
-    receive, send, response, replica: int, gateway_s: float, client_wants_usage: bool, answer: Answer
-) -> None:
+async def relay(request: Request, response: aiohttp.ClientResponse, replica: int, gateway_s: float, answer: Answer):
     """Pass the replica's answer on as it comes, noting in `answer` what usage needs."""
     answered_at = time.perf_counter()
     content_type = response.headers.get("Content-Type", "application/json")
     event_stream = content_type.startswith("text/event-stream")
     answer.event_stream = event_stream
-    events = EventFilter(drop_usage=not client_wants_usage) if event_stream else None
-    headers = [(b"content-type", content_type.encode("latin-1"))]
-    if event_stream:
-        headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-    elif (length := response.headers.get("Content-Length")) is not None:
-        headers.append((b"content-length", length.encode("latin-1")))
+    translation = request.translation
+    if translation is not None and not (response.status == 200 and event_stream):
+        answer.event_stream = False  # read as one chat completion (or an error), whatever it said it was
+        await _relay_whole_translated(request, response, replica, gateway_s, answer)
+        return
+    send, hang_up = request.send, request.hang_up
+    if translation is not None:
+        events = translation.stream()
+        headers = [(b"content-type", b"text/event-stream"), *STREAM_HEADERS]
+    else:
+        events = EventFilter(drop_usage=not request.client_wants_usage) if event_stream else None
+        headers = [(b"content-type", content_type.encode("latin-1"))]
+        if event_stream:
+            headers += STREAM_HEADERS
+        elif (length := response.headers.get("Content-Length")) is not None:
+            headers.append((b"content-length", length.encode("latin-1")))
     headers.append((b"x-llmgw-replica", str(replica).encode()))
     headers.append(timing(gateway_s + time.perf_counter() - answered_at))
 
-    # Watch for the client leaving while the answer streams, and stop then.
-    hang_up = HangUp(receive)
+    # A client that leaves while the answer streams cancels this, which closes the replica's connection.
+    hang_up.guard()
     try:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         async for chunk in response.content.iter_any():
@@ -104,7 +70,7 @@ async def relay(
                     continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         last = events.rest() if events is not None else b""
-        hang_up.finished = True
+        hang_up.unguard()
         await send({"type": "http.response.body", "body": last})
     except asyncio.CancelledError:
         if not hang_up.client_left():
@@ -114,58 +80,60 @@ async def relay(
     except aiohttp.ClientError as error:
         # The replica broke off or fell silent mid-answer: too late for another replica.
         log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))
-        if not event_stream:
+        if events is None:
             # A body of a stated length cannot be ended as if whole: the connection is cut.
             raise ClientGone from None
-        # An event stream ends with an error event and [DONE], the half event before it left out,
-        # so the client reads an error rather than a broken transfer.
-        hang_up.finished = True
-        await send({"type": "http.response.body", "body": broke_off(replica, error)})
+        # An event stream ends with an error event of its own format, so the client reads an
+        # error rather than a broken transfer.
+        hang_up.unguard()
+        await send({"type": "http.response.body", "body": events.fail(broke_off(replica, error), "replica_broke_off")})
     finally:
-        hang_up.close()
+        hang_up.unguard()
 
 
-def broke_off(replica: int, error: Exception) -> bytes:
-    """The end of an OpenAI event stream whose replica stopped in the middle of it."""
-    message = (
-        f"Replica {replica} stopped in the middle of this answer ({sentence_of(error)}); the answer is incomplete."
-    )
-    error_object = {"message": message, "type": "api_error", "param": None, "code": "replica_broke_off"}
-    return b"data: " + json.dumps({"error": error_object}).encode() + b"\n\ndata: [DONE]\n\n"
+async def _relay_whole_translated(request: Request, response, replica: int, gateway_s: float, answer: Answer):
+    """A translated request's answer that is not a stream: read whole, then translated (or its error put in shape)."""
+    answered_at = time.perf_counter()
+    translation, dialect = request.translation, request.dialect
+    request.hang_up.guard()
+    try:
+        raw = await response.read()
+    except asyncio.CancelledError:
+        if not request.hang_up.client_left():
+            raise
+        return
+    except aiohttp.ClientError as error:
+        log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))
+        # Nothing was sent yet: a 502 in the client's shape.
+        raise Refusal(502, broke_off(replica, error), kind="api_error", code="replica_broke_off") from None
+    finally:
+        request.hang_up.unguard()
+    answer.feed(raw)
+    status = response.status
+    if status == 200:
+        try:
+            body = json.dumps(translation.answer(json.loads(raw))).encode()
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
+            status = 502
+            message = f"The replica's answer was not a chat completion: {sentence_of(error)}."
+            body = error_body(dialect, status, message, "api_error", "bad_replica_answer")
+    else:
+        body = replica_error_body(dialect, status, raw)
+    headers = [
+        (b"x-llmgw-replica", str(replica).encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        timing(gateway_s + time.perf_counter() - answered_at),
+    ]
+    await request.send({"type": "http.response.start", "status": status, "headers": headers})
+    await request.send({"type": "http.response.body", "body": body})
+
+
+def broke_off(replica: int, error: Exception) -> str:
+    """What a client is told of a replica that stopped in the middle of its answer."""
+    return f"Replica {replica} stopped in the middle of this answer ({sentence_of(error)}); the answer is incomplete."
 
 
 def timing(seconds: float) -> tuple[bytes, bytes]:
     """The Server-Timing header with the time the gateway itself added."""
     return b"server-timing", f"gateway;dur={seconds * 1000:.3f}".encode()
-
-
-class HangUp:
-    """Cancels the task answering a client when the client leaves before `finished` is set.
-
-    Closing the replica's connection (what the cancel does) is what makes the engine stop
-    generating. Used by relay() and translation.relay_translated().
-    """
-
-    def __init__(self, receive) -> None:
-        self.finished = False
-        task = asyncio.current_task()
-
-        async def watch() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    if not self.finished:
-                        task.cancel()
-                    return
-
-        self._watcher = asyncio.get_running_loop().create_task(watch())
-
-    def client_left(self) -> bool:
-        """In `except CancelledError`: whether the client's leaving caused it (then uncancelled)."""
-        if self.finished or not self._watcher.done():
-            return False
-        asyncio.current_task().uncancel()
-        return True
-
-    def close(self) -> None:
-        self._watcher.cancel()

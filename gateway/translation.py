@@ -2,11 +2,11 @@
 
 Every engine the fleet runs speaks chat completions; `/v1/messages` and
 `/v1/responses` are translated to it on the way in and back on the way out
-(messages.py, responses.py). A translation is made per request from the client's
-body: `.chat` is the chat-completions body sent to the replica, `.answer()` turns
-a whole chat completion into the client's answer, `.stream()` gives a translator
-fed the replica's event stream, and `.error()` puts a replica's refusal in the
-client's shape.
+(anthropic_messages.py, openai_responses.py). A translation is made per request
+from the client's body: `.chat` is the chat-completions body sent to the replica,
+`.answer()` turns a whole chat completion into the client's answer, and
+`.stream()` gives the walker of the replica's event stream that writes the
+client's events (ChatStream, with each API's hooks).
 
 The replica's own bytes are still what usage is counted from, so a translated
 answer is counted exactly as a chat completion is.
@@ -14,25 +14,17 @@ answer is counted exactly as a chat completion is.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
-import time
 
-import aiohttp
-
-from .errors import Refusal
-from .intake import sentence_of
-from .relay import HangUp, complete_events, timing
-from .usage import Answer
-
-log = logging.getLogger("llmgw.gateway")
+from .errors import Refusal, error_event, error_of
+from .events import complete_events
 
 
 class Translation:
-    """One request's translation; the two APIs fill these in."""
+    """One request's translation; each API fills these in."""
 
     chat: dict
+    dialect: str  # endpoints.ANTHROPIC or endpoints.RESPONSES: how its errors are written
 
     def answer(self, completion: dict) -> dict:
         raise NotImplementedError
@@ -40,25 +32,37 @@ class Translation:
     def stream(self) -> ChatStream:
         raise NotImplementedError
 
-    def error(self, status: int, body: bytes) -> bytes:
-        """A replica's refusal (status and body as it sent them) in the client's shape."""
-        raise NotImplementedError
-
-
-def sse(event: str, data: dict) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + json.dumps(data).encode() + b"\n\n"
-
 
 class ChatStream:
-    """Reads a chat-completions event stream chunk by chunk and writes the client's events.
+    """Walks a chat-completions event stream and writes the client's events through its API's hooks.
 
-    `.chunk(dict)` and `.finish()` return the client's events for one chat chunk and
-    for the end; `.failed(dict)` for an error the engine sent in the stream.
+    The walk is the same for every API: the stream is split into whole events, each
+    chunk's text goes into a text block, each tool call's deltas into a block of its
+    own, and the finish reason and the usage chunk are kept for the end, which comes at
+    `[DONE]` or when the engine closes without it. What an API writes is its hooks:
+
+        opening()                 the answer begins (before anything else)
+        text_opened()             a text block begins
+        text(text)                a piece of text
+        tool_opened(id, name)     a tool call begins (id: the engine's, or None)
+        tool_arguments(piece)     a piece of its arguments
+        closed()                  the open block ends
+        ending()                  the answer ends: self.finish_reason, self.last_choice, self.usage
+        error(message, code)      an error event that ends the stream (the base class writes it)
     """
+
+    dialect: str
 
     def __init__(self) -> None:
         self.pending = b""
         self.finished = False
+        self.started = False
+        self.open_key = None  # the open block: None, "text", or ("tool", the call's index in the chat stream)
+        self.finish_reason: str | None = None
+        self.last_choice: dict = {}
+        self.usage: dict | None = None
+
+    # --- what relay() calls ---------------------------------------------------------
 
     def feed(self, data: bytes) -> bytes:
         self.pending += data
@@ -73,9 +77,15 @@ class ChatStream:
         out = self._events(self.pending)
         self.pending = b""
         if not self.finished:
-            self.finished = True
-            out += self.finish()
+            out += self._finish()
         return out
+
+    def fail(self, message: str, code: str) -> bytes:
+        """The end of a stream that cannot go on (its replica broke off): an error event."""
+        self.finished = True
+        return self.error(message, code)
+
+    # --- the walk -------------------------------------------------------------------
 
     def _events(self, events: bytes) -> bytes:
         out = []
@@ -85,38 +95,82 @@ class ChatStream:
             data = line[5:].strip()
             if data == b"[DONE]":
                 if not self.finished:
-                    self.finished = True
-                    out.append(self.finish())
+                    out.append(self._finish())
             elif data and not self.finished:
                 chunk = json.loads(data)
-                out.append(self.failed(chunk) if "error" in chunk else self.chunk(chunk))
+                if "error" in chunk:  # the engine's own error, in the stream
+                    out.append(self.fail(error_of(data)[0], "engine_error"))
+                else:
+                    out.append(self._chunk(chunk))
         return b"".join(out)
 
-    def chunk(self, chunk: dict) -> bytes:
+    def _chunk(self, chunk: dict) -> bytes:
+        out = [self._start()] if not self.started else []
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                if self.open_key != "text":
+                    out.append(self._close())
+                    self.open_key = "text"
+                    out.append(self.text_opened())
+                out.append(self.text(text))
+            for call in delta.get("tool_calls") or []:
+                key = ("tool", call.get("index", 0))
+                function = call.get("function") or {}
+                if self.open_key != key:
+                    out.append(self._close())
+                    self.open_key = key
+                    out.append(self.tool_opened(call.get("id"), function.get("name") or ""))
+                if function.get("arguments"):
+                    out.append(self.tool_arguments(function["arguments"]))
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+                self.last_choice = choice
+        return b"".join(out)
+
+    def _start(self) -> bytes:
+        self.started = True
+        return self.opening()
+
+    def _close(self) -> bytes:
+        if self.open_key is None:
+            return b""
+        self.open_key = None
+        return self.closed()
+
+    def _finish(self) -> bytes:
+        self.finished = True
+        out = b"" if self.started else self._start()
+        return out + self._close() + self.ending()
+
+    # --- the hooks ------------------------------------------------------------------
+
+    def opening(self) -> bytes:
         raise NotImplementedError
 
-    def finish(self) -> bytes:
+    def text_opened(self) -> bytes:
         raise NotImplementedError
 
-    def failed(self, chunk: dict) -> bytes:
+    def text(self, text: str) -> bytes:
         raise NotImplementedError
 
+    def tool_opened(self, call_id: str | None, name: str) -> bytes:
+        raise NotImplementedError
 
-def engine_message(body: bytes) -> str:
-    """The sentence in an engine's error body (OpenAI's shape, or FastAPI's `detail`), or the body."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", "replace").strip()[:2000] or "the replica refused the request"
-    if isinstance(parsed, dict):
-        error = parsed.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if parsed.get("detail"):
-            return str(parsed["detail"])
-    return json.dumps(parsed)[:2000]
+    def tool_arguments(self, piece: str) -> bytes:
+        raise NotImplementedError
+
+    def closed(self) -> bytes:
+        raise NotImplementedError
+
+    def ending(self) -> bytes:
+        raise NotImplementedError
+
+    def error(self, message: str, code: str) -> bytes:
+        return error_event(self.dialect, 500, message, "api_error", code)
 
 
 def text_of(content, where: str) -> str:
@@ -135,82 +189,3 @@ def text_of(content, where: str) -> str:
                 raise Refusal(400, f"{where} may hold only text here; it has a block of type {kind!r}.")
         return "".join(parts)
     raise Refusal(400, f"{where} must be a string or a list of text blocks.")
-
-
-async def relay_translated(
-    translation: Translation,
-    receive,
-    send,
-    response: aiohttp.ClientResponse,
-    replica: int,
-    gateway_s: float,
-    answer: Answer,
-) -> None:
-    """relay() for a translated request: the replica's answer in the client's shape.
-
-    The replica's own bytes (a chat completion) go to `answer`, as relay()'s do, for its usage.
-    """
-    answered_at = time.perf_counter()
-    content_type = response.headers.get("Content-Type", "application/json")
-    streaming = response.status == 200 and content_type.startswith("text/event-stream")
-    answer.event_stream = streaming
-    status = response.status
-    headers = [(b"x-llmgw-replica", str(replica).encode())]
-    if streaming:
-        headers += [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-        headers.append((b"x-accel-buffering", b"no"))
-
-    # As in relay(): a client that leaves stops the engine.
-    hang_up = HangUp(receive)
-    try:
-        if not streaming:
-            raw = await response.read()
-            answer.feed(raw)
-            if status == 200:
-                try:
-                    body = json.dumps(translation.answer(json.loads(raw))).encode()
-                except (ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
-                    status, body = (
-                        502,
-                        translation.error(
-                            502, f"The replica's answer was not a chat completion: {sentence_of(error)}.".encode()
-                        ),
-                    )
-            else:
-                body = translation.error(status, raw)
-            headers.append((b"content-type", b"application/json"))
-            headers.append((b"content-length", str(len(body)).encode()))
-            headers.append(timing(gateway_s + time.perf_counter() - answered_at))
-            hang_up.finished = True
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        events = translation.stream()
-        headers.append(timing(gateway_s + time.perf_counter() - answered_at))
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        async for chunk in response.content.iter_any():
-            answer.feed(chunk)
-            out = events.feed(chunk)
-            if out:
-                await send({"type": "http.response.body", "body": out, "more_body": True})
-        last = events.rest()
-        hang_up.finished = True
-        await send({"type": "http.response.body", "body": last})
-    except asyncio.CancelledError:
-        if not hang_up.client_left():
-            raise
-        # The client went away: the answer so far is counted, the replica's connection closed.
-        return
-    except aiohttp.ClientError as error:
-        log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))
-        message = (
-            f"Replica {replica} stopped in the middle of this answer ({sentence_of(error)}); the answer is incomplete."
-        )
-        if not streaming:
-            # Nothing was sent yet: a 502 in the client's shape.
-            raise Refusal(502, message, kind="api_error", code="replica_broke_off") from None
-        # The stream ends with the error event of its own format, not a cut connection.
-        hang_up.finished = True
-        await send({"type": "http.response.body", "body": events.failed({"error": {"message": message}})})
-    finally:
-        hang_up.close()

@@ -193,3 +193,139 @@ def test_with_redis_away_a_limited_key_goes_on_unchecked_and_the_log_says_so(cap
     ticket, took = asyncio.run(ask())
     assert ticket is None and took < 1
     assert "per-key limits are not enforced while Redis cannot be reached" in caplog.text
+
+
+def run_limiter(work):
+    """`work(limiter, tag)` on a fresh event loop, with a Limiter of its own on the tests' Redis; and the key's hash."""
+    import asyncio
+    import secrets
+
+    from gateway.limits import Limiter, tag_of
+
+    key_hash = secrets.token_hex(32)
+
+    async def go():
+        limiter = Limiter()
+        try:
+            return await work(limiter, tag_of(key_hash))
+        finally:
+            await limiter.close()
+
+    return asyncio.run(go()), key_hash
+
+
+def outcomes(results) -> list[str]:
+    from gateway.errors import Refusal
+
+    return ["refused" if isinstance(r, Refusal) else "admitted" if r is not None else "unchecked" for r in results]
+
+
+def test_a_hundred_requests_of_one_turn_of_the_loop_at_60_a_minute_are_60_admitted_and_40_refused(redis_client):
+    import asyncio
+
+    from gateway.limits import Limits
+
+    clear_of_minute_boundary(10)
+    limits = Limits(requests_per_minute=60)
+
+    async def work(limiter, tag):
+        # All asked before any reply: they go to Redis in one batch, and the batch admits exactly 60.
+        return await asyncio.gather(*(limiter.admit(tag, limits) for _ in range(100)), return_exceptions=True)
+
+    results, key_hash = run_limiter(work)
+    assert outcomes(results) == ["admitted"] * 60 + ["refused"] * 40
+    assert results[60].message.startswith("This API key is over its limit of 60 requests per minute: 60 requests")
+    assert used_now(redis_client, key_hash)["requests_per_minute"] == 60
+
+
+def test_a_batch_larger_than_one_script_takes_is_counted_whole(redis_client):
+    import asyncio
+
+    from gateway.limits import BATCH, Limits
+
+    clear_of_minute_boundary(10)
+    limits = Limits(requests_per_minute=BATCH * 2)
+
+    async def work(limiter, tag):
+        return await asyncio.gather(
+            *(limiter.admit(tag, limits) for _ in range(BATCH * 2 + 50)), return_exceptions=True
+        )
+
+    results, key_hash = run_limiter(work)
+    assert outcomes(results) == ["admitted"] * (BATCH * 2) + ["refused"] * 50
+    assert used_now(redis_client, key_hash)["requests_per_minute"] == BATCH * 2
+
+
+def test_flights_ended_in_a_turn_of_the_loop_make_room_for_the_requests_of_that_turn(redis_client):
+    import asyncio
+
+    from gateway.limits import Limits
+
+    clear_of_minute_boundary(10)
+    limits = Limits(max_in_flight=3)
+
+    async def work(limiter, tag):
+        first = await asyncio.gather(*(limiter.admit(tag, limits) for _ in range(5)), return_exceptions=True)
+        # Two answers end, and in the same turn four more requests come: two of them fit.
+        for ticket in first[:2]:
+            limiter.settle(ticket, 7)
+        second = await asyncio.gather(*(limiter.admit(tag, limits) for _ in range(4)), return_exceptions=True)
+        return first, second
+
+    (first, second), key_hash = run_limiter(work)
+    assert outcomes(first) == ["admitted"] * 3 + ["refused"] * 2
+    assert outcomes(second) == ["admitted"] * 2 + ["refused"] * 2
+    assert second[2].message == "This API key may have 3 requests in flight at once, and has 3."
+    used = used_now(redis_client, key_hash)
+    assert used["max_in_flight"] == 3
+    assert used["tokens_per_minute"] == used["tokens_per_day"] == used["tokens_per_month"] == 14
+
+
+def test_a_redis_that_forgot_the_scripts_is_sent_them_again(redis_client):
+    from gateway.limits import Limits
+
+    limits = Limits(requests_per_minute=1000)
+
+    async def work(limiter, tag):
+        before = await limiter.admit(tag, limits)
+        redis_client.script_flush()  # an operator's SCRIPT FLUSH, under the gateway's open connection
+        after = await limiter.admit(tag, limits)
+        limiter.settle(after, 5)
+        return before, after
+
+    (before, after), key_hash = run_limiter(work)
+    assert before is not None and after is not None
+    used = used_now(redis_client, key_hash)
+    assert used["requests_per_minute"] == 2 and used["tokens_per_minute"] == 5 and used["max_in_flight"] == 1
+
+
+def test_a_redis_that_stops_answering_lets_limited_requests_go_on_unchecked_and_is_used_again_when_it_answers(
+    redis_client, monkeypatch, caplog
+):
+    import signal
+
+    from gateway import limits as limits_module
+    from gateway.limits import Limits
+    from tests import services
+
+    monkeypatch.setattr(limits_module, "TIMEOUT_S", 0.3)
+    redis_process = services._state["redis"]
+    limits = Limits(requests_per_minute=1000)
+
+    async def work(limiter, tag):
+        assert await limiter.admit(tag, limits) is not None
+        redis_process.send_signal(signal.SIGSTOP)  # Redis frozen: the connection stays open, nothing answers
+        try:
+            started = time.monotonic()
+            silent = await limiter.admit(tag, limits)
+            took = time.monotonic() - started
+        finally:
+            redis_process.send_signal(signal.SIGCONT)
+        again = await limiter.admit(tag, limits)
+        return silent, took, again
+
+    (silent, took, again), _ = run_limiter(work)
+    # Silent for TIMEOUT_S (at most twice that): the request goes on unchecked, and the log says so.
+    assert silent is None and took < 2 * 0.3 + 0.3, took
+    assert "per-key limits are not enforced while Redis cannot be reached" in caplog.text
+    assert again is not None  # a new connection, once Redis answers again
