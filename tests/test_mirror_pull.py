@@ -246,3 +246,52 @@ def test_the_token_is_never_taken_from_the_command_line():
 
     options = {a.dest for a in Command().create_parser("manage.py", "mirror_pull")._actions}
     assert "token" not in options and "token_file" in options
+
+
+@pytest.mark.browser
+def test_staff_pull_a_version_from_the_admins_page_and_watch_it_arrive(
+    central, mirror_root, control_worker, staff_page, live_server
+):
+    """In chromium: the versions' list offers "Pull a version"; a wrong token is said on the form; the right
+    one starts the pull on the control worker, whose progress the page and the versions' list show."""
+    from .staff_browser import screenshot
+
+    put(central.root, "paged", "v1", FILES)
+    # Slowed, so that the page is seen while the pull is under way: 2 MB/s for each request.
+    proxy = CountingProxy(central.url, rate=2_000_000)
+    page = staff_page
+    page.goto(live_server.url + "/admin/mirror/mirrorversion/")
+    page.click("#pull-button")
+    page.fill("#id_url", f"{proxy.url}paged/v1/")
+    page.fill("#id_node", SITE)
+    page.fill("#id_token", "llmgw-node-not-the-token")
+    page.click("#pull-submit")
+    page.wait_for_selector("#form-error")
+    said = page.inner_text("#form-error")
+    assert "Nothing was pulled" in said and f"refused this site's credentials (node {SITE})" in said
+    assert page.input_value("#id_token") == "", "a token is never written back into the page"
+    assert MirrorPull.objects.count() == 0
+
+    page.fill("#id_token", central.token)
+    page.click("#pull-submit")
+    page.wait_for_selector("#pull-description[data-state=running]", timeout=30_000)
+    # Under way, in the page as it polls: a part verified, the bar between the ends.
+    page.wait_for_function(
+        """() => {
+          const bar = document.querySelector('#pull-progress'), said = document.querySelector('#pull-description');
+          return said.dataset.state === 'running' && said.innerText.includes('bytes verified')
+            && bar.value > 0 && bar.value < 100;
+        }""",
+        timeout=30_000,
+    )
+    page.wait_for_selector("#pull-description[data-state=done]", timeout=60_000)
+    proxy.stop()
+    assert "every file verified" in page.inner_text("#pull-description")
+    assert page.get_attribute("#pull-progress", "value") == "100"
+    screenshot(page, "mirror-pull-done")
+    assert {p.name: p.read_bytes() for p in (mirror_root / "paged" / "v1").iterdir()} == FILES
+
+    page.goto(live_server.url + "/admin/mirror/mirrorversion/")
+    page.wait_for_selector(".pull-row[data-version='paged/v1'] .pull-state")
+    assert page.inner_text(".pull-row[data-version='paged/v1'] .pull-state").startswith("done")
+    assert "paged" in page.inner_text("#result_list")
