@@ -125,11 +125,18 @@ class Credentials:
         return credentials.bearer(credentials.bytes_pass(self.key, self.node)) if self.key else {}
 
     def web_seed(self, url: str) -> str:
-        """`url` with a fresh pass as its Basic credentials: what libtorrent sends a web seed."""
+        """`url` with a current pass as its Basic credentials: what libtorrent sends a web seed.
+
+        The same pass for a quarter of its life, then the next: libtorrent is asked for the
+        web seeds every few seconds, and a changed URL is a new web seed (its connection
+        and requests dropped), so the URL changes only when the pass must.
+        """
         if not self.key:
             return url
+        window = credentials.BYTES_PASS_TTL_S // 4
+        made = int(time.time()) // window * window
         parts = urlsplit(url)
-        userinfo = f"{quote(self.node, safe='')}:{credentials.bytes_pass(self.key, self.node)}"
+        userinfo = f"{quote(self.node, safe='')}:{credentials.bytes_pass(self.key, self.node, now=made)}"
         return parts._replace(netloc=f"{userinfo}@{parts.netloc}").geturl()
 
 
