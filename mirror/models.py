@@ -145,7 +145,7 @@ class MirrorPull(models.Model):
     def interrupted(self) -> bool:
         from django.utils import timezone
 
-        if self.state not in (self.State.QUEUED, self.State.RUNNING):
+        if self.state != self.State.RUNNING:
             return False
         return (timezone.now() - self.updated).total_seconds() > self.SILENT_S
 
@@ -169,4 +169,6 @@ class MirrorPull(models.Model):
             return (
                 f"done: {self.model}/{self.version} is in the mirror, {self.bytes_total:,} bytes, every file verified"
             )
-        return "running: reading the other mirror's manifest" if self.state == self.State.RUNNING else "queued"
+        if self.state == self.State.RUNNING:
+            return "running: reading the other mirror's manifest"
+        return "queued: waiting for the control worker (mirror.pull on the control queue)"

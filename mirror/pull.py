@@ -26,6 +26,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
@@ -230,7 +231,9 @@ def read_manifest(address: Address, who: Credentials) -> Manifest:
         size = entry.get("bytes") if isinstance(entry, dict) else None
         digest = entry.get("sha256") if isinstance(entry, dict) else None
         if not isinstance(name, str) or (problem := plain_name_problem(name)):
-            raise PullError(f"the other mirror's manifest names a file this mirror cannot hold: {problem or name!r}")
+            raise PullError(
+                f"the other mirror's manifest names a file this mirror cannot hold: {problem or repr(name)}"
+            )
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise PullError(f"the other mirror's manifest gives {name} no size")
         if not isinstance(digest, str) or not SHA256.fullmatch(digest):
@@ -321,6 +324,11 @@ def check(url: str, node: str = "", token: str = "") -> tuple[Address, Credentia
 def start(url: str, node: str = "", token: str = "", requested_by: str = "") -> MirrorPull:
     """A pull of `url` recorded (not yet run), once `check` finds nothing wrong."""
     address, who = check(url, node, token)
+    # A pull whose worker was killed never cleared its credential: it goes now.
+    silent = timezone.now() - timedelta(seconds=MirrorPull.SILENT_S)
+    MirrorPull.objects.filter(state=MirrorPull.State.RUNNING, updated__lt=silent).exclude(pass_key="").update(
+        pass_key=""
+    )
     return MirrorPull.objects.create(
         url=address.url,
         model=address.model,

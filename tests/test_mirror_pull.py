@@ -10,6 +10,7 @@ control worker.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -151,10 +152,22 @@ def test_a_pull_killed_halfway_leaves_no_version_and_the_next_goes_on_from_the_v
         assert as_node.get(f"{byte_listener}big/v1/", timeout=10).status_code == 404
         assert (mirror_root / ".pull" / "big" / "v1").is_dir(), "the verified pieces are kept for the next pull"
 
+        # Staff see it as interrupted once it has been silent a while (here, made to look 60 s old).
+        from datetime import timedelta
+
+        from django.utils import timezone
+
+        killed = MirrorPull.objects.get()
+        MirrorPull.objects.filter(pk=killed.pk).update(updated=timezone.now() - timedelta(seconds=60))
+        killed.refresh_from_db()
+        assert killed.description.startswith("interrupted: no word from it since")
+
         # The next pull goes on from what was verified: the proxy passes on what was missing only.
         proxy.reset_counts()
         proxy.rate = None
         record = pull.start(f"{proxy.url}big/v1/", SITE, central.token)
+        killed.refresh_from_db()
+        assert killed.pass_key == "", "the killed pull's credential is cleared by the next one"
         assert pull.run(record.pk).state == MirrorPull.State.DONE, MirrorPull.objects.get(pk=record.pk).error
         assert {p.name: p.read_bytes() for p in (mirror_root / "big" / "v1").iterdir()} == big
         assert proxy.body_bytes < total - (8 << 20), f"{proxy.body_bytes:,} bytes passed on again of {total:,}"
@@ -295,3 +308,34 @@ def test_staff_pull_a_version_from_the_admins_page_and_watch_it_arrive(
     page.wait_for_selector(".pull-row[data-version='paged/v1'] .pull-state")
     assert page.inner_text(".pull-row[data-version='paged/v1'] .pull-state").startswith("done")
     assert "paged" in page.inner_text("#result_list")
+
+
+def test_a_manifest_naming_a_file_with_a_separator_or_without_a_sha256_is_refused(mirror_root, transactional_db):
+    """Another server (or a forged one) answering at a version's address: the names and hashes it gives are checked."""
+    answers = {}
+
+    def manifest(handler, method):
+        body = json.dumps(answers["manifest"]).encode()
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    server = LoopbackServer(manifest)
+    try:
+        answers["manifest"] = {
+            "model": "m",
+            "version": "v1",
+            "files": [{"name": "../evil", "bytes": 1, "sha256": "0" * 64}],
+        }
+        assert "names a file this mirror cannot hold: '../evil' contains a path separator" in _refusal(
+            f"{server.url}m/v1/"
+        )
+        answers["manifest"] = {"model": "m", "version": "v1", "files": [{"name": "a.bin", "bytes": 1}]}
+        assert "gives a.bin no sha256" in _refusal(f"{server.url}m/v1/")
+        answers["manifest"] = {"models": [{"name": "m", "url": f"{server.url}m/"}]}
+        assert "is a listing of the other mirror, not a version's address" in _refusal(f"{server.url}m/v1/")
+    finally:
+        server.stop()
+    assert _version_dirs(mirror_root) == [] and MirrorPull.objects.count() == 0
