@@ -70,7 +70,7 @@ def node_main(args) -> None:
     if sys.stdin.readline().strip() != "go":
         return
     started = time.monotonic()
-    done = swarm.fetch(torrent, args.dest, web_seeds=[args.seed], peers=peers, stall_s=60)
+    done = swarm.fetch(torrent, args.dest, web_seeds=args.seed.split(","), peers=peers, stall_s=60)
     print(
         json.dumps(
             {
@@ -322,12 +322,16 @@ def start_relay(listen: tuple[str, int], upstream: tuple[str, int], one_way_s: f
 def one_node_at_rtt(host, work: Path, mirror: Path, fleet_address: str, bytes_port: int, args) -> dict:
     import socket
 
-    with socket.socket() as s:
-        s.bind((fleet_address, 0))
-        relay_port = s.getsockname()[1]
-    start_relay(
-        (fleet_address, relay_port), (fleet_address, bytes_port), args.rtt_ms / 2000, args.conn_mbit * 1_000_000 / 8
-    )
+    ports = []
+    for _ in range(args.rtt_seeds):
+        with socket.socket() as s:
+            s.bind((fleet_address, 0))
+            ports.append(s.getsockname()[1])
+    for port in ports:
+        start_relay(
+            (fleet_address, port), (fleet_address, bytes_port), args.rtt_ms / 2000, args.conn_mbit * 1_000_000 / 8
+        )
+    relay_port = ports[0]
     relay = f"http://{fleet_address}:{relay_port}/"
     torrent = work / "one.torrent"
     get(f"{relay}bench/one/")
@@ -342,6 +346,13 @@ def one_node_at_rtt(host, work: Path, mirror: Path, fleet_address: str, bytes_po
     # A single-file torrent: its web seed is the version's own address.
     result = run_nodes([host], work, torrent, f"{relay}bench/one/", False, "lo")
     out["libtorrent"] = result["seconds"]
+    if args.rtt_seeds > 1:
+        # The same mirror under several addresses (one relay port each): libtorrent opens one
+        # connection per web seed URL, so this is what several connections to the mirror would give.
+        seeds = ",".join(f"http://{fleet_address}:{port}/bench/one/" for port in ports)
+        out[f"libtorrent, {args.rtt_seeds} web seed URLs"] = run_nodes([host], work, torrent, seeds, False, "lo")[
+            "seconds"
+        ]
     return out
 
 
@@ -358,6 +369,7 @@ def main() -> None:
     parser.add_argument("--rtt-ms", type=int, default=50)
     parser.add_argument("--conn-mbit", type=int, default=40, help="each connection's limit in the RTT case")
     parser.add_argument("--rtt-size-mib", type=int, default=256)
+    parser.add_argument("--rtt-seeds", type=int, default=4, help="also libtorrent given this many URLs of the mirror")
     parser.add_argument("--skip", default="", help="comma-separated: t1, mirror, peers, rtt")
     args = parser.parse_args()
     if args.role == "node":
@@ -449,7 +461,7 @@ def main() -> None:
             print("| how | time | throughput | vs curl |")
             print("| --- | --- | --- | --- |")
             size = args.rtt_size_mib << 20
-            for name in ("curl", "libtorrent"):
+            for name in rtt:  # curl first
                 print(
                     f"| {name} | {rtt[name]:.1f} s | {size / rtt[name] / 1e6:.1f} MB/s | "
                     f"{rtt['curl'] / rtt[name]:.2f} × |"
