@@ -136,7 +136,7 @@ def test_a_pull_killed_halfway_leaves_no_version_and_the_next_goes_on_from_the_v
             if not process.alive():
                 raise AssertionError(f"the pull ended before it was killed:\n{process.output()}")
             row = MirrorPull.objects.first()
-            return row is not None and 8 << 20 <= row.bytes_done < total - (8 << 20)
+            return row is not None and 20 << 20 <= row.bytes_done < total - (8 << 20)
 
         wait_until(halfway, timeout=60, what=lambda: f"the pull to be halfway: {MirrorPull.objects.first()}")
         os.killpg(process.popen.pid, signal.SIGKILL)
@@ -170,6 +170,7 @@ def test_a_pull_killed_halfway_leaves_no_version_and_the_next_goes_on_from_the_v
         assert killed.pass_key == "", "the killed pull's credential is cleared by the next one"
         assert pull.run(record.pk).state == MirrorPull.State.DONE, MirrorPull.objects.get(pk=record.pk).error
         assert {p.name: p.read_bytes() for p in (mirror_root / "big" / "v1").iterdir()} == big
+        # 20 MiB were verified when it was killed; libtorrent records what is verified every second.
         assert proxy.body_bytes < total - (8 << 20), f"{proxy.body_bytes:,} bytes passed on again of {total:,}"
     finally:
         proxy.stop()
