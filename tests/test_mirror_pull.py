@@ -309,6 +309,7 @@ def test_staff_pull_a_version_from_the_admins_page_and_watch_it_arrive(
     page.wait_for_selector(".pull-row[data-version='paged/v1'] .pull-state")
     assert page.inner_text(".pull-row[data-version='paged/v1'] .pull-state").startswith("done")
     assert "paged" in page.inner_text("#result_list")
+    screenshot(page, "mirror-versions-with-pulls")
 
 
 def test_a_manifest_naming_a_file_with_a_separator_or_without_a_sha256_is_refused(mirror_root, transactional_db):
