@@ -34,6 +34,7 @@ them; after `give_up_s` of that, `fetch` raises SwarmError (transient).
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import logging
 import os
@@ -193,8 +194,15 @@ class Swarm:
         self._closed = threading.Event()
         self._pump = threading.Thread(target=self._alerts, name="swarm-alerts", daemon=True)
         self._pump.start()
+        # A session still running when the interpreter ends aborts the process (libtorrent's
+        # threads outlive Python's): closed first, whoever forgot to.
+        atexit.register(self.close)
 
     # --- who may connect -------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
 
     @property
     def listen_port(self) -> int:
@@ -417,8 +425,12 @@ class Swarm:
             self.forget(key)
             raise
         finally:
-            for url in list(handle.url_seeds()) if handle.is_valid() else []:
-                handle.remove_url_seed(url)
+            try:
+                # A seed serves from its files: the web seeds were for fetching.
+                for url in list(handle.url_seeds()):
+                    handle.remove_url_seed(url)
+            except RuntimeError:
+                pass  # removed from the session already
             if not keep_seeding:
                 self.forget(key)
 
@@ -463,7 +475,10 @@ class Swarm:
         if held.resume_path is None or not held.handle.is_valid():
             return
         held.resume_saved.clear()
-        held.handle.flush_cache()  # and, once flushed, the resume data (the alert thread asks for it)
+        try:
+            held.handle.flush_cache()  # and, once flushed, the resume data (the alert thread asks for it)
+        except RuntimeError:
+            return
         held.resume_saved.wait(10)
 
     # --- the alerts ------------------------------------------------------------------
@@ -527,6 +542,8 @@ class Swarm:
             )
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
         self._closed.set()
         self._pump.join(timeout=5)
         with self._lock:
@@ -535,6 +552,9 @@ class Swarm:
         for held in torrents:
             if held.handle.is_valid():
                 self.session.remove_torrent(held.handle)
+        atexit.unregister(self.close)
+        self.session.pause()
+        del self.session
 
 
 class _StallWatch:
