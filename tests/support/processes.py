@@ -82,6 +82,8 @@ def _fill(role: str) -> dict[str, str | None]:
             # A test's node is this host: its engines listen on loopback and are reached there.
             "LLMGW_ENGINE_HOST": "127.0.0.1",
             "LLMGW_ENGINE_ADVERTISE": "127.0.0.1",
+            # Its own peer port: several nodes of one test share this host.
+            "LLMGW_PEER_PORT": str(free_port()),
         }
     raise ValueError(f"no env file deploy/env/{role}.env for the tests to fill")
 
@@ -262,6 +264,7 @@ class CountingProxy:
         self.truncate_after: int | None = None  # cut each GET body after this many bytes
         self.overrides: dict[str, tuple[int, str, bytes]] = {}  # path -> (status, content type, body)
         self.body_bytes = 0
+        self.path_bytes: dict[str, int] = {}  # body bytes by path (query string dropped)
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
         # Bytes of a request that began before reset_counts (say, to a process
         # just killed) are not counted after it.
@@ -292,6 +295,7 @@ class CountingProxy:
 
     def _send_body(self, handler, data_iter, limit: int | None) -> None:
         generation = self._generation
+        path = handler.path.split("?", 1)[0]
         sent = 0
         started = time.monotonic()
         for chunk in data_iter:
@@ -304,6 +308,7 @@ class CountingProxy:
                 with self._lock:
                     if generation == self._generation:
                         self.body_bytes += len(chunk)
+                        self.path_bytes[path] = self.path_bytes.get(path, 0) + len(chunk)
             if limit is not None and sent >= limit:
                 break
             if self.rate:
@@ -352,6 +357,7 @@ class CountingProxy:
     def reset_counts(self) -> None:
         with self._lock:
             self.body_bytes = 0
+            self.path_bytes = {}
             self.requests = []
             self._generation += 1
 
