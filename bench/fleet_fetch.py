@@ -258,6 +258,90 @@ def run_nodes(hosts, work: Path, torrent: Path, seed: str, with_peers: bool, bri
     }
 
 
+# --- the agent's own path: its libtorrent session process, peers from the byte listener's tracker ---
+
+
+class Agents:
+    """Each node as `manage.py agent` runs its fetches: `python -m agent.peers` (the node's one session,
+    announcing to the byte listener's tracker, seeding what it holds) and `manage.py fetch` through it."""
+
+    def __init__(self, hosts, work: Path, bytes_url: str, redis_url: str, tokens: dict[str, str]):
+        self.hosts, self.work, self.bytes_url = hosts, work, bytes_url
+        self.redis_url, self.tokens = redis_url, tokens
+        self.sessions: list[subprocess.Popen] = []
+
+    def env(self, index: int, host) -> dict:
+        cache = self.work / "agents" / f"n{index}"
+        return {
+            "PATH": os.environ["PATH"],
+            "HOME": os.environ.get("HOME", "/root"),
+            "PYTHONUNBUFFERED": "1",
+            "LLMGW_NODE_NAME": f"n{index}",
+            "LLMGW_NODE_TOKEN": self.tokens[f"n{index}"],
+            "REDIS_URL": self.redis_url,
+            "LLMGW_BYTES_URL": self.bytes_url,
+            "LLMGW_VAR": str(self.work / "agents" / f"var-n{index}"),
+            "LLMGW_AGENT_CACHE": str(cache),
+            "LLMGW_ENGINE_ADVERTISE": host.address,
+            "LLMGW_PEER_PORT": str(PEER_PORT),
+        }
+
+    def run(self, count: int, bridge: str) -> dict:
+        hosts = self.hosts[:count]
+        shutil.rmtree(self.work / "agents", ignore_errors=True)
+        logs = []
+        try:
+            for index, host in enumerate(hosts, 1):
+                env = self.env(index, host)
+                log = open(self.work / f"agent-n{index}.log", "ab")
+                logs.append(log)
+                argv = [sys.executable, "-m", "agent.peers", "--cache", env["LLMGW_AGENT_CACHE"]]
+                self.sessions.append(
+                    subprocess.Popen(host.argv(argv), env=env, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
+                )
+            for index, _ in enumerate(hosts, 1):
+                sock = self.work / "agents" / f"n{index}"
+                until = time.monotonic() + 60
+                while not list(sock.rglob("session.sock")):
+                    if time.monotonic() > until:
+                        raise SystemExit(f"node n{index}'s session did not start; see agent-n{index}.log")
+                    time.sleep(0.2)
+            sent_before = tx_bytes(bridge)
+            started = time.monotonic()
+            fetches = [
+                subprocess.Popen(
+                    host.argv([sys.executable, "manage.py", "fetch", "--quiet", f"{self.bytes_url}bench/v1/"]),
+                    env=self.env(index, host),
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=logs[index - 1],
+                    text=True,
+                )
+                for index, host in enumerate(hosts, 1)
+            ]
+            times = []
+            for index, fetch in enumerate(fetches, 1):
+                out, _ = fetch.communicate(timeout=3600)
+                times.append(time.monotonic() - started)
+                if fetch.returncode != 0 or not (Path(out.strip()) / ".complete").exists():
+                    raise SystemExit(f"node n{index}'s fetch failed; see agent-n{index}.log")
+            seconds = max(times)
+            sent = tx_bytes(bridge) - sent_before
+        finally:
+            for session in self.sessions:
+                os.killpg(session.pid, signal.SIGTERM)
+                try:
+                    session.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(session.pid, signal.SIGKILL)
+                    session.wait()
+            self.sessions = []
+            for log in logs:
+                log.close()
+            shutil.rmtree(self.work / "agents", ignore_errors=True)
+        return {"seconds": seconds, "mirror_sent": sent, "from_peers": None, "from_web": None}
+
+
 # --- the 50 ms case: a relay that delays and limits each connection ---------------------
 
 
@@ -356,6 +440,80 @@ def one_node_at_rtt(host, work: Path, mirror: Path, fleet_address: str, bytes_po
     return out
 
 
+def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup: list) -> Agents:
+    """What the agent's path needs on this host: Redis (the tracker's peer lists), a byte listener that
+    serves only enrolled nodes (the tracker names them), and each node enrolled."""
+    import secrets
+    import socket
+
+    def port_on_bridge() -> int:
+        with socket.socket() as s:
+            s.bind((fleet.address, 0))
+            return s.getsockname()[1]
+
+    redis_port, bytes_port = port_on_bridge(), port_on_bridge()
+    password = secrets.token_hex(16)
+    redis_url = f"redis://:{password}@{fleet.address}:{redis_port}/0"
+    cleanup.append(
+        subprocess.Popen(
+            [
+                "redis-server",
+                "--bind",
+                fleet.address,
+                "--port",
+                str(redis_port),
+                "--requirepass",
+                password,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=open(work / "redis.log", "ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    )
+    private = dict(
+        env, LLMGW_BYTES_PUBLIC="false", REDIS_URL=redis_url, LLMGW_BYTES_ADDR=f"{fleet.address}:{bytes_port}"
+    )
+    tokens = {}
+    for index in range(1, len(hosts) + 1):
+        made = subprocess.run(
+            [sys.executable, "manage.py", "node_token", f"n{index}"],
+            env=private,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        tokens[f"n{index}"] = made.stdout.strip().splitlines()[-1]
+    cleanup.append(
+        subprocess.Popen(
+            [sys.executable, "manage.py", "byte_listener"],
+            env=private,
+            cwd=ROOT,
+            start_new_session=True,
+            stdout=open(work / "byte-listener-private.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
+    )
+    url = f"http://{fleet.address}:{bytes_port}/"
+    until = time.monotonic() + 60
+    import requests
+
+    while True:
+        try:
+            if requests.get(url, timeout=2).status_code == 401:
+                break
+        except requests.RequestException:
+            pass
+        if time.monotonic() > until:
+            raise SystemExit("the byte listener for the agents did not start; see byte-listener-private.log")
+        time.sleep(0.3)
+    return Agents(hosts, work, url, redis_url, tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="role")
@@ -370,7 +528,7 @@ def main() -> None:
     parser.add_argument("--conn-mbit", type=int, default=40, help="each connection's limit in the RTT case")
     parser.add_argument("--rtt-size-mib", type=int, default=256)
     parser.add_argument("--rtt-seeds", type=int, default=4, help="also libtorrent given this many URLs of the mirror")
-    parser.add_argument("--skip", default="", help="comma-separated: t1, mirror, peers, rtt")
+    parser.add_argument("--skip", default="", help="comma-separated: t1, mirror, peers, agents, rtt")
     args = parser.parse_args()
     if args.role == "node":
         return node_main(args)
@@ -388,6 +546,7 @@ def main() -> None:
         write_set(mirror / "bench" / "one", ["one.bin"], args.rtt_size_mib)
     fleet = Fleet()
     listener = None
+    cleanup: list[subprocess.Popen] = []
     try:
         hosts = [fleet.add_host(f"n{i}") for i in range(1, args.nodes + 1)]
         with __import__("socket").socket() as s:
@@ -434,6 +593,14 @@ def main() -> None:
         if "peers" not in skip:
             rows[f"{args.nodes} nodes, with peers"] = run_nodes(hosts, work, torrent, seed, True, fleet.bridge)
             print("with peers", rows[f"{args.nodes} nodes, with peers"], flush=True)
+        if "agents" not in skip:
+            agents = start_agents_side(fleet, hosts, work, mirror, env, cleanup)
+            rows["one node alone, the agent's path (T1 agent)"] = agents.run(1, fleet.bridge)
+            print("agent T1", rows["one node alone, the agent's path (T1 agent)"], flush=True)
+            rows[f"{args.nodes} nodes, the agent's path (peers from the tracker)"] = agents.run(
+                len(hosts), fleet.bridge
+            )
+            print("agents", rows[f"{args.nodes} nodes, the agent's path (peers from the tracker)"], flush=True)
         rtt = None
         if "rtt" not in skip:
             rtt = one_node_at_rtt(hosts[0], work, mirror, fleet.address, bytes_port, args)
@@ -444,14 +611,20 @@ def main() -> None:
             f"({args.rate_mbit / 8:.0f} MB/s); {args.nodes} nodes\n"
         )
         t1 = rows.get("one node alone (T1)", {}).get("seconds")
+        t1_agent = rows.get("one node alone, the agent's path (T1 agent)", {}).get("seconds")
+
+        def gib(value) -> str:
+            return "—" if value is None else f"{value / (1 << 30):.2f} GiB"
+
         print("| run | time | vs T1 | the byte listener's host sent | vs the set | from peers | from the mirror |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for name, row in rows.items():
-            ratio = f"{row['seconds'] / t1:.2f} × T1" if t1 else "—"
+            agent_row = "agent's path" in name
+            reference, label = (t1_agent, "T1 agent") if agent_row else (t1, "T1")
+            ratio = f"{row['seconds'] / reference:.2f} × {label}" if reference else "—"
             print(
-                f"| {name} | {row['seconds']:.1f} s | {ratio} | {row['mirror_sent'] / (1 << 30):.2f} GiB | "
-                f"{row['mirror_sent'] / total:.2f} × | {row['from_peers'] / (1 << 30):.2f} GiB | "
-                f"{row['from_web'] / (1 << 30):.2f} GiB |"
+                f"| {name} | {row['seconds']:.1f} s | {ratio} | {gib(row['mirror_sent'])} | "
+                f"{row['mirror_sent'] / total:.2f} × | {gib(row['from_peers'])} | {gib(row['from_web'])} |"
             )
         if rtt:
             print(
@@ -467,9 +640,10 @@ def main() -> None:
                     f"{rtt['curl'] / rtt[name]:.2f} × |"
                 )
     finally:
-        if listener is not None:
-            os.killpg(listener.pid, signal.SIGTERM)
-            listener.wait(timeout=30)
+        for process in [listener, *cleanup]:
+            if process is not None:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=30)
         fleet.remove()
         shutil.rmtree(work, ignore_errors=True)
 
