@@ -23,6 +23,11 @@ waited on until their session is up, then told to go at once; a run's time is fr
 - N nodes at once, mirror only: no peer may connect (the engine's allow-list empty);
 - N nodes at once with peers: each node is given the others' addresses (what the control
   plane hands an agent) and may connect to them only;
+- the agent's own path: each node runs `python -m agent.peers` (the node's one libtorrent
+  session, as `manage.py agent` starts it beside its worker: peers from the byte listener's
+  tracker, enrolled nodes only) and `manage.py fetch` through it, against a second byte
+  listener that serves only enrolled nodes (with Redis for the tracker); one node alone
+  (T1 agent), then N at once; its times include each fetch command's start;
 - bytes the byte listener's host sent on the bridge in each run (tx counter of the bridge);
 - one node, one file of --rtt-size-mib, through a relay on this host that holds every
   chunk --rtt-ms/2 each way and limits each TCP connection to --conn-mbit (this kernel has
