@@ -338,7 +338,10 @@ class Swarm:
         give_up_s = 10 * stall_s if give_up_s is None else give_up_s
         watch = _StallWatch(stall_bytes_s, stall_s)
         seeds: dict[str, str] = {}  # the URL a web seed is known by without its credentials -> with
-        web_bytes: dict[tuple, int] = {}
+        # Counted by the peers' connections, which last (a web seed's may close after every answer,
+        # between two looks): what did not come from a peer came from a web seed.
+        peer_bytes: dict[tuple, int] = {}
+        peer_banked = 0
         last_refresh = 0.0
         last_resume = 0.0
         last_done, last_arrived = -1, time.monotonic()
@@ -361,11 +364,13 @@ class Swarm:
                 status = handle.status()
                 infos = handle.get_peer_info()
                 for p in infos:
-                    if p.connection_type != lt.peer_info.standard_bittorrent:
-                        ident = (p.ip, p.connection_type)
-                        web_bytes[ident] = max(web_bytes.get(ident, 0), p.total_download)
-                from_web = sum(web_bytes.values())
-                from_peers = max(0, status.total_payload_download - from_web)
+                    if p.connection_type == lt.peer_info.standard_bittorrent:
+                        ident = (p.ip, str(p.pid))
+                        if p.total_download < peer_bytes.get(ident, 0):  # connected again: counting anew
+                            peer_banked += peer_bytes[ident]
+                        peer_bytes[ident] = p.total_download
+                from_peers = min(peer_banked + sum(peer_bytes.values()), status.total_payload_download)
+                from_web = status.total_payload_download - from_peers
                 events = []
                 while held.events:
                     events.append(held.events.popleft())
@@ -628,7 +633,7 @@ def info_hash_of_params(params: lt.add_torrent_params) -> str:
 
 def _who(watch: _StallWatch, sources, seeds: dict[str, str]) -> str:
     """The sources of a fetch that gets nothing, by name, for the sentence."""
-    names = sorted(set(watch.stalled) | {watch.name(p, seeds) for p in sources})
+    names = sorted(set(watch.stalled) | watch.ever | {watch.name(p, seeds) for p in sources})
     if not names:
         return "no source answered (no peer connected, no web seed reachable)"
     return "every source stalled: " + ", ".join(names)
