@@ -39,7 +39,7 @@ import libtorrent as lt  # noqa: E402
 from agent.fetch import cache_path  # noqa: E402
 from contracts import credentials, signing  # noqa: E402
 from contracts import progress as contracts_progress  # noqa: E402
-from fleet.enrolment import issue_token  # noqa: E402
+from fleet.enrolment import issue_token, revoke_token  # noqa: E402
 
 from .fleet_netns import ControlPlane, Node  # noqa: E402
 from .support.database import db_access  # noqa: E402, F401  (a fixture)
@@ -272,24 +272,25 @@ def test_a_node_killed_mid_fetch_resumes_with_only_the_pieces_it_had_not_verifie
     fetched(control, n3, "v3")
     assert_same_as_the_mirror(control, n3, "v3")
     sent = sum(control.proxy.path_bytes.get(f"/tiny/v3/{n}", 0) for n in VERSIONS["v3"])
-    # Only what was not verified came again (and at most a piece's worth twice, asked again after a
-    # request the web seed's connection dropped): none of the pieces kept.
+    # Only what was not verified came again, none of the pieces kept: at most a piece's worth more
+    # than was missing (libtorrent asks a web seed in ranges, and a piece it was in the middle of
+    # at the kill is asked whole again), where fetching a kept piece again would pass that.
     missing = sum(VERSIONS["v3"].values()) - kept
-    assert 0 < sent <= missing + PIECE // 2, (sent, missing, have)
+    assert 0 < sent <= missing + PIECE, (sent, missing, have)
 
 
 STRANGER = textwrap.dedent(
     """
     import sys, time
     import libtorrent as lt
-    torrent, host, port, save = sys.argv[1:]
+    torrent, host, port, save, seconds = sys.argv[1:]
     s = lt.session({"listen_interfaces": "0.0.0.0:0", "enable_dht": False, "enable_lsd": False})
     p = lt.add_torrent_params()
     p.ti = lt.torrent_info(torrent)
     p.save_path = save
     h = s.add_torrent(p)
-    end = time.monotonic() + 8
-    while time.monotonic() < end:
+    end = time.monotonic() + float(seconds)
+    while time.monotonic() < end and not h.status().is_seeding:
         h.connect_peer((host, int(port)))
         time.sleep(0.5)
     print(h.status().total_payload_download, h.status().num_pieces)
@@ -297,28 +298,48 @@ STRANGER = textwrap.dedent(
 )
 
 
+def leaked_torrent(control: ControlPlane, node: Node, version: str, where) -> str:
+    """A version's torrent as a node gets it: what a stranger would hold if it leaked."""
+    node_pass = credentials.bytes_pass(signing.token_hash(node.token), node.name)
+    got = requests.get(
+        control.byte_listener_url + f"tiny/{version}/?torrent", headers=credentials.bearer(node_pass), timeout=10
+    )
+    assert got.status_code == 200
+    where.write_bytes(got.content)
+    return str(where)
+
+
+def pieces_got(host: netns.Host, torrent: str, peer: Node, save, seconds: float) -> tuple[int, int]:
+    """(bytes, pieces) a plain libtorrent session on `host` gets from `peer` alone within `seconds`."""
+    save.mkdir(exist_ok=True)
+    argv = [sys.executable, "-c", STRANGER, torrent, peer.host.address, peer.env()["LLMGW_PEER_PORT"], str(save)]
+    done = subprocess.run(host.argv([*argv, str(seconds)]), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    downloaded, pieces = map(int, done.stdout.split())
+    return downloaded, pieces
+
+
 def test_a_host_without_fleet_credentials_gets_no_piece_from_a_node(fleet, tmp_path):
     control, nodes, stranger = fleet
     n1 = nodes["n1"]
     source = source_of(control, "v2")  # n1 holds it, whole and sound
-    node_pass = credentials.bytes_pass(signing.token_hash(n1.token), "n1")
-    got = requests.get(
-        control.byte_listener_url + "tiny/v2/?torrent", headers=credentials.bearer(node_pass), timeout=10
-    )
-    assert got.status_code == 200
-    torrent = tmp_path / "v2.torrent"
-    torrent.write_bytes(got.content)  # a torrent that leaked: all a stranger needs but a node's credentials
+    torrent = leaked_torrent(control, n1, "v2", tmp_path / "v2.torrent")
     assert (cache_path(source, n1.cache) / ".complete").exists()
-    save = tmp_path / "stranger"
-    save.mkdir()
-    done = subprocess.run(
-        stranger.argv(
-            [sys.executable, "-c", STRANGER, str(torrent), n1.host.address, n1.env()["LLMGW_PEER_PORT"], str(save)]
-        ),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    assert pieces_got(stranger, torrent, n1, tmp_path / "stranger", 8) == (0, 0)
+
+
+def test_a_revoked_node_gets_nothing_from_its_peers_from_its_next_connection(fleet, tmp_path):
+    control, nodes, _ = fleet
+    n1, n3 = nodes["n1"], nodes["n3"]
+    torrent = leaked_torrent(control, n1, "v2", tmp_path / "v2.torrent")
+    # From n3's address, while n3 is enrolled, n1 serves (the filter goes by address: docs/fleet.md).
+    downloaded, pieces = pieces_got(n3.host, torrent, n1, tmp_path / "before", 30)
+    assert pieces == 4 and downloaded >= sum(VERSIONS["v2"].values())
+    assert revoke_token("n3")
+    # From n1's next announce on (every 5 s), n3's address is refused.
+    attempt = iter(range(100))
+    wait_until(
+        lambda: pieces_got(n3.host, torrent, n1, tmp_path / f"after-{next(attempt)}", 4) == (0, 0),
+        40,
+        what="n1 to refuse the revoked n3",
     )
-    assert done.returncode == 0, done.stderr
-    downloaded, pieces = map(int, done.stdout.split())
-    assert (downloaded, pieces) == (0, 0), done.stdout
