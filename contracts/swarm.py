@@ -1,6 +1,6 @@
 """Fetching and seeding a torrent's files with libtorrent: the one download primitive both sides use (issue 24).
 
-The agent fetches sets with it (its one session per node, `agent/swarm_host.py`), and the
+The agent fetches sets with it (its one session per node, `agent/peers.py`), and the
 control plane's `mirror_pull` copies versions from another mirror with it. No Django and
 no app here: a process makes one `Swarm` and keeps it.
 
@@ -28,8 +28,13 @@ Stalls: a source (a peer, or a web seed) with requests outstanding that delivers
 `stall_bytes_s` over `stall_s` loses them: a web seed is taken out of the torrent, a peer's
 address is blocked, both for `stall_s` (then tried again), and libtorrent asks the other
 sources for those pieces (it goes on to end-game, asking the last pieces of several
-sources at once). When every source has stalled, `SwarmStatus.all_stalled` says so, naming
-them; after `give_up_s` of that, `fetch` raises SwarmError (transient).
+sources at once). When nothing has arrived from anyone for `stall_s`, `SwarmStatus.all_stalled`
+is true and `SwarmStatus.why` names every source ("every source stalled: the mirror
+http://mirror:8001/m/, peer 10.0.0.22:6881"); after `give_up_s` (default 10 × stall_s) of
+that, `fetch` raises SwarmError (transient), every verified piece kept.
+
+Private torrents only: the session runs without DHT, local discovery, UPnP or NAT-PMP, TCP
+only; peers are whoever the caller names, and `allow` is the only gate on who connects.
 """
 
 from __future__ import annotations
