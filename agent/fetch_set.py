@@ -148,6 +148,7 @@ def _fetch_round(
     by_torrent = (
         bool(todo)
         and getattr(entries, "torrent", None)
+        and getattr(settings, "FETCH_TORRENT", True)
         and fetch_by_torrent(session, source, cache, directory, entries, todo, progress, verified)
     )
     if not by_torrent:

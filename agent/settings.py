@@ -52,6 +52,8 @@ FETCH_WAIT_S = env_int("LLMGW_FETCH_WAIT_S", 6 * 3600, minimum=1)
 # A source (a peer, the mirror as web seed) sending less than this for this long loses its pieces to the others.
 FETCH_STALL_BYTES_S = env_int("LLMGW_FETCH_STALL_BYTES_S", 1 << 20, minimum=1)
 FETCH_STALL_S = env_int("LLMGW_FETCH_STALL_S", 20, minimum=1)
+# False: every set from the mirror over HTTP, file by file, as before issue 24 (peers off).
+FETCH_TORRENT = env_bool("LLMGW_FETCH_TORRENT", True)
 # Where this node serves the verified pieces it holds to the fleet's other nodes (docs/fleet.md).
 PEER_PORT = env_int("LLMGW_PEER_PORT", 6881, minimum=1)
 # Engines may be told to run code shipped with the weights (vLLM's --trust-remote-code)

@@ -1,6 +1,6 @@
 """Fetching and seeding a torrent's files with libtorrent: the one download primitive both sides use (issue 24).
 
-The agent fetches sets with it (its one session per node, `agent/swarm_host.py`), and the
+The agent fetches sets with it (its one session per node, `agent/peers.py`), and the
 control plane's `mirror_pull` copies versions from another mirror with it. No Django and
 no app here: a process makes one `Swarm` and keeps it.
 
@@ -28,8 +28,13 @@ Stalls: a source (a peer, or a web seed) with requests outstanding that delivers
 `stall_bytes_s` over `stall_s` loses them: a web seed is taken out of the torrent, a peer's
 address is blocked, both for `stall_s` (then tried again), and libtorrent asks the other
 sources for those pieces (it goes on to end-game, asking the last pieces of several
-sources at once). When every source has stalled, `SwarmStatus.all_stalled` says so, naming
-them; after `give_up_s` of that, `fetch` raises SwarmError (transient).
+sources at once). When nothing has arrived from anyone for `stall_s`, `SwarmStatus.all_stalled`
+is true and `SwarmStatus.why` names every source ("every source stalled: the mirror
+http://mirror:8001/m/, peer 10.0.0.22:6881"); after `give_up_s` (default 10 × stall_s) of
+that, `fetch` raises SwarmError (transient), every verified piece kept.
+
+Private torrents only: the session runs without DHT, local discovery, UPnP or NAT-PMP, TCP
+only; peers are whoever the caller names, and `allow` is the only gate on who connects.
 """
 
 from __future__ import annotations
@@ -338,7 +343,10 @@ class Swarm:
         give_up_s = 10 * stall_s if give_up_s is None else give_up_s
         watch = _StallWatch(stall_bytes_s, stall_s)
         seeds: dict[str, str] = {}  # the URL a web seed is known by without its credentials -> with
-        web_bytes: dict[tuple, int] = {}
+        # Counted by the peers' connections, which last (a web seed's may close after every answer,
+        # between two looks): what did not come from a peer came from a web seed.
+        peer_bytes: dict[tuple, int] = {}
+        peer_banked = 0
         last_refresh = 0.0
         last_resume = 0.0
         last_done, last_arrived = -1, time.monotonic()
@@ -361,11 +369,13 @@ class Swarm:
                 status = handle.status()
                 infos = handle.get_peer_info()
                 for p in infos:
-                    if p.connection_type != lt.peer_info.standard_bittorrent:
-                        ident = (p.ip, p.connection_type)
-                        web_bytes[ident] = max(web_bytes.get(ident, 0), p.total_download)
-                from_web = sum(web_bytes.values())
-                from_peers = max(0, status.total_payload_download - from_web)
+                    if p.connection_type == lt.peer_info.standard_bittorrent:
+                        ident = (p.ip, str(p.pid))
+                        if p.total_download < peer_bytes.get(ident, 0):  # connected again: counting anew
+                            peer_banked += peer_bytes[ident]
+                        peer_bytes[ident] = p.total_download
+                from_peers = min(peer_banked + sum(peer_bytes.values()), status.total_payload_download)
+                from_web = status.total_payload_download - from_peers
                 events = []
                 while held.events:
                     events.append(held.events.popleft())
@@ -628,7 +638,7 @@ def info_hash_of_params(params: lt.add_torrent_params) -> str:
 
 def _who(watch: _StallWatch, sources, seeds: dict[str, str]) -> str:
     """The sources of a fetch that gets nothing, by name, for the sentence."""
-    names = sorted(set(watch.stalled) | {watch.name(p, seeds) for p in sources})
+    names = sorted(set(watch.stalled) | watch.ever | {watch.name(p, seeds) for p in sources})
     if not names:
         return "no source answered (no peer connected, no web seed reachable)"
     return "every source stalled: " + ", ".join(names)

@@ -22,6 +22,7 @@ from fleet.models import Node, Replica
 from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
 from mirror import scan
 
+from .services import free_port
 from .staff_api import token_session
 from .support.mirror import put
 from .support.processes import BASE_DIR, Process, engine_secret, env_file, process_env, wait_until
@@ -60,6 +61,7 @@ def deployed_agent(tmp_path, settings, byte_listener):
         "LLMGW_AGENT_CACHE": str(cache),
         "LLMGW_ENGINE_HOST": "127.0.0.1",
         "LLMGW_ENGINE_ADVERTISE": "127.0.0.1",
+        "LLMGW_PEER_PORT": str(free_port()),
     }
     names = set(env_file("node"))
     assert names == set(values), f"deploy/env/node.env now sets {sorted(names ^ set(values))}: fill it in here"

@@ -263,6 +263,9 @@ class CountingProxy:
         self.ignore_range = False
         self.truncate_after: int | None = None  # cut each GET body after this many bytes
         self.overrides: dict[str, tuple[int, str, bytes]] = {}  # path -> (status, content type, body)
+        # (client address, path, Range header) -> True: the answer is held back, the connection kept
+        # open with nothing sent, for as long as it says so (a source that stalls, issue 24).
+        self.hold = None
         self.body_bytes = 0
         self.path_bytes: dict[str, int] = {}  # body bytes by path (query string dropped)
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
@@ -322,6 +325,8 @@ class CountingProxy:
         path = handler.path
         with self._lock:
             self.requests.append((method, path, handler.headers.get("Range", "")))
+        while self.hold is not None and self.hold(handler.client_address[0], path, handler.headers.get("Range", "")):
+            time.sleep(0.1)
         if path in self.overrides:
             status, content_type, body = self.overrides[path]
             handler.send_response(status)

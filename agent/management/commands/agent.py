@@ -67,7 +67,8 @@ class Command(BaseCommand):
 
         supervisor.start()
         # The node's one libtorrent session: fetches sets with the fleet, serves what it holds (agent/peers.py).
-        peers.start()
+        if settings.FETCH_TORRENT:
+            peers.start()
         if metrics.serve(node, cache):
             self.stdout.write(f"The node's metrics: http://{settings.AGENT_METRICS_ADDR}/metrics")
         worker.install(app)
