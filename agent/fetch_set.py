@@ -22,6 +22,7 @@ from contracts.digest import sha256_file
 
 from .download import check_space, fetch_file, fsync_dir, new_session, part_of
 from .fetch_state import Verified, locked, read_verified, still_verified, write_verified
+from .fetch_swarm import fetch_by_torrent
 from .progress import Progress
 from .sources import Entry, FetchError, MirrorChanged, NotReady, cache_path, read_manifest
 
@@ -142,7 +143,16 @@ def _fetch_round(
         marker.unlink()
         fsync_dir(directory)
     _drop_strays(directory, entries)
-    _fetch_files(session, source, cache, directory, todo, progress, parallel, verified)
+    # Through the node's libtorrent session when the mirror offers the set as a torrent; over
+    # HTTP, file by file, when it does not (an older mirror, another server).
+    by_torrent = (
+        bool(todo)
+        and getattr(entries, "torrent", None)
+        and getattr(settings, "FETCH_TORRENT", True)
+        and fetch_by_torrent(session, source, cache, directory, entries, todo, progress, verified)
+    )
+    if not by_torrent:
+        _fetch_files(session, source, cache, directory, todo, progress, parallel, verified)
     _mark_complete(source, cache, directory, entries, verified)
 
 

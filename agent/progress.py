@@ -49,6 +49,11 @@ class Progress:
         self.error = ""
         # Why the fetch is waiting on the mirror ("" when it is not): the version is not whole yet.
         self.waiting_for = ""
+        # Where a set's bytes came from when it goes through the node's libtorrent session, and,
+        # when nothing arrives from anyone, the sentence naming every source that stalled.
+        self.bytes_from_peers = 0
+        self.bytes_from_mirror = 0
+        self.stalled = ""
         self.started = time.time()
         self._rate_mark = self._begin_mark = (time.monotonic(), 0)
         self.rate = 0.0
@@ -83,6 +88,16 @@ class Progress:
         with self._lock:
             self.files_done += 1
         self._publish(force=True)
+
+    def swarm(self, status: dict) -> None:
+        """A status of the node's libtorrent session (contracts.swarm.SwarmStatus, as a dict)."""
+        stalled = status.get("why", "") if status.get("all_stalled") else ""
+        with self._lock:
+            self.bytes_done = status["bytes_done"]
+            self.bytes_from_peers = status["bytes_from_peers"]
+            self.bytes_from_mirror = status["bytes_from_web_seeds"]
+            changed, self.stalled = stalled != self.stalled, stalled
+        self._publish(force=changed)
 
     def waiting(self) -> None:
         """Called while another fetch of the same thing holds its lock.
@@ -148,6 +163,9 @@ class Progress:
                 "rate": round(self.rate),
                 "error": self.error,
                 "waiting_for": self.waiting_for,
+                "bytes_from_peers": self.bytes_from_peers,
+                "bytes_from_mirror": self.bytes_from_mirror,
+                "stalled": self.stalled,
                 "started": self.started,
                 "updated": time.time(),
             }
@@ -282,7 +300,12 @@ class TerminalProgress(Throttled):
             )
         bar = self._bar
         bar.total = s["bytes_total"] or None
-        bar.set_postfix_str(f"files {s['files_done']}/{s['files_total']} {s['state']}", refresh=False)
+        said = f"files {s['files_done']}/{s['files_total']} {s['state']}"
+        if s["bytes_from_peers"] or s["bytes_from_mirror"]:
+            said += f", {human_bytes(s['bytes_from_peers'])} from peers, {human_bytes(s['bytes_from_mirror'])} from the mirror"
+        if s["stalled"]:
+            said += f"; {s['stalled']}"
+        bar.set_postfix_str(said, refresh=False)
         if s["bytes_done"] >= bar.n:
             bar.update(s["bytes_done"] - bar.n)
         else:

@@ -49,6 +49,13 @@ AGENT_CACHE = env_path("LLMGW_AGENT_CACHE", VAR_DIR / "agent-cache", BASE_DIR)
 FETCH_PARALLEL = env_int("LLMGW_FETCH_PARALLEL", 4, minimum=1)
 # How long a fetch waits on a mirror version that is not ready yet (a file still being copied in).
 FETCH_WAIT_S = env_int("LLMGW_FETCH_WAIT_S", 6 * 3600, minimum=1)
+# A source (a peer, the mirror as web seed) sending less than this for this long loses its pieces to the others.
+FETCH_STALL_BYTES_S = env_int("LLMGW_FETCH_STALL_BYTES_S", 1 << 20, minimum=1)
+FETCH_STALL_S = env_int("LLMGW_FETCH_STALL_S", 20, minimum=1)
+# False: every set from the mirror over HTTP, file by file, as before issue 24 (peers off).
+FETCH_TORRENT = env_bool("LLMGW_FETCH_TORRENT", True)
+# Where this node serves the verified pieces it holds to the fleet's other nodes (docs/fleet.md).
+PEER_PORT = env_int("LLMGW_PEER_PORT", 6881, minimum=1)
 # Engines may be told to run code shipped with the weights (vLLM's --trust-remote-code)
 # only when this is set: the mirror is a place files are copied into by hand.
 LLMGW_ALLOW_REMOTE_CODE = env_bool("LLMGW_ALLOW_REMOTE_CODE", False)

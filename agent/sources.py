@@ -89,6 +89,28 @@ class Entry:
     sha256: str = ""
 
 
+class Manifest(list):
+    """A version's entries (a list of Entry, as before), and what the manifest says of its torrent.
+
+    `torrent` is {"info_hash", "url"} when the mirror offers the version as a BitTorrent v2
+    torrent (issue 24), else None: an older mirror or another server, fetched over HTTP.
+    """
+
+    torrent: dict | None = None
+
+
+def _torrent_of(manifest: dict, source: str) -> dict | None:
+    said = manifest.get("torrent")
+    if not isinstance(said, dict):
+        return None
+    info_hash = said.get("info_hash")
+    if not (isinstance(info_hash, str) and SHA256.match(info_hash)):
+        return None
+    # Asked at the version's own address on the node's own byte listener, whatever host the
+    # answer names (a proxy between them, another name for the same listener).
+    return {"info_hash": info_hash, "url": source + "?torrent"}
+
+
 def cache_path(source: str, cache: Path) -> Path:
     """Where a source lives in the cache: <cache>/<host>_<port>/<path...>.
 
@@ -132,7 +154,7 @@ def refuse_other_hosts(source: str, byte_listener: str) -> None:
         )
 
 
-def read_manifest(session: requests.Session, source: str, timeout=TIMEOUT) -> list[Entry]:
+def read_manifest(session: requests.Session, source: str, timeout=TIMEOUT) -> Manifest:
     """Ask the mirror what a version consists of, and refuse anything unsafe in the answer.
 
     Raises NotReady when the mirror answers that the version is not whole yet (503,
@@ -174,7 +196,8 @@ def read_manifest(session: requests.Session, source: str, timeout=TIMEOUT) -> li
         raise not_a_manifest
     if not manifest["files"]:
         raise FetchError(f"{source} holds no files")
-    entries, seen = [], set()
+    entries, seen = Manifest(), set()
+    entries.torrent = _torrent_of(manifest, source)
     for item in manifest["files"]:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise not_a_manifest

@@ -12,7 +12,14 @@ def fleet_only(view):
     return only_the_fleet(view, key_of=token_hash_of)
 
 
+def tracker(request):
+    return bytes_views.announce(request, key_of=token_hash_of)
+
+
 urlpatterns = [
+    # Peers of a torrent, for the nodes (issue 24); before the model patterns, and without a
+    # slash, so that no model's name can shadow it.
+    path("announce", fleet_only(tracker)),
     path("", fleet_only(bytes_views.model_list)),
     path("<str:model>/", fleet_only(bytes_views.version_list)),
     path("<str:model>/<str:version>/", fleet_only(bytes_views.manifest)),

@@ -6,7 +6,7 @@ from django.utils.html import format_html, format_html_join
 
 from common.admin import RecordAdmin
 
-from . import scan
+from . import scan, views
 from .models import MirrorFile, MirrorVersion
 
 
@@ -118,6 +118,9 @@ class MirrorVersionAdmin(RecordAdmin):
     def get_urls(self):
         return [
             path("scan/", self.admin_site.admin_view(self.scan_view), name="mirror_mirrorversion_scan"),
+            path("pull/", self.admin_site.admin_view(views.pull_page), name="mirror_pull"),
+            path("pull/<int:pk>/", self.admin_site.admin_view(views.pull_detail), name="mirror_pull_detail"),
+            path("pulls/", self.admin_site.admin_view(views.pull_list), name="mirror_pulls"),
         ] + super().get_urls()
 
     def scan_view(self, request: HttpRequest):

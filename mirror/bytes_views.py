@@ -8,13 +8,23 @@ through Python, ranged or whole.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import ipaddress
+import json
 import os
+import re
 import socket
 import stat
+import time
 from email.utils import formatdate
 
+import redis
+from django.conf import settings
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.utils.cache import get_conditional_response
+
+from contracts.redis_client import redis_client
 
 from . import disk, readiness, torrent
 from .metrics import BYTES_SERVED, FILES_SERVED
@@ -280,3 +290,95 @@ def file(request: HttpRequest, model: str, version: str, name: str) -> HttpRespo
     for k, v in common.items():
         response[k] = v
     return response
+
+
+# --- the tracker: which enrolled nodes hold which torrent (issue 24) -----------------
+
+SWARM_PREFIX = "llmgw:swarm:"
+SWARM_FLEET = "llmgw:swarm-fleet"
+# A node announces every few seconds while it fetches or seeds; one silent this long is gone.
+PEER_TTL_S = 30
+ANNOUNCE_INTERVAL_S = 5
+INFO_HASH = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _node_of(request: HttpRequest) -> str:
+    """The node whose pass this request presented (checked already by `only_the_fleet`)."""
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    presented = presented.strip()
+    if scheme.lower() == "basic":
+        try:
+            presented = base64.b64decode(presented, validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return ""
+    elif scheme.lower() != "bearer":
+        return ""
+    return presented.partition(":")[0]
+
+
+def announce(request: HttpRequest, key_of) -> JsonResponse:
+    """`/announce?info_hash=H&port=P[&host=A]`: this node holds (or fetches) torrent H on port P; who else does.
+
+    Peers are found here, through the control plane, never by DHT: the answer names only
+    nodes whose enrolment token is current at this moment (`key_of`), so a revoked node
+    drops out of every answer at once. `fleet` is every enrolled node that announced
+    lately, whatever it holds: the addresses a node lets connect to its peer port. The
+    host is what the node advertises (LLMGW_ENGINE_ADVERTISE), else the address it asked from.
+    """
+    if request.method != "GET":
+        return _error(405, "the tracker answers GET only", Allow="GET")
+    node = _node_of(request)
+    if not node or not key_of(node):
+        return _error(401, "the tracker answers only the fleet's nodes, each with its own pass")
+    hashes = request.GET.getlist("info_hash")
+    if not hashes or not all(INFO_HASH.match(h) for h in hashes) or len(hashes) > 1000:
+        return _error(400, "info_hash must be a torrent's v2 info-hash, 64 hex digits (one or more)")
+    port = request.GET.get("port", "")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return _error(400, "port must be the node's peer port, 1 to 65535")
+    host = request.GET.get("host") or request.META.get("REMOTE_ADDR", "")
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        return _error(400, f"host must be the node's address (an IP address), not {host!r}")
+    now = time.time()
+    me = json.dumps({"host": host, "port": int(port), "at": now})
+    client = redis_client(settings.REDIS_URL)
+    try:
+        pipe = client.pipeline()
+        pipe.hset(SWARM_FLEET, node, me)
+        for h in hashes:
+            pipe.hset(SWARM_PREFIX + h, node, me)
+            pipe.expire(SWARM_PREFIX + h, 10 * PEER_TTL_S)
+        pipe.hgetall(SWARM_FLEET)
+        for h in hashes:
+            pipe.hgetall(SWARM_PREFIX + h)
+        answers = pipe.execute()[-(len(hashes) + 1) :]
+    except redis.RedisError:
+        return _error(503, "the tracker cannot reach Redis; fetch from the mirror meanwhile", Retry_After="10")
+    enrolled: dict[str, bool] = {}
+
+    def current(raw: dict) -> list[dict]:
+        out = []
+        for name, value in raw.items():
+            name = name.decode() if isinstance(name, bytes) else name
+            try:
+                said = json.loads(value)
+            except ValueError:
+                continue
+            if now - said.get("at", 0) > PEER_TTL_S:
+                continue
+            if name not in enrolled:
+                enrolled[name] = bool(key_of(name))
+            if enrolled[name]:
+                out.append({"node": name, "host": said["host"], "port": said["port"]})
+        return sorted(out, key=lambda p: p["node"])
+
+    fleet, *held = answers
+    return JsonResponse(
+        {
+            "interval": ANNOUNCE_INTERVAL_S,
+            "fleet": [p["host"] for p in current(fleet)],
+            "peers": {h: [p for p in current(raw) if p["node"] != node] for h, raw in zip(hashes, held, strict=True)},
+        }
+    )

@@ -99,3 +99,76 @@ class MirrorFile(models.Model):
 
     def __str__(self) -> str:
         return f"{self.version}/{self.name}"
+
+
+class MirrorPull(models.Model):
+    """One copy of a version from another llmgw mirror into this one (`mirror.pull`, issue 24).
+
+    The row is what the pull page and the versions' list show while it runs: the files
+    themselves are staged under the mirror root's hidden `.pull/` and appear as a version
+    only when whole and verified. `pass_key` is the other site's credential for this pull
+    (the sha256 of the enrolment token that site issued us, which is what a pass is made
+    from); it is held only while the pull runs and cleared when it ends.
+    """
+
+    class State(models.TextChoices):
+        QUEUED = "queued", "queued"
+        RUNNING = "running", "running"
+        DONE = "done", "done"
+        FAILED = "failed", "failed"
+
+    url = models.CharField(max_length=1000, help_text="The version's address on the other mirror's byte listener.")
+    model = models.CharField(max_length=255)
+    version = models.CharField(max_length=255)
+    node = models.CharField(max_length=100, blank=True, default="", help_text="This site's node name at the other.")
+    pass_key = models.CharField(max_length=64, blank=True, default="", editable=False)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.QUEUED)
+    bytes_total = models.BigIntegerField(default=0)
+    bytes_done = models.BigIntegerField(default=0)
+    error = models.TextField(blank=True, default="")
+    requested_by = models.CharField(max_length=150, blank=True, default="")
+    started = models.DateTimeField(auto_now_add=True)
+    # Written with every progress report: a running pull that stops writing it was interrupted.
+    updated = models.DateTimeField(auto_now=True)
+    finished = models.DateTimeField(null=True, blank=True)
+
+    # A running pull reports about twice a second; this long without word, it is not running.
+    SILENT_S = 30
+
+    class Meta:
+        ordering = ["-started"]
+
+    def __str__(self) -> str:
+        return f"pull of {self.model}/{self.version} from {self.url}"
+
+    @property
+    def interrupted(self) -> bool:
+        from django.utils import timezone
+
+        if self.state != self.State.RUNNING:
+            return False
+        return (timezone.now() - self.updated).total_seconds() > self.SILENT_S
+
+    @property
+    def percent(self) -> int:
+        return int(100 * self.bytes_done / self.bytes_total) if self.bytes_total else 0
+
+    @property
+    def description(self) -> str:
+        """The pull as staff read it, in one sentence."""
+        if self.interrupted:
+            return (
+                f"interrupted: no word from it since {self.updated:%Y-%m-%d %H:%M:%S} UTC; nothing of it is in "
+                "the mirror, and pulling the same address again goes on from the pieces already verified"
+            )
+        if self.state == self.State.RUNNING and self.bytes_total:
+            return f"running: {self.bytes_done:,} of {self.bytes_total:,} bytes verified ({self.percent}%)"
+        if self.state == self.State.FAILED:
+            return f"failed: {self.error}"
+        if self.state == self.State.DONE:
+            return (
+                f"done: {self.model}/{self.version} is in the mirror, {self.bytes_total:,} bytes, every file verified"
+            )
+        if self.state == self.State.RUNNING:
+            return "running: reading the other mirror's manifest"
+        return "queued: waiting for the control worker (mirror.pull on the control queue)"

@@ -1,6 +1,6 @@
 from celery import shared_task
 
-from . import readiness, scan
+from . import pull, readiness, scan
 from .models import MirrorFile
 
 
@@ -20,3 +20,9 @@ def hash_task(file_id: int) -> None:
     row = MirrorFile.objects.filter(pk=file_id).values_list("version__model", "version__version").first()
     if row is not None:
         readiness.torrent_when_hashed(*row)
+
+
+@shared_task(name="mirror.pull", ignore_result=True)
+def pull_task(pull_id: int) -> None:
+    # Safe to run twice: a pull done or failed is left alone, and one of a version runs at a time.
+    pull.run(pull_id)

@@ -40,7 +40,7 @@ def free_port_on(address: str) -> int:
 
 
 class ControlPlane:
-    def __init__(self, fleet: Fleet, mirror: Path, log_dir: Path, **extra_env: str):
+    def __init__(self, fleet: Fleet, mirror: Path, log_dir: Path, *, whole: bool = True, **extra_env: str):
         self.fleet = fleet
         self.mirror = mirror
         self.log_dir = log_dir
@@ -65,10 +65,11 @@ class ControlPlane:
         try:
             self.start_redis()
             self.start_byte_listener()
-            self.start_worker()
-            self.start_admin()
-            for i in range(2):
-                self.start_gateway(i)
+            if whole:  # else Redis and the byte listener only: what a node's fetch needs (tests/test_swarm_fleet.py)
+                self.start_worker()
+                self.start_admin()
+                for i in range(2):
+                    self.start_gateway(i)
         except BaseException:
             self.stop()  # what started before the failure; the fixture never got the object to stop
             raise

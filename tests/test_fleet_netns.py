@@ -46,6 +46,7 @@ from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama  # noqa: E402
 
 from .fleet_netns import Asker, ControlPlane, Node, chat_requests_in, endpoint_host  # noqa: E402
 from .staff_api import token_session  # noqa: E402
+from .support.database import db_access  # noqa: E402, F401  (a fixture)
 from .support.mirror import settle  # noqa: E402
 from .support.waiting import wait_until  # noqa: E402
 
@@ -59,28 +60,7 @@ ASK = {
 
 
 @pytest.fixture(scope="module")
-def db_access(django_db_setup, django_db_blocker):
-    """The test database, open for the whole module: the fleet's state carries from one test to the next.
-
-    Not pytest-django's `transactional_db`, which empties the tables after each test;
-    and pytest-django makes the test database only when a test it sees asks for one.
-    """
-    from django.core.management import call_command
-    from django.db import connection
-    from django.test.utils import setup_databases, teardown_databases
-
-    with django_db_blocker.unblock():
-        made = None
-        if "fleet_node" not in connection.introspection.table_names():
-            made = setup_databases(verbosity=0, interactive=False)
-        yield
-        call_command("flush", interactive=False, verbosity=0)
-        if made is not None:
-            teardown_databases(made, verbosity=0)
-
-
-@pytest.fixture(scope="module")
-def fleet(db_access, tmp_path_factory):
+def fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported above)
     """The bridge, the control plane on this host, and nodes n1 and n2 in their namespaces; all removed at the end."""
     log_dir = tmp_path_factory.mktemp("fleet-netns")
     network = netns.Fleet()

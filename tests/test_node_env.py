@@ -19,6 +19,7 @@ import pytest
 from agent import engine_state, engines
 from fleet.models import Replica
 
+from .services import free_port
 from .support.processes import BASE_DIR, Process, ask_replica, env_file, process_env, wait_until
 from .support.serving import mirror_tiny, serve_tiny, wait_enrolled
 
@@ -56,6 +57,7 @@ def deployed_agent(tmp_path, settings, byte_listener):
         "LLMGW_AGENT_CACHE": str(cache),
         "LLMGW_ENGINE_HOST": "127.0.0.1",
         "LLMGW_ENGINE_ADVERTISE": "127.0.0.1",
+        "LLMGW_PEER_PORT": str(free_port()),
     }
     names = set(env_file("node"))
     assert names == set(values), f"deploy/env/node.env now sets {sorted(names ^ set(values))}: fill it in here"

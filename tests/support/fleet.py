@@ -12,11 +12,15 @@ from contracts import signing
 from fleet.models import Node
 
 
-def send_fetch(node: str, source: str) -> None:
-    """A fetch as the control plane sends it: with its proof, for that node."""
+def send_fetch(node: str, source: str, broker_url: str | None = None) -> None:
+    """A fetch as the control plane sends it: with its proof, for that node (on `broker_url`, else the test's Redis)."""
     key = Node.objects.get(name=node).token_hash
     kwargs = signing.with_proof(key, "agent.fetch", node, [source])
-    current_app.send_task("agent.fetch", args=[source], kwargs=kwargs, queue=f"node.{node}")
+    if broker_url is None:
+        current_app.send_task("agent.fetch", args=[source], kwargs=kwargs, queue=f"node.{node}")
+        return
+    with current_app.connection_for_write(broker_url) as connection:
+        current_app.send_task("agent.fetch", args=[source], kwargs=kwargs, queue=f"node.{node}", connection=connection)
 
 
 def live(redis_client, source: str, node: str) -> dict:

@@ -82,6 +82,8 @@ def _fill(role: str) -> dict[str, str | None]:
             # A test's node is this host: its engines listen on loopback and are reached there.
             "LLMGW_ENGINE_HOST": "127.0.0.1",
             "LLMGW_ENGINE_ADVERTISE": "127.0.0.1",
+            # Its own peer port: several nodes of one test share this host.
+            "LLMGW_PEER_PORT": str(free_port()),
         }
     raise ValueError(f"no env file deploy/env/{role}.env for the tests to fill")
 
@@ -281,7 +283,11 @@ class CountingProxy:
         self.ignore_range = False
         self.truncate_after: int | None = None  # cut each GET body after this many bytes
         self.overrides: dict[str, tuple[int, str, bytes]] = {}  # path -> (status, content type, body)
+        # (client address, path, Range header) -> True: the answer is held back, the connection kept
+        # open with nothing sent, for as long as it says so (a source that stalls, issue 24).
+        self.hold = None
         self.body_bytes = 0
+        self.path_bytes: dict[str, int] = {}  # body bytes by path (query string dropped)
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
         # Bytes of a request that began before reset_counts (say, to a process
         # just killed) are not counted after it.
@@ -312,6 +318,7 @@ class CountingProxy:
 
     def _send_body(self, handler, data_iter, limit: int | None) -> None:
         generation = self._generation
+        path = handler.path.split("?", 1)[0]
         sent = 0
         started = time.monotonic()
         for chunk in data_iter:
@@ -324,6 +331,7 @@ class CountingProxy:
                 with self._lock:
                     if generation == self._generation:
                         self.body_bytes += len(chunk)
+                        self.path_bytes[path] = self.path_bytes.get(path, 0) + len(chunk)
             if limit is not None and sent >= limit:
                 break
             if self.rate:
@@ -337,6 +345,8 @@ class CountingProxy:
         path = handler.path
         with self._lock:
             self.requests.append((method, path, handler.headers.get("Range", "")))
+        while self.hold is not None and self.hold(handler.client_address[0], path, handler.headers.get("Range", "")):
+            time.sleep(0.1)
         if path in self.overrides:
             status, content_type, body = self.overrides[path]
             handler.send_response(status)
@@ -372,6 +382,7 @@ class CountingProxy:
     def reset_counts(self) -> None:
         with self._lock:
             self.body_bytes = 0
+            self.path_bytes = {}
             self.requests = []
             self._generation += 1
 

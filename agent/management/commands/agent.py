@@ -6,7 +6,7 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from agent import engine_state, engines, facts, metrics, runtime, supervisor, worker
+from agent import engine_state, engines, facts, metrics, peers, runtime, supervisor, worker
 from agent.celery import app
 from contracts.names import node_name_problem
 from contracts.tasks import node_queue
@@ -66,6 +66,9 @@ class Command(BaseCommand):
         os.environ["LLMGW_NODE_LABELS"] = json.dumps(parsed_labels)
 
         supervisor.start()
+        # The node's one libtorrent session: fetches sets with the fleet, serves what it holds (agent/peers.py).
+        if settings.FETCH_TORRENT:
+            peers.start()
         if metrics.serve(node, cache):
             self.stdout.write(f"The node's metrics: http://{settings.AGENT_METRICS_ADDR}/metrics")
         worker.install(app)

@@ -1,0 +1,375 @@
+"""The node's one libtorrent session: fetching sets from the mirror and the other nodes, seeding what it holds.
+
+One session per node, in a process of its own beside the worker (`start`, from `manage.py
+agent`): Celery forks its pool, and libtorrent's threads do not survive a fork, and one
+listening port is one process's. Fetches in the pool's children ask it over a Unix socket
+in the cache (`fetch`), and get its progress back as it goes. Where there is no such
+process (`manage.py fetch` on its own, a test calling `fetch_source`) the fetch makes a
+session in its own process instead, on a port of its own, the same code either way.
+
+The session listens on LLMGW_PEER_PORT and serves the verified pieces of every set it holds
+(complete sets from the cache, what it has verified of sets it is fetching) to the fleet
+only:
+
+- Peers are found through the control plane: every few seconds the node announces what it
+  holds to the byte listener's tracker (`/announce`, the node's pass required), which
+  answers the other enrolled nodes that hold each torrent, and the addresses of every
+  enrolled node that announced lately (`fleet`).
+- Only those addresses may connect to this node, or be connected to (libtorrent's IP filter,
+  set again at every answer): a host that is not an enrolled node gets no piece, and a
+  revoked node drops out of the next answer, so its connections are closed and it is
+  refused from then on. What this does not stop is in docs/fleet.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import requests
+from django.conf import settings
+
+from contracts import credentials, signing
+from contracts.swarm import Swarm, SwarmError, info_hash_of
+
+from . import runtime
+from .sources import TIMEOUT, describe, origin
+
+log = logging.getLogger(__name__)
+
+ANNOUNCE_S = 5.0
+# A web seed's pass is made anew this often; a pass is good for an hour (contracts.credentials).
+RENEW_PASS_S = 600.0
+
+
+def state_dir(cache: Path) -> Path:
+    return Path(cache) / ".swarm"
+
+
+def socket_path(cache: Path) -> Path:
+    return state_dir(cache) / "session.sock"
+
+
+def resume_path(cache: Path, info_hash: str) -> Path:
+    return state_dir(cache) / "resume" / info_hash
+
+
+def _authkey() -> bytes:
+    # Whoever may talk to the session is whoever has the node's token: the agent's processes.
+    return hashlib.sha256(b"llmgw-swarm:" + runtime.token().encode()).digest()
+
+
+def advertised_host() -> str:
+    return getattr(settings, "LLMGW_ENGINE_ADVERTISE", "")
+
+
+def web_seed(source: str, single_file: bool) -> str:
+    """The byte listener as the torrent's web seed, with this node's pass as its Basic credentials.
+
+    BEP 19 puts the torrent's own path after the URL: a version of several files is a folder
+    named for the version, so the seed is the model's address; a version of one file is
+    that file, asked at the version's address.
+    """
+    base = source if single_file else source.rstrip("/").rsplit("/", 1)[0] + "/"
+    node, token = runtime.node_name(), runtime.token()
+    if not (node and token) or origin(source) != origin(settings.BYTES_URL):
+        return base
+    parts = urlsplit(base)
+    secret = credentials.bytes_pass(signing.token_hash(token), node)
+    return parts._replace(netloc=f"{node}:{secret}@{parts.netloc}").geturl()
+
+
+class NodeSwarm:
+    """The session, and what keeps it in the fleet: announcing, the allow-list, seeding complete sets."""
+
+    def __init__(self, cache: Path, listen_port: int, listen_host: str = "0.0.0.0"):
+        self.cache = Path(cache)
+        self.swarm = Swarm(listen_port, listen_host)
+        self.swarm.allow([])  # nobody until the tracker has said who the fleet is
+        self.peers: dict[str, list[tuple[str, int]]] = {}
+        self.fetching: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._http = requests.Session()
+        self._said = ""
+        threading.Thread(target=self._keep_announcing, name="swarm-announce", daemon=True).start()
+
+    # --- the fleet ---------------------------------------------------------------
+
+    def announce(self) -> None:
+        """Tell the tracker what this node holds; take who else holds it, and who the fleet is."""
+        held = set(self.swarm.held()) | self.fetching
+        node, token = runtime.node_name(), runtime.token()
+        if not (node and token):
+            return
+        url = settings.BYTES_URL + "announce"
+        params = [("info_hash", h) for h in sorted(held)] or [("info_hash", "0" * 64)]
+        params.append(("port", str(self.swarm.listen_port)))
+        if host := advertised_host():
+            params.append(("host", host))
+        secret = credentials.bytes_pass(signing.token_hash(token), node)
+        try:
+            response = self._http.get(url, params=params, headers=credentials.bearer(secret), timeout=TIMEOUT)
+        except requests.RequestException as error:
+            self._say(f"the tracker {url} did not answer ({describe(error)}); peers stay as they were")
+            return
+        if response.status_code == 401:
+            # Revoked: the fleet will not serve this node, and it serves nobody.
+            self.swarm.allow([])
+            with self._lock:
+                self.peers = {}
+            self._say(f"the tracker {url} refused this node's pass: it serves no peer and gets none")
+            return
+        try:
+            said = response.json()
+            fleet = [str(a) for a in said["fleet"]]
+            peers = {h: [(p["host"], int(p["port"])) for p in ps] for h, ps in said["peers"].items()}
+        except (ValueError, KeyError, TypeError):
+            self._say(f"the tracker {url} answered {response.status_code} without a peer list")
+            return
+        self._said = ""
+        self.swarm.allow(fleet)
+        with self._lock:
+            self.peers.update(peers)
+
+    def _say(self, sentence: str) -> None:
+        if sentence != self._said:
+            self._said = sentence
+            log.warning("%s", sentence)
+
+    def _keep_announcing(self) -> None:
+        while not self._stop.is_set() and not self.swarm.closed:
+            try:
+                self.seed_complete_sets()
+                self.announce()
+            except Exception:
+                log.exception("announcing this node's torrents")
+            self._stop.wait(ANNOUNCE_S)
+
+    def peers_of(self, info_hash: str) -> list[tuple[str, int]]:
+        with self._lock:
+            return list(self.peers.get(info_hash, []))
+
+    # --- seeding -------------------------------------------------------------------
+
+    def remember(self, torrent: bytes, directory: Path) -> str:
+        """Keep a set's torrent beside the cache's records, so that a restarted node seeds it again."""
+        key = info_hash_of(torrent)
+        where = state_dir(self.cache) / "torrents"
+        where.mkdir(parents=True, exist_ok=True)
+        (where / f"{key}.torrent").write_bytes(torrent)
+        (where / f"{key}.json").write_text(json.dumps({"directory": str(directory)}))
+        return key
+
+    def seed_complete_sets(self) -> None:
+        """Every set whose `.complete` is there is seeded; one no longer complete is not."""
+        where = state_dir(self.cache) / "torrents"
+        held = self.swarm.held()
+        for meta in where.glob("*.json") if where.exists() else []:
+            key = meta.stem
+            if key in self.fetching:
+                continue
+            try:
+                directory = Path(json.loads(meta.read_text())["directory"])
+            except (OSError, ValueError, KeyError):
+                continue
+            complete = (directory / ".complete").exists()
+            if complete and not held.get(key):
+                try:
+                    self.swarm.seed((where / f"{key}.torrent").read_bytes(), directory)
+                except (OSError, SwarmError) as error:
+                    log.warning("not seeding %s: %s", directory, error)
+            elif not complete and key in held:
+                self.swarm.forget(key)
+
+    # --- fetching ------------------------------------------------------------------
+
+    def fetch(self, torrent: bytes, directory: Path, source: str, single_file: bool, progress, **stall) -> dict:
+        key = info_hash_of(torrent)
+        self.remember(torrent, directory)
+        self.fetching.add(key)
+        try:
+            self.announce()
+            seeds_made = {"at": 0.0, "url": ""}
+
+            def web_seeds() -> list[str]:
+                if time.monotonic() - seeds_made["at"] >= RENEW_PASS_S:
+                    seeds_made.update(at=time.monotonic(), url=web_seed(source, single_file))
+                return [seeds_made["url"]]
+
+            done = self.swarm.fetch(
+                torrent,
+                directory,
+                web_seeds=web_seeds,
+                peers=lambda: self.peers_of(key),
+                progress=progress,
+                resume_path=resume_path(self.cache, key),
+                **stall,
+            )
+        finally:
+            self.fetching.discard(key)
+        return {
+            "bytes_from_peers": done.bytes_from_peers,
+            "bytes_from_mirror": done.bytes_from_web_seeds,
+            "banned": done.banned,
+            "stalled": done.stalled,
+            "seconds": done.seconds,
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        self.swarm.close()
+
+
+# --- the session's process, and how a fetch talks to it ---------------------------------
+
+
+def serve(node_swarm: NodeSwarm, path: Path, stop: threading.Event) -> None:
+    """Answer fetches from the worker's processes: one connection per fetch, progress sent back as it goes."""
+    path.unlink(missing_ok=True)
+    listener = Listener(str(path), family="AF_UNIX", authkey=_authkey())
+    os.chmod(path, 0o600)
+
+    def one(conn) -> None:
+        with conn:
+            try:
+                ask = conn.recv()
+
+                def progress(status) -> None:
+                    conn.send(("status", status.__dict__))  # a closed connection stops the fetch here
+
+                result = node_swarm.fetch(
+                    ask["torrent"],
+                    Path(ask["directory"]),
+                    ask["source"],
+                    ask["single_file"],
+                    progress,
+                    **ask["stall"],
+                )
+                conn.send(("done", result))
+            except SwarmError as error:
+                _send(conn, ("error", str(error), error.transient))
+            except (EOFError, OSError, BrokenPipeError):
+                pass  # the fetch that asked is gone (cancelled, killed)
+            except Exception as error:
+                log.exception("a fetch through the session failed")
+                _send(conn, ("error", f"the node's libtorrent session failed: {error}", True))
+
+    threading.Thread(target=lambda: (stop.wait(), listener.close()), daemon=True).start()
+    while not stop.is_set():
+        try:
+            conn = listener.accept()
+        except (OSError, EOFError):
+            if stop.is_set():
+                return
+            continue
+        threading.Thread(target=one, args=(conn,), name="swarm-fetch", daemon=True).start()
+
+
+def _send(conn, message) -> None:
+    try:
+        conn.send(message)
+    except (OSError, BrokenPipeError):
+        pass
+
+
+_local: NodeSwarm | None = None
+_local_lock = threading.Lock()
+
+
+def fetch(torrent: bytes, directory: Path, source: str, single_file: bool, progress, **stall) -> dict:
+    """Fetch through the node's session (its process, else one made in this process); raises SwarmError.
+
+    `progress(status_dict)` is called as it goes; raising from it stops the fetch.
+    """
+    cache = runtime.cache_dir()
+    path = socket_path(cache)
+    conn = None
+    if path.exists():
+        try:
+            conn = Client(str(path), family="AF_UNIX", authkey=_authkey())
+        except (OSError, EOFError):
+            conn = None  # left behind by a session that is gone
+    if conn is None:
+        global _local
+        with _local_lock:
+            if _local is None:
+                _local = NodeSwarm(cache, 0)
+        return _local.fetch(torrent, directory, source, single_file, lambda s: progress(s.__dict__), **stall)
+    with conn:
+        conn.send(
+            {
+                "torrent": torrent,
+                "directory": str(directory),
+                "source": source,
+                "single_file": single_file,
+                "stall": stall,
+            }
+        )
+        while True:
+            try:
+                kind, *said = conn.recv()
+            except EOFError:
+                raise SwarmError("the node's libtorrent session went away during the fetch", transient=True) from None
+            if kind == "status":
+                progress(said[0])
+            elif kind == "done":
+                return said[0]
+            else:
+                raise SwarmError(said[0], transient=said[1])
+
+
+def start():
+    """Called by the agent command: the session as a process of its own beside the worker."""
+    import subprocess
+
+    env = dict(os.environ, LLMGW_NODE_TOKEN=runtime.token())
+    argv = [sys.executable, "-m", "agent.peers", "--cache", str(runtime.cache_dir()), "--parent", str(os.getpid())]
+    return subprocess.Popen(argv, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="This node's libtorrent session: fetch sets, seed what it holds.")
+    parser.add_argument("--cache", required=True, type=Path)
+    parser.add_argument("--parent", type=int, default=0, help="exit when this process (the agent) is gone")
+    options = parser.parse_args(argv)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agent.settings")
+    import django
+
+    django.setup()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s peers: %(message)s")
+    os.environ[runtime.AGENT_CACHE] = str(options.cache)
+    state_dir(options.cache).mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if options.parent:
+
+        def watch_parent() -> None:
+            while not stop.is_set():
+                if os.getppid() != options.parent:
+                    stop.set()
+                stop.wait(1)
+
+        threading.Thread(target=watch_parent, daemon=True).start()
+    node_swarm = NodeSwarm(options.cache, settings.PEER_PORT)
+    log.info("serving the fleet on port %d", node_swarm.swarm.listen_port)
+    threading.Thread(target=serve, args=(node_swarm, socket_path(options.cache), stop), daemon=True).start()
+    stop.wait()
+    node_swarm.close()
+    socket_path(options.cache).unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

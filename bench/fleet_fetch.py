@@ -1,0 +1,657 @@
+#!/usr/bin/env python
+"""Weights to a whole fleet (issue 24): one node, eight from the mirror only, eight with peers; and one node at 50 ms.
+
+    sudo .venv/bin/python bench/fleet_fetch.py [--size-mib 1024] [--rate-mbit 400] [--nodes 8]
+                                               [--rtt-ms 50] [--conn-mbit 40] [--rtt-size-mib 1024]
+
+Nodes are network namespaces on one bridge (tests/netns.py, as in the fleet test); the
+byte listener (gunicorn, sendfile, public: the pass is not what is measured) runs on
+this host, on the bridge. Every link is shaped with `tc tbf` to the same rate
+(--rate-mbit): the byte listener's host (the bridge's egress, which only traffic from
+this host passes; node-to-node traffic is forwarded between the bridge's ports), and
+each node's download (its veth's egress on the bridge side) and upload (its interface's
+egress inside its namespace). The set is generated, not downloaded: four files of
+--size-mib in all, random bytes, in the mirror as bench/v1; the mirror hashes it and
+makes its v2 torrent (4 MiB pieces) before anything is timed.
+
+Each node runs `contracts.swarm.Swarm` (libtorrent) in a process of its own inside its
+namespace, the byte listener as its web seed. All nodes of a run are started and
+waited on until their session is up, then told to go at once; a run's time is from
+"go" to the last node's last verified piece, and a node keeps seeding until the run ends.
+
+- one node alone: T1;
+- N nodes at once, mirror only: no peer may connect (the engine's allow-list empty);
+- N nodes at once with peers: each node is given the others' addresses (what the control
+  plane hands an agent) and may connect to them only;
+- the agent's own path: each node runs `python -m agent.peers` (the node's one libtorrent
+  session, as `manage.py agent` starts it beside its worker: peers from the byte listener's
+  tracker, enrolled nodes only) and `manage.py fetch` through it, against a second byte
+  listener that serves only enrolled nodes (with Redis for the tracker); one node alone
+  (T1 agent), then N at once; its times include each fetch command's start;
+- bytes the byte listener's host sent on the bridge in each run (tx counter of the bridge);
+- one node, one file of --rtt-size-mib, through a relay on this host that holds every
+  chunk --rtt-ms/2 each way and limits each TCP connection to --conn-mbit (this kernel has
+  no netem or fq: `tc` cannot delay or pace per flow here), libtorrent against curl's single
+  stream.
+
+Ratios are against the named figure of the same run. Root is needed (namespaces, tc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+PEER_PORT = 6881
+NAMES = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+
+
+# --- inside a node's namespace ---------------------------------------------------------
+
+
+def node_main(args) -> None:
+    """One node: set up the session, say "ready", fetch at "go", say what it got, seed until stdin closes."""
+    from contracts.swarm import Swarm
+
+    torrent = Path(args.torrent).read_bytes()
+    peers = [(p, PEER_PORT) for p in args.peers.split(",") if p]
+    swarm = Swarm(listen_port=PEER_PORT, listen_host=args.listen)
+    swarm.allow(p for p, _ in peers)
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    started = time.monotonic()
+    done = swarm.fetch(torrent, args.dest, web_seeds=args.seed.split(","), peers=peers, stall_s=60)
+    print(
+        json.dumps(
+            {
+                "seconds": time.monotonic() - started,
+                "from_peers": done.bytes_from_peers,
+                "from_web": done.bytes_from_web_seeds,
+                "bytes": done.bytes_total,
+            }
+        ),
+        flush=True,
+    )
+    sys.stdin.read()  # seeding for the others until the run ends
+    swarm.close()
+
+
+# --- on this host ----------------------------------------------------------------------
+
+
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+def tbf(device: str, mbit: int, namespace: str | None = None) -> None:
+    burst = max(64 << 10, mbit * 1_000_000 // 8 // 100)  # at least a 10 ms tick of bytes
+    prefix = ["ip", "netns", "exec", namespace] if namespace else []
+    sh(
+        *prefix,
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        device,
+        "root",
+        "tbf",
+        "rate",
+        f"{mbit}mbit",
+        "burst",
+        str(burst),
+        "latency",
+        "200ms",
+    )
+
+
+def tx_bytes(device: str) -> int:
+    return int(Path(f"/sys/class/net/{device}/statistics/tx_bytes").read_text())
+
+
+def write_set(directory: Path, names: list[str], total_mib: int) -> int:
+    directory.mkdir(parents=True)
+    each = (total_mib << 20) // len(names)
+    for name in names:
+        with open(directory / name, "wb") as fh:
+            left = each
+            while left:
+                chunk = os.urandom(min(left, 8 << 20))
+                fh.write(chunk)
+                left -= len(chunk)
+    then = time.time_ns() - 3600 * 10**9  # copied in an hour ago: settled
+    for name in names:
+        os.utime(directory / name, ns=(then, then))
+    return each * len(names)
+
+
+def get(url: str, timeout: float = 600) -> bytes:
+    """The body once the mirror answers 200 (it answers 503 while it hashes and makes the torrent)."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            answer = requests.get(url, timeout=600)
+        except requests.RequestException:
+            time.sleep(0.5)
+            continue
+        if answer.status_code == 200 and (not url.endswith("/") or "torrent" in answer.json()):
+            return answer.content
+        time.sleep(1)
+    raise SystemExit(f"{url} did not answer 200 within {timeout:g} s")
+
+
+class Node:
+    def __init__(self, host, work: Path, torrent: Path, seed: str, peers: list[str]):
+        self.host = host
+        self.dest = work / "nodes" / host.name.rsplit("-", 1)[1]
+        shutil.rmtree(self.dest, ignore_errors=True)
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "node",
+            "--torrent",
+            str(torrent),
+            "--dest",
+            str(self.dest),
+            "--seed",
+            seed,
+            "--listen",
+            host.address,
+            "--peers",
+            ",".join(peers),
+        ]
+        self.log = open(work / f"{host.name}.log", "ab")
+        self.process = subprocess.Popen(
+            host.argv(argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            start_new_session=True,
+        )
+        self.result: dict | None = None
+
+    def wait_ready(self) -> None:
+        line = self.process.stdout.readline().strip()
+        if line != "ready":
+            raise SystemExit(f"node {self.host.name} did not start: {line!r}; see its log")
+
+    def go(self) -> None:
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def wait_done(self) -> dict:
+        line = self.process.stdout.readline().strip()
+        try:
+            self.result = json.loads(line)
+        except ValueError:
+            raise SystemExit(f"node {self.host.name} failed: {line!r}; see its log") from None
+        return self.result
+
+    def stop(self) -> None:
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.log.close()
+        shutil.rmtree(self.dest, ignore_errors=True)
+
+
+def run_nodes(hosts, work: Path, torrent: Path, seed: str, with_peers: bool, bridge: str) -> dict:
+    """Start a node in each host, wait until all are up, say go, and time the last one's last piece."""
+    nodes = []
+    try:
+        for host in hosts:
+            peers = [h.address for h in hosts if h is not host] if with_peers else []
+            nodes.append(Node(host, work, torrent, seed, peers))
+        for node in nodes:
+            node.wait_ready()
+        sent_before = tx_bytes(bridge)
+        started = time.monotonic()
+        for node in nodes:
+            node.go()
+        results = []
+        done_at = []
+        threads = []
+
+        def wait(node):
+            results.append(node.wait_done())
+            done_at.append(time.monotonic() - started)
+
+        for node in nodes:
+            threads.append(threading.Thread(target=wait, args=(node,)))
+            threads[-1].start()
+        for thread in threads:
+            thread.join()
+        seconds = max(done_at)
+        sent = tx_bytes(bridge) - sent_before
+        for node in nodes:
+            got = sum(p.stat().st_size for p in node.dest.rglob("*") if p.is_file())
+            if got != node.result["bytes"]:
+                raise SystemExit(f"node {node.host.name} holds {got} bytes, not {node.result['bytes']}")
+    finally:
+        for node in nodes:
+            node.stop()
+    return {
+        "seconds": seconds,
+        "mirror_sent": sent,
+        "from_peers": sum(r["from_peers"] for r in results),
+        "from_web": sum(r["from_web"] for r in results),
+        "slowest_node": max(r["seconds"] for r in results),
+        "fastest_node": min(r["seconds"] for r in results),
+    }
+
+
+# --- the agent's own path: its libtorrent session process, peers from the byte listener's tracker ---
+
+
+class Agents:
+    """Each node as `manage.py agent` runs its fetches: `python -m agent.peers` (the node's one session,
+    announcing to the byte listener's tracker, seeding what it holds) and `manage.py fetch` through it."""
+
+    def __init__(self, hosts, work: Path, bytes_url: str, redis_url: str, tokens: dict[str, str]):
+        self.hosts, self.work, self.bytes_url = hosts, work, bytes_url
+        self.redis_url, self.tokens = redis_url, tokens
+        self.sessions: list[subprocess.Popen] = []
+
+    def env(self, index: int, host) -> dict:
+        cache = self.work / "agents" / f"n{index}"
+        return {
+            "PATH": os.environ["PATH"],
+            "HOME": os.environ.get("HOME", "/root"),
+            "PYTHONUNBUFFERED": "1",
+            "LLMGW_NODE_NAME": f"n{index}",
+            "LLMGW_NODE_TOKEN": self.tokens[f"n{index}"],
+            "REDIS_URL": self.redis_url,
+            "LLMGW_BYTES_URL": self.bytes_url,
+            "LLMGW_VAR": str(self.work / "agents" / f"var-n{index}"),
+            "LLMGW_AGENT_CACHE": str(cache),
+            "LLMGW_ENGINE_ADVERTISE": host.address,
+            "LLMGW_PEER_PORT": str(PEER_PORT),
+        }
+
+    def run(self, count: int, bridge: str) -> dict:
+        hosts = self.hosts[:count]
+        shutil.rmtree(self.work / "agents", ignore_errors=True)
+        logs = []
+        try:
+            for index, host in enumerate(hosts, 1):
+                env = self.env(index, host)
+                log = open(self.work / f"agent-n{index}.log", "ab")
+                logs.append(log)
+                argv = [sys.executable, "-m", "agent.peers", "--cache", env["LLMGW_AGENT_CACHE"]]
+                self.sessions.append(
+                    subprocess.Popen(host.argv(argv), env=env, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
+                )
+            for index, _ in enumerate(hosts, 1):
+                sock = self.work / "agents" / f"n{index}"
+                until = time.monotonic() + 60
+                while not list(sock.rglob("session.sock")):
+                    if time.monotonic() > until:
+                        raise SystemExit(f"node n{index}'s session did not start; see agent-n{index}.log")
+                    time.sleep(0.2)
+            sent_before = tx_bytes(bridge)
+            started = time.monotonic()
+            fetches = [
+                subprocess.Popen(
+                    host.argv([sys.executable, "manage.py", "fetch", "--quiet", f"{self.bytes_url}bench/v1/"]),
+                    env=self.env(index, host),
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=logs[index - 1],
+                    text=True,
+                )
+                for index, host in enumerate(hosts, 1)
+            ]
+            times = []
+            for index, fetch in enumerate(fetches, 1):
+                out, _ = fetch.communicate(timeout=3600)
+                times.append(time.monotonic() - started)
+                if fetch.returncode != 0 or not (Path(out.strip()) / ".complete").exists():
+                    raise SystemExit(f"node n{index}'s fetch failed; see agent-n{index}.log")
+            seconds = max(times)
+            sent = tx_bytes(bridge) - sent_before
+        finally:
+            for session in self.sessions:
+                os.killpg(session.pid, signal.SIGTERM)
+                try:
+                    session.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(session.pid, signal.SIGKILL)
+                    session.wait()
+            self.sessions = []
+            for log in logs:
+                log.close()
+            shutil.rmtree(self.work / "agents", ignore_errors=True)
+        return {"seconds": seconds, "mirror_sent": sent, "from_peers": None, "from_web": None}
+
+
+# --- the 50 ms case: a relay that delays and limits each connection ---------------------
+
+
+def start_relay(listen: tuple[str, int], upstream: tuple[str, int], one_way_s: float, conn_bytes_s: float):
+    """A TCP relay on this host: every chunk is held `one_way_s` in each direction, and each
+    connection's bytes towards the client are paced to `conn_bytes_s`. In a thread of its own."""
+    loop = asyncio.new_event_loop()
+
+    async def pipe(reader, writer, pace: float | None):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def send():
+            budget_start, sent = time.monotonic(), 0
+            while True:
+                due, data = await queue.get()
+                if data is None:
+                    break
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if pace:
+                    sent += len(data)
+                    ahead = sent / pace - (time.monotonic() - budget_start)
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        sender = asyncio.ensure_future(send())
+        try:
+            while data := await reader.read(64 << 10):
+                await queue.put((time.monotonic() + one_way_s, data))
+        except ConnectionError:
+            pass
+        await queue.put((0, None))
+        try:
+            await sender
+        except ConnectionError:
+            pass
+
+    async def handle(client_reader, client_writer):
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*upstream)
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(
+            pipe(client_reader, up_writer, None), pipe(up_reader, client_writer, conn_bytes_s), return_exceptions=True
+        )
+
+    async def serve():
+        server = await asyncio.start_server(handle, *listen)
+        async with server:
+            await server.serve_forever()
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
+    thread.start()
+    return loop
+
+
+def one_node_at_rtt(host, work: Path, mirror: Path, fleet_address: str, bytes_port: int, args) -> dict:
+    import socket
+
+    ports = []
+    for _ in range(args.rtt_seeds):
+        with socket.socket() as s:
+            s.bind((fleet_address, 0))
+            ports.append(s.getsockname()[1])
+    for port in ports:
+        start_relay(
+            (fleet_address, port), (fleet_address, bytes_port), args.rtt_ms / 2000, args.conn_mbit * 1_000_000 / 8
+        )
+    relay_port = ports[0]
+    relay = f"http://{fleet_address}:{relay_port}/"
+    torrent = work / "one.torrent"
+    get(f"{relay}bench/one/")
+    torrent.write_bytes(get(f"{relay}bench/one/?torrent"))
+    out = {}
+    dest = work / "curl"
+    dest.mkdir(exist_ok=True)
+    started = time.monotonic()
+    subprocess.run(host.argv(["curl", "-sf", "-o", str(dest / "one.bin"), f"{relay}bench/one/one.bin"]), check=True)
+    out["curl"] = time.monotonic() - started
+    shutil.rmtree(dest)
+    # A single-file torrent: its web seed is the version's own address.
+    result = run_nodes([host], work, torrent, f"{relay}bench/one/", False, "lo")
+    out["libtorrent"] = result["seconds"]
+    if args.rtt_seeds > 1:
+        # The same mirror under several addresses (one relay port each): libtorrent opens one
+        # connection per web seed URL, so this is what several connections to the mirror would give.
+        seeds = ",".join(f"http://{fleet_address}:{port}/bench/one/" for port in ports)
+        out[f"libtorrent, {args.rtt_seeds} web seed URLs"] = run_nodes([host], work, torrent, seeds, False, "lo")[
+            "seconds"
+        ]
+    return out
+
+
+def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup: list) -> Agents:
+    """What the agent's path needs on this host: Redis (the tracker's peer lists), a byte listener that
+    serves only enrolled nodes (the tracker names them), and each node enrolled."""
+    import secrets
+    import socket
+
+    def port_on_bridge() -> int:
+        with socket.socket() as s:
+            s.bind((fleet.address, 0))
+            return s.getsockname()[1]
+
+    redis_port, bytes_port = port_on_bridge(), port_on_bridge()
+    password = secrets.token_hex(16)
+    redis_url = f"redis://:{password}@{fleet.address}:{redis_port}/0"
+    cleanup.append(
+        subprocess.Popen(
+            [
+                "redis-server",
+                "--bind",
+                fleet.address,
+                "--port",
+                str(redis_port),
+                "--requirepass",
+                password,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=open(work / "redis.log", "ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    )
+    private = dict(
+        env, LLMGW_BYTES_PUBLIC="false", REDIS_URL=redis_url, LLMGW_BYTES_ADDR=f"{fleet.address}:{bytes_port}"
+    )
+    tokens = {}
+    for index in range(1, len(hosts) + 1):
+        made = subprocess.run(
+            [sys.executable, "manage.py", "node_token", f"n{index}"],
+            env=private,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        tokens[f"n{index}"] = made.stdout.strip().splitlines()[-1]
+    cleanup.append(
+        subprocess.Popen(
+            [sys.executable, "manage.py", "byte_listener"],
+            env=private,
+            cwd=ROOT,
+            start_new_session=True,
+            stdout=open(work / "byte-listener-private.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
+    )
+    url = f"http://{fleet.address}:{bytes_port}/"
+    until = time.monotonic() + 60
+    import requests
+
+    while True:
+        try:
+            if requests.get(url, timeout=2).status_code == 401:
+                break
+        except requests.RequestException:
+            pass
+        if time.monotonic() > until:
+            raise SystemExit("the byte listener for the agents did not start; see byte-listener-private.log")
+        time.sleep(0.3)
+    return Agents(hosts, work, url, redis_url, tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="role")
+    node = sub.add_parser("node")
+    for option in ("--torrent", "--dest", "--seed", "--listen"):
+        node.add_argument(option, required=True)
+    node.add_argument("--peers", default="")
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--rate-mbit", type=int, default=400, help="every link's rate (400 Mbit/s = 50 MB/s)")
+    parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument("--rtt-ms", type=int, default=50)
+    parser.add_argument("--conn-mbit", type=int, default=40, help="each connection's limit in the RTT case")
+    parser.add_argument("--rtt-size-mib", type=int, default=256)
+    parser.add_argument("--rtt-seeds", type=int, default=4, help="also libtorrent given this many URLs of the mirror")
+    parser.add_argument("--skip", default="", help="comma-separated: t1, mirror, peers, agents, rtt")
+    args = parser.parse_args()
+    if args.role == "node":
+        return node_main(args)
+    if os.geteuid() != 0 or shutil.which("tc") is None:
+        raise SystemExit("bench/fleet_fetch.py needs root and tc (iproute2): nodes are namespaces, links are shaped")
+    skip = set(filter(None, args.skip.split(",")))
+
+    from tests.netns import Fleet
+
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-fleet-fetch-"))
+    os.chmod(work, 0o755)
+    mirror = work / "mirror"
+    total = write_set(mirror / "bench" / "v1", NAMES, args.size_mib)
+    if "rtt" not in skip:
+        write_set(mirror / "bench" / "one", ["one.bin"], args.rtt_size_mib)
+    fleet = Fleet()
+    listener = None
+    cleanup: list[subprocess.Popen] = []
+    try:
+        hosts = [fleet.add_host(f"n{i}") for i in range(1, args.nodes + 1)]
+        with __import__("socket").socket() as s:
+            s.bind((fleet.address, 0))
+            bytes_port = s.getsockname()[1]
+        env = dict(
+            os.environ,
+            DJANGO_SETTINGS_MODULE="llmgw_site.settings",
+            LLMGW_MIRROR_ROOT=str(mirror),
+            LLMGW_BYTES_ADDR=f"{fleet.address}:{bytes_port}",
+            LLMGW_VAR=str(work / "var"),
+            DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
+            LLMGW_BYTES_PUBLIC="true",
+            LLMGW_MIRROR_HASH_INLINE_BYTES=str(max(args.size_mib, args.rtt_size_mib) << 21),
+        )
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
+        listener = subprocess.Popen(
+            [sys.executable, "manage.py", "byte_listener"],
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+            stdout=open(work / "byte-listener.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
+        base = f"http://{fleet.address}:{bytes_port}/"
+        print(f"hashing {total / (1 << 30):.2f} GiB and making its torrent …", flush=True)
+        get(f"{base}bench/v1/")
+        torrent = work / "v1.torrent"
+        torrent.write_bytes(get(f"{base}bench/v1/?torrent"))
+
+        # Every link at the same rate: the mirror host's uplink, each node's down- and uplink.
+        tbf(fleet.bridge, args.rate_mbit)
+        for index, host in enumerate(hosts, 1):
+            tbf(host.veth, args.rate_mbit)
+            tbf(f"lg{fleet.tag}n{index}", args.rate_mbit, namespace=host.name)  # the node's end (tests/netns.py)
+        seed = f"{base}bench/"  # a folder torrent: libtorrent adds v1/<file>
+        rows = {}
+        if "t1" not in skip:
+            rows["one node alone (T1)"] = run_nodes(hosts[:1], work, torrent, seed, False, fleet.bridge)
+            print("T1", rows["one node alone (T1)"], flush=True)
+        if "mirror" not in skip:
+            rows[f"{args.nodes} nodes, mirror only"] = run_nodes(hosts, work, torrent, seed, False, fleet.bridge)
+            print("mirror only", rows[f"{args.nodes} nodes, mirror only"], flush=True)
+        if "peers" not in skip:
+            rows[f"{args.nodes} nodes, with peers"] = run_nodes(hosts, work, torrent, seed, True, fleet.bridge)
+            print("with peers", rows[f"{args.nodes} nodes, with peers"], flush=True)
+        if "agents" not in skip:
+            agents = start_agents_side(fleet, hosts, work, mirror, env, cleanup)
+            rows["one node alone, the agent's path (T1 agent)"] = agents.run(1, fleet.bridge)
+            print("agent T1", rows["one node alone, the agent's path (T1 agent)"], flush=True)
+            rows[f"{args.nodes} nodes, the agent's path (peers from the tracker)"] = agents.run(
+                len(hosts), fleet.bridge
+            )
+            print("agents", rows[f"{args.nodes} nodes, the agent's path (peers from the tracker)"], flush=True)
+        rtt = None
+        if "rtt" not in skip:
+            rtt = one_node_at_rtt(hosts[0], work, mirror, fleet.address, bytes_port, args)
+            print("rtt", rtt, flush=True)
+
+        print(
+            f"\n{len(NAMES)} files, {total / (1 << 30):.2f} GiB; every link {args.rate_mbit} Mbit/s "
+            f"({args.rate_mbit / 8:.0f} MB/s); {args.nodes} nodes\n"
+        )
+        t1 = rows.get("one node alone (T1)", {}).get("seconds")
+        t1_agent = rows.get("one node alone, the agent's path (T1 agent)", {}).get("seconds")
+
+        def gib(value) -> str:
+            return "—" if value is None else f"{value / (1 << 30):.2f} GiB"
+
+        print("| run | time | vs T1 | the byte listener's host sent | vs the set | from peers | from the mirror |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for name, row in rows.items():
+            agent_row = "agent's path" in name
+            reference, label = (t1_agent, "T1 agent") if agent_row else (t1, "T1")
+            ratio = f"{row['seconds'] / reference:.2f} × {label}" if reference else "—"
+            print(
+                f"| {name} | {row['seconds']:.1f} s | {ratio} | {gib(row['mirror_sent'])} | "
+                f"{row['mirror_sent'] / total:.2f} × | {gib(row['from_peers'])} | {gib(row['from_web'])} |"
+            )
+        if rtt:
+            print(
+                f"\none node, one file of {args.rtt_size_mib} MiB, {args.rtt_ms} ms round trip, "
+                f"{args.conn_mbit} Mbit/s a connection\n"
+            )
+            print("| how | time | throughput | vs curl |")
+            print("| --- | --- | --- | --- |")
+            size = args.rtt_size_mib << 20
+            for name in rtt:  # curl first
+                print(
+                    f"| {name} | {rtt[name]:.1f} s | {size / rtt[name] / 1e6:.1f} MB/s | "
+                    f"{rtt['curl'] / rtt[name]:.2f} × |"
+                )
+    finally:
+        for process in [listener, *cleanup]:
+            if process is not None:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=30)
+        fleet.remove()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

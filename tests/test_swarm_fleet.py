@@ -1,0 +1,336 @@
+"""Issue 24 over hosts as network namespaces: nodes share a set's verified pieces, and only with the fleet.
+
+Redis and the byte listener on a bridge this host makes (tests/netns.py, tests/fleet_netns.py, with
+none of the rest of the control plane: a fetch needs only these), behind the counting proxy
+the nodes fetch through, which can hold back any answer to act out a stalled source. Nodes
+n1, n2 and n3 each run `manage.py agent` in a namespace of their own; a fetch is the signed
+task the control plane sends, and its progress is read where the agent publishes it, in Redis
+under the version's address. The tests run in order on one fleet:
+
+1. n1 fetches a set from the mirror alone;
+2. n2 fetches it while the mirror holds back every file and then is stopped: whole, from n1;
+3. n3's fetch stalls on the last piece of a file (the mirror holds that answer forever): its
+   progress and its log name the stalled mirror, and once n1 holds the set, n3 completes;
+4. n1's copy rots (one byte flipped, size and mtime kept): n3 fetching from it alone finds the
+   piece's hash wrong and bans n1, then completes from the mirror;
+5. n3 killed mid-fetch resumes and fetches only the pieces it had not verified;
+6. a host on the fleet's network without a node's credentials gets no piece from n1.
+
+The byte listener "stopped" in 2 is SIGSTOPped (connections taken, nothing answered) and
+continued after, rather than killed and started again: a restart under a loaded machine
+took longer than its start-up wait.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import redis
+import requests
+
+from . import netns
+
+if reason := netns.unavailable():
+    pytest.skip(reason, allow_module_level=True)
+
+import libtorrent as lt  # noqa: E402
+
+from agent.fetch import cache_path  # noqa: E402
+from contracts import credentials, signing  # noqa: E402
+from contracts import progress as contracts_progress  # noqa: E402
+from fleet.enrolment import issue_token  # noqa: E402
+
+from .fleet_netns import ControlPlane, Node  # noqa: E402
+from .support.database import db_access  # noqa: E402, F401  (a fixture)
+from .support.fleet import send_fetch  # noqa: E402
+from .support.mirror import settle  # noqa: E402
+from .support.waiting import wait_until  # noqa: E402
+
+MIB = 1 << 20
+PIECE = 4 * MIB
+# Short, so that a stall is seen in seconds: under 64 KiB/s for 3 s is a stall.
+STALL = {"LLMGW_FETCH_STALL_S": "3", "LLMGW_FETCH_STALL_BYTES_S": str(64 << 10)}
+
+
+def content(name: str, size: int) -> bytes:
+    import hashlib
+
+    block = b"".join(hashlib.sha256(f"{name}:{i}".encode()).digest() for i in range(4096))
+    return (block * (size // len(block) + 1))[:size]
+
+
+VERSIONS = {
+    "v1": {"a.bin": 10 * MIB + 3, "b.bin": 6 * MIB, "config.json": 100},
+    "v2": {"a.bin": 10 * MIB + 3, "b.bin": 2 * MIB},
+    "v3": {"w.bin": 28 * MIB, "x.bin": MIB},
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported above)
+    log_dir = tmp_path_factory.mktemp("swarm-netns")
+    network = netns.Fleet()
+    control = None
+    nodes: dict[str, Node] = {}
+    try:
+        mirror = log_dir / "mirror"
+        for version, files in VERSIONS.items():
+            (mirror / "tiny" / version).mkdir(parents=True)
+            for name, size in files.items():
+                (mirror / "tiny" / version / name).write_bytes(content(version + name, size))
+        settle(mirror)
+        control = ControlPlane(network, mirror, log_dir, whole=False)
+        for name in ("n1", "n2", "n3"):
+            node = Node(name, network.add_host(name), issue_token(name), control, log_dir)
+            env = {**Node.env(node), **STALL}
+            node.env = lambda env=env: env  # one peer port for the node's whole life
+            node.start_agent()
+            nodes[name] = node
+        stranger = network.add_host("stranger")
+        yield control, nodes, stranger
+    finally:
+        for node in nodes.values():
+            node.kill_everything()
+        if control is not None:
+            control.stop()
+        network.remove()
+
+
+def source_of(control: ControlPlane, version: str) -> str:
+    return control.bytes_url + f"tiny/{version}/"
+
+
+def progress_of(control: ControlPlane, node: Node, source: str) -> dict:
+    client = redis.Redis.from_url(control.redis_url, socket_timeout=5)
+    return contracts_progress.read(client, source).get(node.name, {})
+
+
+def fetched(control: ControlPlane, node: Node, version: str, timeout: float = 90) -> dict:
+    """Until the node's progress on the version says complete (a failure says why at once); its last progress."""
+    source = source_of(control, version)
+
+    def complete():
+        said = progress_of(control, node, source)
+        if said.get("state") == "failed":
+            raise AssertionError(f"{node.name}'s fetch of {version} failed: {said}\n{node.agent.output()[-3000:]}")
+        return said.get("state") == "complete" and said
+
+    return wait_until(
+        complete,
+        timeout,
+        what=lambda: f"{node.name} to fetch {version}: {progress_of(control, node, source)}\n"
+        f"{node.agent.output()[-3000:]}",
+        interval=0.3,
+    )
+
+
+def assert_same_as_the_mirror(control: ControlPlane, node: Node, version: str) -> None:
+    directory = cache_path(source_of(control, version), node.cache)
+    assert (directory / ".complete").exists()
+    for name in VERSIONS[version]:
+        assert (directory / name).read_bytes() == (control.mirror / "tiny" / version / name).read_bytes(), name
+
+
+def file_request(version: str, node: Node):
+    """A predicate for the proxy's `hold`: a request for one of the version's files, from that node."""
+
+    def held(client: str, path: str, _range: str) -> bool:
+        name = path.rsplit("/", 1)[1]
+        in_version = path.startswith(f"/tiny/{version}/")
+        return client == node.host.address and in_version and name != "" and not name.startswith("?")
+
+    return held
+
+
+def test_a_node_fetches_a_set_from_the_mirror_alone(fleet):
+    control, nodes, _ = fleet
+    send_fetch("n1", source_of(control, "v1"), broker_url=control.redis_url)
+    said = fetched(control, nodes["n1"], "v1")
+    assert_same_as_the_mirror(control, nodes["n1"], "v1")
+    total = sum(VERSIONS["v1"].values())
+    assert said["bytes_from_mirror"] >= total and said["bytes_from_peers"] == 0, said
+
+
+def test_with_the_byte_listener_stopped_a_second_node_gets_the_set_whole_from_the_first(fleet):
+    control, nodes, _ = fleet
+    source = source_of(control, "v1")
+    control.proxy.reset_counts()
+    held = file_request("v1", nodes["n2"])
+    asked, stopped = [], False
+    # The mirror sends n2 no byte of a file: it asks, and waits.
+    control.proxy.hold = lambda *request: held(*request) and not asked.append(request)
+    try:
+        send_fetch("n2", source, broker_url=control.redis_url)
+        wait_until(
+            lambda: asked or progress_of(control, nodes["n2"], source).get("state") == "complete",
+            60,
+            what=lambda: f"n2 to ask the mirror for a file: {progress_of(control, nodes['n2'], source)}",
+        )
+        # Stopped (SIGSTOP, the whole process group): it takes connections and answers nothing,
+        # manifests, torrents and the tracker included.
+        os.killpg(control.byte_listener.popen.pid, signal.SIGSTOP)
+        stopped = True
+        said = fetched(control, nodes["n2"], "v1")
+    finally:
+        control.proxy.hold = None
+        if stopped:
+            os.killpg(control.byte_listener.popen.pid, signal.SIGCONT)
+    assert_same_as_the_mirror(control, nodes["n2"], "v1")
+    total = sum(VERSIONS["v1"].values())
+    assert said["bytes_from_peers"] >= total and said["bytes_from_mirror"] == 0, said
+    assert not any(control.proxy.path_bytes.get(f"/tiny/v1/{n}") for n in VERSIONS["v1"] if n != "config.json")
+
+
+def last_piece_of_a_bin(client: str, path: str, range_: str, node: Node) -> bool:
+    """The mirror's answer to `node` for any range reaching a.bin's last piece: held forever."""
+    if client != node.host.address or path != "/tiny/v2/a.bin":
+        return False
+    m = re.match(r"bytes=(\d+)-(\d+)", range_)
+    return m is not None and int(m.group(2)) >= 2 * PIECE
+
+
+def test_a_fetch_whose_every_source_stalled_says_so_and_completes_once_a_peer_holds_the_piece(fleet):
+    control, nodes, _ = fleet
+    n1, n3 = nodes["n1"], nodes["n3"]
+    source = source_of(control, "v2")
+    control.proxy.hold = lambda client, path, range_: last_piece_of_a_bin(client, path, range_, n3)
+    try:
+        send_fetch("n3", source, broker_url=control.redis_url)
+        stalled = wait_until(
+            lambda: progress_of(control, n3, source).get("stalled"),
+            60,
+            what=lambda: f"n3's progress to say its sources stalled: {progress_of(control, n3, source)}",
+        )
+        assert "every source stalled" in stalled and control.bytes_url.split("//")[1].rstrip("/") in stalled, stalled
+        assert stalled in n3.agent.output(), "the node's log does not say what its progress says"
+        # Now a peer holds the set (n1 is not held back), and n3's fetch completes from it.
+        send_fetch("n1", source, broker_url=control.redis_url)
+        fetched(control, n1, "v2")
+        said = fetched(control, n3, "v2")
+    finally:
+        control.proxy.hold = None
+    assert_same_as_the_mirror(control, n3, "v2")
+    assert said["bytes_from_peers"] > 0 and not said["stalled"], said
+    assert "stalled; its pieces go to other sources" in n3.agent.output()
+
+
+def test_a_peer_that_serves_a_corrupted_piece_is_caught_by_its_hash_and_banned(fleet):
+    control, nodes, _ = fleet
+    n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+    source = source_of(control, "v1")
+    # n1's copy rots: one byte flipped in a.bin's second piece, its size and mtime kept, so n1's own
+    # check of its cache (what it verified at .complete) does not see it and it goes on seeding.
+    rotten = cache_path(source, n1.cache) / "a.bin"
+    stat = rotten.stat()
+    with open(rotten, "r+b") as fh:
+        fh.seek(PIECE + 1000)
+        byte = fh.read(1)
+        fh.seek(PIECE + 1000)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(rotten, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    n2.kill_everything()  # n1 the only peer
+    control.proxy.hold = file_request("v1", n3)  # and the mirror silent to n3, for now
+    try:
+        send_fetch("n3", source, broker_url=control.redis_url)
+        wait_until(
+            lambda: "failed its hash and is banned" in n3.agent.output(),
+            60,
+            what=lambda: f"n3 to ban n1 for a bad piece: {progress_of(control, n3, source)}\n{n3.agent.output()[-2000:]}",
+        )
+        control.proxy.hold = None  # the mirror gives n3 what n1 could not
+        fetched(control, n3, "v1")
+    finally:
+        control.proxy.hold = None
+    assert_same_as_the_mirror(control, n3, "v1")
+    assert f"peer {n1.host.address}:" in n3.agent.output().split("failed its hash and is banned")[0].rsplit("\n", 1)[-1]
+
+
+def test_a_node_killed_mid_fetch_resumes_with_only_the_pieces_it_had_not_verified(fleet):
+    control, nodes, _ = fleet
+    n3 = nodes["n3"]
+    source = source_of(control, "v3")
+    control.proxy.rate = 3 * MIB  # bytes a second for each answer: about ten seconds for the set
+    try:
+        send_fetch("n3", source, broker_url=control.redis_url)
+        wait_until(
+            lambda: progress_of(control, n3, source).get("bytes_done", 0) >= 3 * PIECE,
+            60,
+            what=lambda: f"n3 halfway through v3: {progress_of(control, n3, source)}",
+        )
+        n3.kill_everything()
+    finally:
+        control.proxy.rate = None
+    directory = cache_path(source, n3.cache)
+    assert not (directory / ".complete").exists(), "n3's fetch had finished before it was killed"
+    resume = next((n3.cache / ".swarm" / "resume").iterdir())
+    have = lt.read_resume_data(resume.read_bytes()).have_pieces
+    # v3's pieces: w.bin's seven of 4 MiB, then x.bin's one of 1 MiB (a v2 torrent's files start on a piece).
+    sizes = [PIECE] * 7 + [MIB]
+    kept = sum(size for size, verified in zip(sizes, have, strict=True) if verified)
+    assert kept >= 2 * PIECE, have
+    control.proxy.reset_counts()
+    n3.start_agent()
+    send_fetch("n3", source, broker_url=control.redis_url)
+    fetched(control, n3, "v3")
+    assert_same_as_the_mirror(control, n3, "v3")
+    sent = sum(control.proxy.path_bytes.get(f"/tiny/v3/{n}", 0) for n in VERSIONS["v3"])
+    # What was verified is kept: the resumed fetch asks for what was missing, with at most two pieces'
+    # worth more (measured: a resumed fetch asks the web seed for up to ~5 MiB more than was missing,
+    # not explained yet), where starting over would send the whole set again.
+    missing = sum(VERSIONS["v3"].values()) - kept
+    assert 0 < sent <= missing + 2 * PIECE < sum(VERSIONS["v3"].values()), (sent, missing, have)
+
+
+STRANGER = textwrap.dedent(
+    """
+    import sys, time
+    import libtorrent as lt
+    torrent, host, port, save, seconds = sys.argv[1:]
+    s = lt.session({"listen_interfaces": "0.0.0.0:0", "enable_dht": False, "enable_lsd": False})
+    p = lt.add_torrent_params()
+    p.ti = lt.torrent_info(torrent)
+    p.save_path = save
+    h = s.add_torrent(p)
+    end = time.monotonic() + float(seconds)
+    while time.monotonic() < end and not h.status().is_seeding:
+        h.connect_peer((host, int(port)))
+        time.sleep(0.5)
+    print(h.status().total_payload_download, h.status().num_pieces)
+    """
+)
+
+
+def leaked_torrent(control: ControlPlane, node: Node, version: str, where) -> str:
+    """A version's torrent as a node gets it: what a stranger would hold if it leaked."""
+    node_pass = credentials.bytes_pass(signing.token_hash(node.token), node.name)
+    got = requests.get(
+        control.byte_listener_url + f"tiny/{version}/?torrent", headers=credentials.bearer(node_pass), timeout=10
+    )
+    assert got.status_code == 200
+    where.write_bytes(got.content)
+    return str(where)
+
+
+def pieces_got(host: netns.Host, torrent: str, peer: Node, save, seconds: float) -> tuple[int, int]:
+    """(bytes, pieces) a plain libtorrent session on `host` gets from `peer` alone within `seconds`."""
+    save.mkdir(exist_ok=True)
+    argv = [sys.executable, "-c", STRANGER, torrent, peer.host.address, peer.env()["LLMGW_PEER_PORT"], str(save)]
+    done = subprocess.run(host.argv([*argv, str(seconds)]), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    downloaded, pieces = map(int, done.stdout.split())
+    return downloaded, pieces
+
+
+def test_a_host_without_fleet_credentials_gets_no_piece_from_a_node(fleet, tmp_path):
+    control, nodes, stranger = fleet
+    n1 = nodes["n1"]
+    source = source_of(control, "v2")  # n1 holds it, whole and sound
+    torrent = leaked_torrent(control, n1, "v2", tmp_path / "v2.torrent")
+    assert (cache_path(source, n1.cache) / ".complete").exists()
+    assert pieces_got(stranger, torrent, n1, tmp_path / "stranger", 8) == (0, 0)
