@@ -13,6 +13,7 @@ import uuid
 
 from .errors import Refusal
 from .translation import ChatStream, Translation, engine_message, sse, text_of
+from .usage import cached_of
 
 # Anthropic's error type for each status the gateway or a replica answers.
 ERROR_TYPES = {
@@ -192,10 +193,7 @@ class Messages(Translation):
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": {
-                "input_tokens": usage.get("prompt_tokens", 0),
-                "output_tokens": usage.get("completion_tokens", 0),
-            },
+            "usage": anthropic_usage(usage),
         }
 
     def stream(self) -> MessagesStream:
@@ -203,6 +201,19 @@ class Messages(Translation):
 
     def error(self, status: int, body: bytes) -> bytes:
         return error_body(status, engine_message(body))
+
+
+def anthropic_usage(usage: dict) -> dict:
+    """A chat completion's usage in Anthropic's shape, where input_tokens are the prompt's tokens not read
+    from the cache and cache_read_input_tokens those that were (the engine's prompt cache: nothing is
+    written to a cache on request, so cache_creation_input_tokens is 0)."""
+    cached = cached_of(usage)
+    return {
+        "input_tokens": max(usage.get("prompt_tokens", 0) - cached, 0),
+        "output_tokens": usage.get("completion_tokens", 0),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
 
 
 def _arguments(arguments) -> dict:
@@ -293,10 +304,7 @@ class MessagesStream(ChatStream):
         out = b"" if self.started else self._start()
         out += self._close()
         reason, sequence = self.messages.stop(self.finish_reason, self.last_choice)
-        usage = {
-            "input_tokens": self.usage.get("prompt_tokens", 0),
-            "output_tokens": self.usage.get("completion_tokens", 0),
-        }
+        usage = anthropic_usage(self.usage)
         out += sse(
             "message_delta",
             {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage},

@@ -14,6 +14,7 @@ import uuid
 
 from .errors import Refusal
 from .translation import ChatStream, Translation, engine_message, sse, text_of
+from .usage import cached_of
 
 TEXT_DELTA = (
     b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "sequence_number": %d, '
@@ -206,7 +207,7 @@ def usage_of(usage: dict | None) -> dict:
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_of(usage)},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.get("total_tokens", prompt + completion),
