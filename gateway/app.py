@@ -82,10 +82,8 @@ class Gateway(Forwarding):
         if self._session is not None:
             return
         self._session = aiohttp.ClientSession(
-            # Idle connections are let go after 4 s, before the engines close theirs (llama-server and
-            # uvicorn after 5 s): one reused as the engine closed it failed over to another replica.
             connector=aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=4, ttl_dns_cache=60, socket_factory=upstream_socket
+                limit=0, keepalive_timeout=30, ttl_dns_cache=60, socket_factory=upstream_socket
             ),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.GATEWAY_UPSTREAM_TIMEOUT_S),
             auto_decompress=False,

@@ -118,7 +118,6 @@ class Forwarding:
     ) -> int:
         """Pass the request to a replica and its answer back; returns the answer's tokens."""
         tried: set[int] = set()
-        reconnected: set[int] = set()
         failures = []
         refused_secret = False
         by_prefix = route.ring is not None and scope["path"] in prefix.BY_PREFIX
@@ -161,18 +160,10 @@ class Forwarding:
                         code="replica_timeout",
                     ) from None
                 except aiohttp.ClientConnectionError as error:
-                    if isinstance(error, aiohttp.ServerDisconnectedError) and replica not in reconnected:
-                        # A kept-alive connection the engine closed just as it was taken (llama-server closes
-                        # one idle for 5 s): the same replica again, on a new connection. Another replica
-                        # would answer too, but without the conversation in its cache (gateway/prefix.py).
-                        reconnected.add(replica)
-                        tried.discard(replica)
-                        continue
                     # Nothing came back from this one, so the request can go to another.
                     self.cooling[replica] = time.monotonic() + COOLDOWN_S
                     self.observer.failover(scope)
                     failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
-                    log.info("replica %s could not be reached (%s); the request goes to another", replica, error)
                     continue
                 if response.status == 401:
                     # The engine does not take this replica's secret (its node re-enrolled or was revoked, and it
