@@ -61,26 +61,5 @@ AGENT_METRICS_TOKEN = env_str("LLMGW_AGENT_METRICS_TOKEN", "")
 
 # --- Celery: the node's worker (agent/celery.py) --------------------------------
 
-REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
-CELERY_BROKER_URL = REDIS_URL
-CELERY_RESULT_BACKEND = None
-CELERY_TASK_IGNORE_RESULT = True
-CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_TASK_SERIALIZER = "json"
-CELERY_RESULT_SERIALIZER = "json"
-# What a node sends goes to the control queue, each send naming it (contracts.tasks);
-# nothing a node sends may land on a queue no one reads.
-CELERY_TASK_DEFAULT_QUEUE = "control"
-CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-# Longer than the longest fetch: Redis re-delivers an unacknowledged task after this, and
-# a multi-hour download must not be started a second time underneath itself.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("LLMGW_VISIBILITY_TIMEOUT_S", 12 * 3600, minimum=60)}
-
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("LLMGW_LOG_LEVEL", "INFO")},
-}
+# The broker and the log format, as every llmgw process has them.
+from contracts.process_settings import *  # noqa: E402, F403

@@ -2,13 +2,13 @@
 """llama.cpp on the real demo model: through the gateway, the same llama-server direct, and the old Python server.
 
     .venv/bin/python bench/engine.py [--duration 30] [--streams 1,4,16,32] [--max-tokens 64]
-                                     [--slots 16] [--threads 2] [--old-python PYTHON]
+                                     [--slots 16] [--threads 2] [--old-python PYTHON] [--engine-cpus 0]
 
 One replica of SmolLM2-135M-Instruct Q4_1 (launcher/smollm2.py), side by side in one run:
 
   gateway   llama-server as the agent starts it (`agent.engines.command` and `spawn`:
             --parallel SLOTS over a pool of SLOTS x 512, --threads, --metrics), behind
-            `manage.py admin_server` (the gateway) with a key, as a client of `make run` sees it
+            `manage.py gateway` with a key and a Redis of its own, as a client of `make run` sees it
   direct    the same binary with the same arguments, asked directly
   old       PyPI's llama-cpp-python server (`python -m llama_cpp.server`, --interrupt_requests
             false, one answer at a time), as the agent ran it before: only when
@@ -25,9 +25,7 @@ on each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,62 +44,15 @@ import django  # noqa: E402
 django.setup()
 
 from agent import engines  # noqa: E402
+from fleet import bench  # noqa: E402
 from launcher import smollm2  # noqa: E402
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Explain what a CPU does.",
-    "Name five animals and say one thing about each.",
-]
 SLOT_CONTEXT = 512
+SYSTEM = "You are a helpful assistant."
 
 
-def stream_once(url: str, prompt: str, max_tokens: int, headers: dict, model: str) -> dict:
-    """One streamed chat answer: when its first token came, and whether it ended whole."""
-    body = {
-        "model": model,
-        "messages": [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": prompt},
-        ],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    started = time.perf_counter()
-    first = None
-    chunks = 0
-    usage = finish = None
-    ended = False
-    with requests.post(url + "/chat/completions", json=body, stream=True, timeout=600, headers=headers) as r:
-        r.raise_for_status()
-        for line in r.iter_lines(decode_unicode=True):
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: ") :]
-            if data == "[DONE]":
-                ended = True
-                break
-            chunk = json.loads(data)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                if choice.get("delta", {}).get("content"):
-                    chunks += 1
-                    if first is None:
-                        first = time.perf_counter() - started
-                finish = choice.get("finish_reason") or finish
-    return {
-        "ttft": first,
-        # The old server sends no usage in streams (it ignores stream_options): a token a chunk.
-        "tokens": usage["completion_tokens"] if usage else chunks,
-        "whole": ended and finish is not None,
-    }
-
-
-def concurrent(url: str, streams: int, duration: float, max_tokens: int, headers: dict, model: str) -> dict:
+def concurrent(url: str, streams: int, duration: float, max_tokens: int, key: str, model: str) -> dict:
+    """`streams` clients, each sending its next request as soon as one ends, for `duration` seconds."""
     results: list[dict] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -110,9 +61,10 @@ def concurrent(url: str, streams: int, duration: float, max_tokens: int, headers
     def client(n: int) -> None:
         i = 0
         while time.monotonic() < stop_at:
+            prompt = bench.PROMPTS[(n + i) % len(bench.PROMPTS)]
             try:
-                result = stream_once(url, PROMPTS[(n + i) % len(PROMPTS)], max_tokens, headers, model)
-            except requests.RequestException as error:
+                result = bench.stream_once(url, key, model, prompt, max_tokens, system=SYSTEM, temperature=0)
+            except (requests.RequestException, bench.BenchError) as error:
                 with lock:
                     errors.append(str(error))
                 time.sleep(0.1)
@@ -127,16 +79,7 @@ def concurrent(url: str, streams: int, duration: float, max_tokens: int, headers
         t.start()
     for t in threads:
         t.join()
-    elapsed = time.monotonic() - started
-    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
-    return {
-        "answers": len(results),
-        "whole": sum(r["whole"] for r in results),
-        "errors": len(errors),
-        "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
-        "p50": statistics.median(ttfts) * 1000 if ttfts else 0,
-        "p95": ttfts[int(0.95 * (len(ttfts) - 1))] * 1000 if ttfts else 0,
-    }
+    return bench.summary(results, errors, time.monotonic() - started)
 
 
 def start_engine(argv: list[str], work: Path, name: str, port: int, health: str = "llamacpp") -> subprocess.Popen:
@@ -159,15 +102,22 @@ Replica.objects.update_or_create(model_name="{model}", profile_name="cpu", node=
 """
 
 
-def start_gateway(engine_port: int, work: Path, slots: int) -> tuple[subprocess.Popen, str, str]:
-    """`manage.py admin_server` (Django and the gateway) on its own SQLite, routing the model to the engine."""
-    port = engines.free_port()
+def start_gateway(engine_port: int, work: Path, slots: int) -> tuple[list[subprocess.Popen], str, str]:
+    """`manage.py gateway` (the data plane alone) on its own SQLite and Redis, routing the model to the engine."""
+    port, redis_port = engines.free_port(), engines.free_port()
+    redis = subprocess.Popen(
+        ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(work)],
+        stdout=(work / "redis.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     env = dict(
         os.environ,
-        LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
+        LLMGW_GATEWAY_ADDR=f"127.0.0.1:{port}",
+        LLMGW_ADMIN_ADDR=f"127.0.0.1:{engines.free_port()}",
         LLMGW_VAR=str(work / "var"),
         DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
-        REDIS_URL=f"redis://127.0.0.1:{engines.free_port()}/0",  # nothing there: a key without limits never asks
+        REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
     )
     manage = [sys.executable, str(ROOT / "manage.py")]
     subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
@@ -178,7 +128,7 @@ def start_gateway(engine_port: int, work: Path, slots: int) -> tuple[subprocess.
     )
     key = created.stdout.strip().splitlines()[-1].strip()
     process = subprocess.Popen(
-        manage + ["admin_server"],
+        manage + ["gateway"],
         env=env,
         cwd=ROOT,
         stdout=(work / "gateway.log").open("wb"),
@@ -191,7 +141,7 @@ def start_gateway(engine_port: int, work: Path, slots: int) -> tuple[subprocess.
         try:
             listed = requests.get(url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=2)
             if listed.status_code == 200 and any(m.get("ready") for m in listed.json().get("data", [])):
-                return process, url, key
+                return [redis, process], url, key
         except requests.RequestException:
             pass
         time.sleep(0.3)
@@ -206,7 +156,20 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--old-python", default="", help="an interpreter with llama-cpp-python[server] installed")
+    parser.add_argument(
+        "--engine-cpus",
+        default="",
+        help="CPUs (taskset's list, e.g. 0) the engines run on, the clients and the gateway on the others: "
+        "as deployed, where the gateway has a host of its own and does not take the engine's cores",
+    )
     options = parser.parse_args()
+    pin = ["taskset", "-c", options.engine_cpus] if options.engine_cpus else []
+    if pin:
+        others = set(os.sched_getaffinity(0)) - {int(c) for c in options.engine_cpus.split(",")}
+        if not others:
+            raise SystemExit(f"--engine-cpus {options.engine_cpus} leaves no CPU for the clients and the gateway")
+        os.sched_setaffinity(0, others)  # this process, and the gateway it starts, stay off the engines' CPUs
+        print(f"engines on CPU {options.engine_cpus}; clients and gateway on CPU {sorted(others)}", flush=True)
 
     weights = smollm2.gguf_path()
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-engine-"))
@@ -218,37 +181,37 @@ def main() -> int:
         direct_port, gateway_engine_port = engines.free_port(), engines.free_port()
         for name, port in (("direct", direct_port), ("behind-gateway", gateway_engine_port)):
             argv = engines.command("llamacpp", weights, port, args, model=smollm2.MODEL)
-            processes.append(start_engine(argv, work, name, port))
+            processes.append(start_engine(pin + argv, work, name, port))
         print(f"llama-server: {' '.join(argv)}", flush=True)
-        built = Path(os.path.realpath(argv[0])).parent / "CMAKE_ARGS"
+        built = Path(os.path.realpath(argv[0])).parent / "CMAKE_ARGS"  # argv: the engine's, without taskset
         if built.is_file():
             print(f"built with: {built.read_text().strip()}", flush=True)
-        gateway, gateway_url, key = start_gateway(gateway_engine_port, work, options.slots)
-        processes.append(gateway)
-        targets.append(("through the gateway", gateway_url, {"Authorization": f"Bearer {key}"}))
-        targets.append(("llama-server direct", f"http://127.0.0.1:{direct_port}/v1", {}))
+        started, gateway_url, key = start_gateway(gateway_engine_port, work, options.slots)
+        processes.extend(started)
+        targets.append(("through the gateway", gateway_url, key))
+        targets.append(("llama-server direct", f"http://127.0.0.1:{direct_port}/v1", ""))
         if options.old_python:
             old_port = engines.free_port()
             old = [options.old_python, "-m", "llama_cpp.server", "--model", str(weights), "--host", "127.0.0.1"]
             old += ["--port", str(old_port), "--n_ctx", "2048", "--n_threads", str(options.threads)]
             old += ["--model_alias", smollm2.MODEL, "--interrupt_requests", "false"]
-            processes.append(start_engine(old, work, "old", old_port, health="vllm"))
-            targets.append(("old Python server", f"http://127.0.0.1:{old_port}/v1", {}))
+            processes.append(start_engine(pin + old, work, "old", old_port, health="vllm"))
+            targets.append(("old Python server", f"http://127.0.0.1:{old_port}/v1", ""))
         else:
             print("old Python server: left out (no --old-python with llama-cpp-python[server] installed)")
-        for _, url, headers in targets:
-            stream_once(url, "Hello", 4, headers, smollm2.MODEL)  # warm up
+        for _, url, key in targets:
+            bench.stream_once(url, key, smollm2.MODEL, "Hello", 4)  # warm up
         print(
             "| clients | target | answers | whole | tokens/s | first token p50 | p95 |\n"
             "| --- | --- | --- | --- | --- | --- | --- |",
             flush=True,
         )
         for streams in (int(s) for s in options.streams.split(",")):
-            for label, url, headers in targets:
-                r = concurrent(url, streams, options.duration, options.max_tokens, headers, smollm2.MODEL)
+            for label, url, key in targets:
+                r = concurrent(url, streams, options.duration, options.max_tokens, key, smollm2.MODEL)
                 print(
-                    f"| {streams} | {label} | {r['answers']} | {r['whole']}{' (' + str(r['errors']) + ' errors)' if r['errors'] else ''} "
-                    f"| {r['tokens_per_s']:.1f} | {r['p50']:.0f} ms | {r['p95']:.0f} ms |",
+                    f"| {streams} | {label} | {r['requests']} | {r['whole']}{' (' + str(r['errors']) + ' errors)' if r['errors'] else ''} "
+                    f"| {r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p95_ms']:.0f} ms |",
                     flush=True,
                 )
         for process in processes:

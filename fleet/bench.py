@@ -36,22 +36,29 @@ class BenchError(Exception):
     """The bench cannot run as asked; the message is the sentence to show."""
 
 
-def stream_once(url: str, key: str, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed chat answer through the gateway: time to first token and tokens."""
+def stream_once(
+    url: str, key: str, model: str, prompt: str, max_tokens: int, system: str = "", temperature: float | None = None
+) -> dict:
+    """One streamed chat answer: time to first token, tokens, and whether it ended whole
+    ([DONE] after a finish_reason). `key` "" sends no Authorization (an engine asked directly)."""
+    messages = [{"role": "system", "content": system}] if system else []
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": messages + [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if temperature is not None:
+        body["temperature"] = temperature
     started = time.perf_counter()
-    first = None
+    first = finish = None
     tokens = chunks = 0
+    ended = False
     with requests.post(
         url.rstrip("/") + "/chat/completions",
         json=body,
-        headers={"Authorization": f"Bearer {key}"},
+        headers={"Authorization": f"Bearer {key}"} if key else {},
         stream=True,
         timeout=600,
     ) as response:
@@ -62,6 +69,7 @@ def stream_once(url: str, key: str, model: str, prompt: str, max_tokens: int) ->
                 continue
             data = line[len("data: ") :]
             if data == "[DONE]":
+                ended = True
                 break
             chunk = json.loads(data)
             if chunk.get("usage"):
@@ -71,7 +79,29 @@ def stream_once(url: str, key: str, model: str, prompt: str, max_tokens: int) ->
                     chunks += 1
                     if first is None:
                         first = time.perf_counter() - started
-    return {"ttft": first, "tokens": tokens or chunks, "seconds": time.perf_counter() - started}
+                finish = choice.get("finish_reason") or finish
+    # A server that sends no usage in streams (llama-cpp-python's ignores stream_options): a token a chunk.
+    return {
+        "ttft": first,
+        "tokens": tokens or chunks,
+        "seconds": time.perf_counter() - started,
+        "whole": ended and finish is not None,
+    }
+
+
+def summary(results: list[dict], errors: list[str], elapsed: float) -> dict:
+    """Tokens per second in total and time to first token (p50, p95) of a level's answers."""
+    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+    return {
+        "requests": len(results),
+        "whole": sum(bool(r.get("whole")) for r in results),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else "",
+        "tokens_per_s": sum(r["tokens"] for r in results) / elapsed if elapsed else 0.0,
+        "ttft_p50_ms": statistics.median(ttfts) * 1000 if ttfts else 0.0,
+        "ttft_p95_ms": ttfts[int(0.95 * (len(ttfts) - 1))] * 1000 if ttfts else 0.0,
+        "seconds": elapsed,
+    }
 
 
 def level(url: str, key: str, model: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
@@ -97,18 +127,7 @@ def level(url: str, key: str, model: str, concurrency: int, rounds: int, max_tok
         t.start()
     for t in threads:
         t.join()
-    elapsed = time.monotonic() - started
-    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
-    return {
-        "concurrency": concurrency,
-        "requests": len(results),
-        "errors": len(errors),
-        "first_error": errors[0] if errors else "",
-        "tokens_per_s": sum(r["tokens"] for r in results) / elapsed if elapsed else 0.0,
-        "ttft_p50_ms": statistics.median(ttfts) * 1000 if ttfts else 0.0,
-        "ttft_p95_ms": ttfts[int(0.95 * (len(ttfts) - 1))] * 1000 if ttfts else 0.0,
-        "seconds": elapsed,
-    }
+    return {"concurrency": concurrency, **summary(results, errors, time.monotonic() - started)}
 
 
 def suggested_target_load(levels: Sequence[dict]) -> int:

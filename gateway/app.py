@@ -40,7 +40,7 @@ from .keys import hash_key
 from .limits import Limiter
 from .openai_responses import Responses
 from .relay import timing
-from .upstream import upstream_socket
+from .upstream import IDLE_S, upstream_socket
 from .usage import Recorder, one_line
 
 log = logging.getLogger("llmgw.gateway")
@@ -83,7 +83,7 @@ class Gateway(Forwarding):
             return
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=30, ttl_dns_cache=60, socket_factory=upstream_socket
+                limit=0, keepalive_timeout=IDLE_S, ttl_dns_cache=60, socket_factory=upstream_socket
             ),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.GATEWAY_UPSTREAM_TIMEOUT_S),
             auto_decompress=False,

@@ -118,6 +118,7 @@ class Forwarding:
     ) -> int:
         """Pass the request to a replica and its answer back; returns the answer's tokens."""
         tried: set[int] = set()
+        resent: set[int] = set()
         failures = []
         refused_secret = False
         by_prefix = route.ring is not None and scope["path"] in prefix.BY_PREFIX
@@ -160,10 +161,25 @@ class Forwarding:
                         code="replica_timeout",
                     ) from None
                 except aiohttp.ClientConnectionError as error:
+                    if not isinstance(error, aiohttp.ClientConnectorError) and replica not in resent:
+                        # Connected, then dropped before a byte of answer: a kept-alive connection the
+                        # engine let go as it was reused (cpp-httplib does, under load). The engine is
+                        # well; the request goes to it again once, on a new connection, as HTTP
+                        # clients resend on a reused connection (at worst the engine works twice).
+                        resent.add(replica)
+                        tried.discard(replica)
+                        continue
                     # Nothing came back from this one, so the request can go to another.
                     self.cooling[replica] = time.monotonic() + COOLDOWN_S
                     self.observer.failover(scope)
                     failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
+                    log.warning(
+                        "replica %s at %s did not answer (%r); tried last for %g s",
+                        replica,
+                        upstream.base,
+                        error,
+                        COOLDOWN_S,
+                    )
                     continue
                 if response.status == 401:
                     # The engine does not take this replica's secret (its node re-enrolled or was revoked, and it

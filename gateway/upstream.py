@@ -17,6 +17,12 @@ import socket
 
 from django.conf import settings
 
+# Engines close a kept-alive connection idle for 5 s (llama-server's cpp-httplib, and uvicorn
+# under vLLM). A request sent on one as the engine closes it fails though the engine is well,
+# and cooled its replica for COOLDOWN_S: under steady load every client waited 5 s now and
+# then (bench/engine.py, p95). The gateway lets its idle connections go sooner.
+IDLE_S = 2.0
+
 
 def upstream_socket(addr_info) -> socket.socket:
     """aiohttp's `socket_factory`: a TCP socket that notices a peer gone silent."""

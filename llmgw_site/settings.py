@@ -288,14 +288,9 @@ SPECTACULAR_SETTINGS = {
 
 # --- Celery -------------------------------------------------------------------
 
-REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
-CELERY_BROKER_URL = REDIS_URL
-CELERY_RESULT_BACKEND = None
-CELERY_TASK_IGNORE_RESULT = True
-CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_TASK_SERIALIZER = "json"
-CELERY_RESULT_SERIALIZER = "json"
-CELERY_TASK_DEFAULT_QUEUE = "control"
+# The broker and the log format, as every llmgw process has them; the control plane adds its routes and beat.
+from contracts.process_settings import *  # noqa: E402, F403
+
 CELERY_TASK_ROUTES = {
     "mirror.*": {"queue": "control"},
     "catalog.*": {"queue": "control"},
@@ -304,14 +299,9 @@ CELERY_TASK_ROUTES = {
     # named when it is sent (queue="node.NAME"), never to a default queue.
     "agent.fetch_finished": {"queue": "control"},
 }
-CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Fetch tasks set acks_late and reject_on_worker_lost themselves (they are safe
 # to run twice): a worker that dies mid-download leaves the task to run again,
 # and the part on disk makes the rerun resume rather than start over.
-# Longer than the longest fetch: Redis re-delivers an unacknowledged task after
-# this, and a multi-hour download must not be started a second time underneath itself.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("LLMGW_VISIBILITY_TIMEOUT_S", 12 * 3600, minimum=60)}
 CELERY_BEAT_SCHEDULE = {
     "mirror-scan": {"task": "mirror.scan", "schedule": float(MIRROR_SCAN_INTERVAL_S)},
     # Also sent after every catalog change; the beat is what notices a node going quiet.
@@ -319,11 +309,4 @@ CELERY_BEAT_SCHEDULE = {
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("LLMGW_LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
-}
+LOGGING = {**LOGGING, "loggers": {"django.db.backends": {"level": "WARNING"}}}  # noqa: F405

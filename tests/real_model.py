@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,44 @@ def streamed_whole(events: list[str]) -> tuple[str, dict | None, str | None]:
     usage = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
     finish = next((c["choices"][0]["finish_reason"] for c in reversed(chunks) if c.get("choices")), None)
     return text, usage, finish
+
+
+def streaming_clients(url: str, secret: str, prompts: list[str], clients: int, seconds: float, max_tokens: int):
+    """`clients` threads, each streaming chat answers one after another for `seconds`: returns
+    (completion tokens of each whole answer, a sentence for each broken one)."""
+    done: list[int] = []
+    broken: list[str] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+
+    def one_client(n: int) -> None:
+        session = requests.Session()
+        session.headers["Authorization"] = secret
+        i = 0
+        while time.monotonic() < stop_at:
+            body = {
+                "model": MODEL,
+                **ask(prompts[(n + i) % len(prompts)], max_tokens=max_tokens),
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            i += 1
+            try:
+                with session.post(url + "/v1/chat/completions", json=body, stream=True, timeout=300) as r:
+                    if r.status_code != 200:
+                        raise AssertionError(f"status {r.status_code}: {r.text[:200]}")
+                    text, usage, finish = streamed_whole(stream_events(r))
+                if not usage or usage["completion_tokens"] <= 0 or finish not in ("stop", "length") or not text:
+                    raise AssertionError(f"cut short: finish {finish}, usage {usage}, text {text!r}")
+                with lock:
+                    done.append(usage["completion_tokens"])
+            except Exception as error:
+                with lock:
+                    broken.append(f"client {n}: {error}")
+
+    threads = [threading.Thread(target=one_client, args=(n,)) for n in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=seconds + 360)
+    return done, broken

@@ -20,13 +20,11 @@ from contracts import credentials, signing
 from fleet import reconcile
 from fleet.models import Node, Replica
 from gateway.keys import create_key
-from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
-from mirror import scan
+from launcher.demo_model import EOS_TOKEN_ID
 
-from .staff_api import token_session
 from .support.engines import Reports, step_until
-from .support.mirror import put
 from .support.processes import engine_secret
+from .support.serving import mirror_tiny, serve_tiny, wait_enrolled
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -73,31 +71,9 @@ def test_a_real_agents_engine_refuses_anyone_but_the_gateway_and_a_replaced_repl
 ):
     agent, cache = agent_n1
     settings.BYTES_URL = byte_listener
-    write_tiny_llama(tmp_path / "gguf")
-    put(mirror_root, "tiny", "v1", {p.name: p.read_bytes() for p in (tmp_path / "gguf").glob("*.gguf")})
-    scan.scan_mirror()
-
-    def enrolled():
-        node = Node.objects.filter(name="n1").first()
-        return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
-
-    wait_until(enrolled, timeout=60, interval=0.5, what=f"n1's heartbeat\n{agent.output()[-3000:]}")
-    api = token_session()
-    plan = api.get(live_server.url + "/api/serve/plan/?model=tiny&version=v1").json()
-    served = api.post(
-        live_server.url + "/api/serve/",
-        json={
-            "name": "tiny",
-            "source": plan["source"],
-            "engine": "llamacpp",
-            "profile": plan["profile"],
-            "context_length": 256,
-            "ctx_size": 256,
-            "replicas": 1,
-            "min_memory_gb": plan["min_memory_gb"],
-        },
-    )
-    assert served.status_code == 201, served.text
+    mirror_tiny(mirror_root, tmp_path)
+    wait_enrolled(agent, "n1")
+    serve_tiny(live_server)
     replica = ready_replica(agent)
     secret = secret_of(replica)
     assert secret

@@ -34,7 +34,7 @@ from fleet.snapshots import Scaling
 from gateway.keys import create_key
 
 from . import real_model
-from .real_model import MODEL, ask, streamed_whole
+from .real_model import MODEL, ask
 from .scrape import samples, value
 from .support.processes import wait_until
 
@@ -117,36 +117,8 @@ def test_sixteen_clients_streaming_through_the_gateway_to_four_slots_each_get_th
     gateway, four_slots
 ):
     client, url = serve(gateway, four_slots)
-    done: list[int] = []
-    broken: list[str] = []
     seen: list[tuple[int, int]] = []
-    lock = threading.Lock()
     stop_at = time.monotonic() + SECONDS
-
-    def one_client(n: int) -> None:
-        session = requests.Session()
-        session.headers["Authorization"] = client.headers["Authorization"]
-        i = 0
-        while time.monotonic() < stop_at:
-            body = {
-                "model": MODEL,
-                **ask(PROMPTS[(n + i) % len(PROMPTS)], max_tokens=32),
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            i += 1
-            try:
-                with session.post(url + "/v1/chat/completions", json=body, stream=True, timeout=300) as r:
-                    if r.status_code != 200:
-                        raise AssertionError(f"status {r.status_code}: {r.text[:200]}")
-                    text, usage, finish = streamed_whole(real_model.stream_events(r))
-                if not usage or usage["completion_tokens"] <= 0 or finish not in ("stop", "length") or not text:
-                    raise AssertionError(f"cut short: finish {finish}, usage {usage}, text {text!r}")
-                with lock:
-                    done.append(usage["completion_tokens"])
-            except Exception as error:
-                with lock:
-                    broken.append(f"client {n}: {error}")
 
     def watch() -> None:
         # What the engine itself says, as the agent reads it: slots decoding, requests waiting for one.
@@ -156,12 +128,10 @@ def test_sixteen_clients_streaming_through_the_gateway_to_four_slots_each_get_th
                 seen.append((said[0]["slots_busy"], said[0]["requests_deferred"]))
             time.sleep(0.25)
 
-    threads = [threading.Thread(target=one_client, args=(n,)) for n in range(STREAMS)]
     watcher = threading.Thread(target=watch)
-    for t in [*threads, watcher]:
-        t.start()
-    for t in [*threads, watcher]:
-        t.join(timeout=SECONDS + 360)
+    watcher.start()
+    done, broken = real_model.streaming_clients(url, client.headers["Authorization"], PROMPTS, STREAMS, SECONDS, 32)
+    watcher.join(timeout=60)
     assert not broken, f"{len(broken)} of {len(broken) + len(done)} streams broken, the first: {broken[0]}"
     assert len(done) >= STREAMS, done
     assert seen, "the engine's /metrics and /slots were never read"

@@ -191,6 +191,87 @@ def test_when_no_replica_can_be_reached_the_client_is_told_which_and_why(impatie
     assert "The last try: No replica of chat could be reached" in message, message
 
 
+class DroppingEngine:
+    """An engine that answers the first request on each connection, keeps it alive, and drops it
+    without a word when a second request comes on it, as llama-server's cpp-httplib does under load."""
+
+    ANSWER = json.dumps(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    ).encode()
+
+    def __init__(self):
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+        self.answered = self.dropped = 0
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        import threading
+
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.converse, args=(connection,), daemon=True).start()
+
+    def read_request(self, connection) -> bool:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            more = connection.recv(65536)
+            if not more:
+                return False
+            data += more
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next(
+            (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0
+        )
+        while len(body) < length:
+            body += connection.recv(65536)
+        return True
+
+    def converse(self, connection):
+        with connection:
+            if not self.read_request(connection):
+                return
+            connection.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(self.ANSWER)}\r\n\r\n".encode()
+                + self.ANSWER
+            )
+            self.answered += 1
+            if connection.recv(1):  # the next request on this connection: let it go unanswered
+                self.dropped += 1
+
+    def stop(self):
+        self.listener.close()
+
+
+def test_an_engine_that_drops_a_kept_alive_connection_as_it_is_reused_still_answers(impatient_gateway):
+    # The gateway used to take the drop for an engine gone, tried that replica last for 5 s and,
+    # with no other, held every request meanwhile: 5 s stalls under steady load (bench/engine.py).
+    engine = DroppingEngine()
+    try:
+        add_model()
+        add_replica("chat", engine.base)
+        _, secret = create_key("k")
+        session = client(secret)
+        until_routed(session, impatient_gateway.url)
+        for turn in range(4):
+            answer = chat(session, impatient_gateway.url)
+            assert answer.status_code == 200, (turn, answer.text)
+        assert engine.dropped >= 1, "the gateway never reused a connection, so nothing was tried"
+    finally:
+        engine.stop()
+
+
 # --- refusals -----------------------------------------------------------------------
 
 

@@ -15,16 +15,12 @@ import subprocess
 import sys
 
 import pytest
-import requests
 
 from agent import engine_state, engines
-from fleet.models import Node, Replica
-from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
-from mirror import scan
+from fleet.models import Replica
 
-from .staff_api import token_session
-from .support.mirror import put
-from .support.processes import BASE_DIR, Process, engine_secret, env_file, process_env, wait_until
+from .support.processes import BASE_DIR, Process, ask_replica, env_file, process_env, wait_until
+from .support.serving import mirror_tiny, serve_tiny, wait_enrolled
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
 
@@ -78,33 +74,9 @@ def test_an_agent_with_only_node_env_enrols_and_serves(
     agent, cache = deployed_agent
     settings.BYTES_URL = byte_listener
 
-    def enrolled():
-        if not agent.alive():
-            raise AssertionError(f"the agent started from node.env exited:\n{agent.output()[-4000:]}")
-        node = Node.objects.filter(name=NODE).first()
-        return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
-
-    wait_until(enrolled, timeout=90, interval=0.5, what=f"{NODE}'s first heartbeat\n{agent.output()[-3000:]}")
-
-    write_tiny_llama(tmp_path / "gguf")
-    put(mirror_root, "tiny", "v1", {p.name: p.read_bytes() for p in (tmp_path / "gguf").glob("*.gguf")})
-    scan.scan_mirror()
-    api = token_session()
-    plan = api.get(live_server.url + "/api/serve/plan/?model=tiny&version=v1").json()
-    served = api.post(
-        live_server.url + "/api/serve/",
-        json={
-            "name": "tiny",
-            "source": plan["source"],
-            "engine": plan["engine"],
-            "profile": plan["profile"],
-            "context_length": 256,
-            "ctx_size": 256,
-            "replicas": 1,
-            "min_memory_gb": plan["min_memory_gb"],
-        },
-    )
-    assert served.status_code == 201, served.text
+    wait_enrolled(agent, NODE, timeout=90)
+    mirror_tiny(mirror_root, tmp_path)
+    serve_tiny(live_server)
     replica = wait_until(
         lambda: Replica.objects.filter(model_name="tiny", state="ready").first(),
         timeout=240,
@@ -112,15 +84,5 @@ def test_an_agent_with_only_node_env_enrols_and_serves(
         what=f"a ready replica: {list(Replica.objects.values('state', 'reason'))}\n{agent.output()[-3000:]}",
     )
     assert replica.node.name == NODE and replica.endpoint.startswith("http://127.0.0.1:")
-    answer = requests.post(
-        replica.endpoint + "/chat/completions",
-        headers=engine_secret(replica),
-        json={
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 8,
-            "logit_bias": {str(EOS_TOKEN_ID): -100},
-        },
-        timeout=60,
-    ).json()
-    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] > 0
+    ask_replica(replica)
     assert any(cache.rglob(".complete")), "the weights were fetched into node.env's LLMGW_AGENT_CACHE"

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import threading
-import time
 
 import pytest
 import requests
@@ -182,42 +180,7 @@ def test_sixteen_clients_streaming_at_once_for_a_minute_each_get_their_whole_ans
     """PyPI's server cut a running stream whenever another request arrived; started as the agent
     starts it, every stream must end in [DONE] with its finish_reason and usage."""
     client, url = served
-    secret = client.headers["Authorization"]
-    done: list[int] = []
-    broken: list[str] = []
-    lock = threading.Lock()
-    stop_at = time.monotonic() + SECONDS
-
-    def one_client(n: int) -> None:
-        session = requests.Session()
-        session.headers["Authorization"] = secret
-        i = 0
-        while time.monotonic() < stop_at:
-            body = {
-                "model": MODEL,
-                **ask(PROMPTS[(n + i) % len(PROMPTS)], max_tokens=24),
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            i += 1
-            try:
-                with session.post(url + "/v1/chat/completions", json=body, stream=True, timeout=300) as r:
-                    if r.status_code != 200:
-                        raise AssertionError(f"status {r.status_code}: {r.text[:200]}")
-                    text, usage, finish = streamed_whole(real_model.stream_events(r))
-                if not usage or usage["completion_tokens"] <= 0 or finish not in ("stop", "length") or not text:
-                    raise AssertionError(f"cut short: finish {finish}, usage {usage}, text {text!r}")
-                with lock:
-                    done.append(usage["completion_tokens"])
-            except Exception as error:
-                with lock:
-                    broken.append(f"client {n}: {error}")
-
-    threads = [threading.Thread(target=one_client, args=(n,)) for n in range(STREAMS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=SECONDS + 360)
+    done, broken = real_model.streaming_clients(url, client.headers["Authorization"], PROMPTS, STREAMS, SECONDS, 24)
     assert not broken, f"{len(broken)} of {len(broken) + len(done)} streams broken, the first: {broken[0]}"
     # Every client got at least one whole answer: queued behind the others, not dropped.
     assert len(done) >= STREAMS, done

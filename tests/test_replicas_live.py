@@ -20,13 +20,11 @@ import requests
 from agent import engine_state, engines
 from agent.fetch import cache_path
 from catalog.models import Model
-from fleet.models import Node, Replica
-from launcher.demo_model import EOS_TOKEN_ID, write_tiny_llama
-from mirror import scan
+from fleet.models import Replica
+from launcher.demo_model import EOS_TOKEN_ID
 
-from .staff_api import token_session
-from .support.mirror import put
-from .support.processes import engine_secret
+from .support.processes import ask_replica, engine_secret
+from .support.serving import mirror_tiny, serve_tiny, wait_enrolled
 from .support.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
@@ -37,33 +35,10 @@ def test_a_served_gguf_is_fetched_started_answers_and_comes_back_after_its_engin
 ):
     agent, cache = agent_n1
     settings.BYTES_URL = byte_listener
-    write_tiny_llama(tmp_path / "gguf")
-    put(mirror_root, "tiny", "v1", {p.name: p.read_bytes() for p in (tmp_path / "gguf").glob("*.gguf")})
-    scan.scan_mirror()
-
-    def enrolled():
-        node = Node.objects.filter(name="n1").first()
-        return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
-
-    wait_until(enrolled, timeout=60, interval=0.5, what=f"n1's heartbeat\n{agent.output()[-3000:]}")
-
-    api = token_session()
-    plan = api.get(live_server.url + "/api/serve/plan/?model=tiny&version=v1").json()
+    mirror_tiny(mirror_root, tmp_path)
+    wait_enrolled(agent, "n1")
+    plan = serve_tiny(live_server, replicas=2)
     assert plan["source"] == byte_listener + "tiny/v1/" and plan["engine"] == "llamacpp" and plan["files"] == 3
-    served = api.post(
-        live_server.url + "/api/serve/",
-        json={
-            "name": "tiny",
-            "source": plan["source"],
-            "engine": plan["engine"],
-            "profile": plan["profile"],
-            "context_length": 256,
-            "ctx_size": 256,
-            "replicas": 2,
-            "min_memory_gb": plan["min_memory_gb"],
-        },
-    )
-    assert served.status_code == 201, served.text
     assert Model.objects.get(name="tiny").added_by == "robot"
 
     def both_ready():
@@ -77,18 +52,7 @@ def test_a_served_gguf_is_fetched_started_answers_and_comes_back_after_its_engin
         what=f"two ready replicas: {list(Replica.objects.values('state', 'reason'))}\n{agent.output()[-3000:]}",
     )
     assert replica.node.name == other.node.name == "n1"
-    answer = requests.post(
-        replica.endpoint + "/chat/completions",
-        headers=engine_secret(replica),
-        json={
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 8,
-            "logit_bias": {str(EOS_TOKEN_ID): -100},
-        },
-        timeout=60,
-    ).json()
-    assert answer["choices"][0]["finish_reason"] == "length"
-    assert answer["usage"]["completion_tokens"] > 0
+    ask_replica(replica)
 
     # The replica's fetch is on the record like any other, which placement reads too.
     from fleet.models import Fetch

@@ -180,6 +180,26 @@ def engine_secret(replica) -> dict[str, str]:
     return credentials.bearer(credentials.replica_secret(key, replica.pk, credentials.replica_nonce(replica.created)))
 
 
+def ask_replica(replica) -> dict:
+    """Eight tokens of the tiny model's chat, asked of the replica's engine directly with its
+    secret, past the end-of-sequence token so the answer runs to its length."""
+    from launcher.demo_model import EOS_TOKEN_ID
+
+    answer = requests.post(
+        replica.endpoint + "/chat/completions",
+        headers=engine_secret(replica),
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8,
+            "logit_bias": {str(EOS_TOKEN_ID): -100},
+        },
+        timeout=60,
+    ).json()
+    assert answer["choices"][0]["finish_reason"] == "length", answer
+    assert answer["usage"]["completion_tokens"] > 0, answer
+    return answer
+
+
 class NoAuth(requests.auth.AuthBase):
     """No credentials, not even ~/.netrc's."""
 

@@ -1,9 +1,10 @@
 import os
-import resource
 import sys
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
+
+from common.ports import add_workers_argument, checked_workers, raise_open_files
 
 
 class Command(BaseCommand):
@@ -14,24 +15,11 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument(
-            "--workers",
-            type=int,
-            default=settings.GATEWAY_WORKERS,
-            help="processes answering the gateway's port (default LLMGW_GATEWAY_WORKERS, 1); each is one event "
-            "loop, so more use more cores. Keys' limits are counted in Redis and usage is added in the "
-            "database, so the processes share them.",
-        )
+        add_workers_argument(parser, settings.GATEWAY_WORKERS, "gateway's port", "LLMGW_GATEWAY_WORKERS")
 
     def handle(self, *args, **options):
-        workers = options["workers"]
-        if workers < 1:
-            raise CommandError(f"--workers takes a number of processes, 1 or more, not {workers}.")
-        # A thousand streams through the gateway hold two thousand sockets; the
-        # usual soft limit of 1024 open files would refuse them long before that.
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+        workers = checked_workers(options["workers"])
+        raise_open_files()
         host, port = settings.GATEWAY_ADDR
         argv = [sys.executable, "-m", "uvicorn", "llmgw_site.asgi_gateway:application"]
         argv += ["--host", host, "--port", str(port), "--loop", "uvloop", "--http", "httptools"]

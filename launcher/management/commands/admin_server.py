@@ -1,8 +1,8 @@
-import resource
-
 import uvicorn
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
+
+from common.ports import add_workers_argument, checked_workers, raise_open_files
 
 
 class Command(BaseCommand):
@@ -12,24 +12,11 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument(
-            "--workers",
-            type=int,
-            default=settings.ADMIN_WORKERS,
-            help="processes answering the admin port (default LLMGW_ADMIN_WORKERS, 1); each is one event "
-            "loop, so more use more cores. Keys' limits are counted in Redis and usage is added in the "
-            "database, so the processes share them.",
-        )
+        add_workers_argument(parser, settings.ADMIN_WORKERS, "admin port", "LLMGW_ADMIN_WORKERS")
 
     def handle(self, *args, **options):
-        workers = options["workers"]
-        if workers < 1:
-            raise CommandError(f"--workers takes a number of processes, 1 or more, not {workers}.")
-        # A thousand streams through the gateway hold two thousand sockets; the
-        # usual soft limit of 1024 open files would refuse them long before that.
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+        workers = checked_workers(options["workers"])
+        raise_open_files()
         host, port = settings.ADMIN_ADDR
         uvicorn.run(
             "llmgw_site.asgi:application",
