@@ -13,9 +13,14 @@ process on its own SQLite and a private redis-server, with its access log on:
   load    the same model with routing profile `load`: the fewest requests in flight (as before)
 
 16 conversations, each with a system prompt of its own of about 1,000 tokens, are played
-by --clients concurrent clients: a client takes the next conversation nobody is playing,
-plays --turns turns of it (each turn the whole conversation so far, streamed, the answer
-appended and a new question asked), and takes the next. Reported per mode: time to first
+by --clients concurrent clients, --turns turns each (a turn sends the whole conversation so
+far, streamed; the answer is appended and a new question asked). As users of a chat
+service do, a conversation's next turn comes after other conversations' requests: a client
+takes the conversation at the front of the queue, plays its next turn and puts it at the
+back. With --sticky-clients a client plays all of a conversation's turns back to back
+instead, each the instant the last answer ended: in that closed loop least-in-flight sends
+the next turn to the replica that has just become the least busy, the one that answered
+the last turn, an affinity that no real user's think time keeps. Reported per mode: time to first
 token p50 and p95, tokens per second in total (prompt and completion tokens the engines
 counted, and completion tokens alone), the cache hit rate (the prompt tokens the engines
 took from their cache ÷ all prompt tokens), and the requests each replica answered.
@@ -242,10 +247,11 @@ def play(url: str, headers: dict, model: str, options, hot_share: float = 0.0) -
     prompts = [system_prompt(n, options.system_words) for n in range(options.conversations)]
     waiting: queue.Queue = queue.Queue()
     for n in range(options.conversations):
-        waiting.put(n)
-    plays = options.conversations * max(1, options.rounds)
-    left = {"plays": plays, "hot": 0}
-    hot_target = int(plays * options.turns * hot_share / (1 - hot_share)) if hot_share else 0
+        waiting.put((n, [{"role": "system", "content": prompts[n]}], 0))
+    # What the clients draw: one draw a turn (or, sticky, a whole conversation).
+    left = {"plays": options.conversations * (1 if options.sticky_clients else options.turns), "hot": 0}
+    requests = options.conversations * options.turns
+    hot_target = int(requests * hot_share / (1 - hot_share)) if hot_share else 0
     results, errors = [], []
     lock = threading.Lock()
     hot_messages = [
@@ -272,20 +278,24 @@ def play(url: str, headers: dict, model: str, options, hot_share: float = 0.0) -
                     with lock:
                         errors.append(str(error))
                 continue
-            n = waiting.get()
-            messages = [{"role": "system", "content": prompts[n]}]
-            for turn in range(options.turns):
-                messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
+            n, messages, first = waiting.get()
+            # One turn, and the conversation goes to the back of the queue for whichever client is free
+            # next; sticky, this client plays the rest of its turns back to back.
+            last = options.turns if options.sticky_clients else first + 1
+            for turn in range(first, last):
+                messages = [*messages, {"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]}]
                 try:
                     r = stream(url, headers, model, messages, options.max_tokens)
                 except Exception as error:
                     with lock:
                         errors.append(str(error))
-                    break
-                with lock:
-                    results.append(dict(r, conversation=n, turn=turn))
-                messages.append({"role": "assistant", "content": r["text"]})
-            waiting.put(n)
+                    r = {"text": ""}
+                else:
+                    with lock:
+                        results.append(dict(r, conversation=n, turn=turn))
+                messages = [*messages, {"role": "assistant", "content": r["text"]}]
+            if last < options.turns:
+                waiting.put((n, messages, last))
 
     started = time.monotonic()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(options.clients)]
@@ -351,11 +361,15 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=1, help="how often each conversation is played")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--system-words", type=int, default=700)
     parser.add_argument("--cache-ram", type=int, default=None)
     parser.add_argument("--skip-hot", action="store_true")
+    parser.add_argument(
+        "--sticky-clients",
+        action="store_true",
+        help="each client plays a conversation's turns back to back (see the module's docstring)",
+    )
     options = parser.parse_args()
     if not 2 <= options.replicas:
         raise SystemExit("--replicas must be at least 2: routing among one replica is no choice")
