@@ -3,7 +3,8 @@
 
     .venv/bin/python bench/prefix.py [--replicas 2] [--slots 4] [--clients 8] [--conversations 16]
                                      [--turns 4] [--max-tokens 32] [--system-words 700]
-                                     [--cache-ram MIB] [--hot-requests 48]
+                                     [--cache-ram MIB] [--bound 1.25] [--modes prefix,load]
+                                     [--sticky-clients] [--skip-hot]
 
 Each mode gets fresh replicas (llama-server as the agent starts it, `agent.engines.command`:
 one thread each, --parallel SLOTS, the prompt cache on), behind one `manage.py gateway`
@@ -75,7 +76,6 @@ QUESTIONS = [
     "What else should I know?",
     "Sum it up in five words.",
 ]
-BOUND = 1.25
 
 
 def system_prompt(n: int, words: int) -> str:
@@ -125,7 +125,7 @@ class Run:
             DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
             REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
             LLMGW_GATEWAY_REFRESH_MS="200",
-            LLMGW_PREFIX_LOAD_BOUND=str(BOUND),
+            LLMGW_PREFIX_LOAD_BOUND=str(options.bound),
         )
         self.manage = [sys.executable, str(ROOT / "manage.py")]
         subprocess.run(self.manage + ["migrate", "-v", "0"], env=self.env, cwd=ROOT, check=True)
@@ -364,6 +364,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--system-words", type=int, default=700)
     parser.add_argument("--cache-ram", type=int, default=None)
+    parser.add_argument("--bound", type=float, default=1.25, help="LLMGW_PREFIX_LOAD_BOUND for the gateway")
+    parser.add_argument("--modes", default="prefix,load", help="which of prefix and load to measure")
     parser.add_argument("--skip-hot", action="store_true")
     parser.add_argument(
         "--sticky-clients",
@@ -378,7 +380,10 @@ def main() -> int:
     run = Run(work, options)
     rows = []
     try:
-        for routing, label in (("chat", "prefix, bounded by load"), ("load", "least in flight")):
+        modes = [m.strip() for m in options.modes.split(",")]
+        for routing, label in (("chat", f"prefix, bound {options.bound:g}"), ("load", "least in flight")):
+            if {"chat": "prefix", "load": "load"}[routing] not in modes:
+                continue
             model = f"smollm2-{routing}"
             ports = run.start_engines(routing)
             run.serve(model, routing, ports)
@@ -411,7 +416,7 @@ def main() -> int:
                 f"| {r['seconds']:.0f} s | {r['load']} |",
                 flush=True,
             )
-        if rows[1]["p50"]:
+        if len(rows) == 2 and rows[1]["p50"]:
             print(f"\nfirst token p50: {rows[1]['p50'] / max(rows[0]['p50'], 1e-9):.1f}× lower by prefix", flush=True)
 
         if not options.skip_hot:
@@ -423,7 +428,7 @@ def main() -> int:
             before = load_average()
             played = play(url, run.headers, "smollm2-hot", options, hot_share=0.5)
             row = summary("hot prefix", played)
-            checked, over, most, routes = over_the_bound(log, "smollm2-hot", options.replicas, BOUND)
+            checked, over, most, routes = over_the_bound(log, "smollm2-hot", options.replicas, options.bound)
             hot = [r for r in played["results"] if r["conversation"] == "hot"]
             hot_by_replica: dict[int, int] = {}
             for r in hot:
