@@ -126,9 +126,19 @@ def header_has_pooling(weights: Path) -> bool:
 
 
 # Always on for llama-server: /metrics is what the agent reads the slots from (docs/engines.md),
-# and the web UI is not for the gateway's clients. Prompt caching and a slot chosen by its
-# prompt's similarity stay llama-server's defaults (on): what the prefix routing builds on.
-LLAMA_SERVER_ALWAYS = ["--metrics", "--no-webui"]
+# the web UI is not for the gateway's clients, and the prompt cache is what prefix routing
+# (gateway/prefix.py) sends a conversation back for: written out rather than left to
+# llama-server's defaults, so that a version whose defaults change does not quietly lose it.
+LLAMA_SERVER_ALWAYS = ["--metrics", "--no-webui", "--cache-prompt"]
+# A request goes to the slot whose cached prompt it shares most with, once it shares at least
+# this much (llama-server's own default); a profile's own --slot-prompt-similarity wins.
+SLOT_PROMPT_SIMILARITY = "0.10"
+
+
+def slot_similarity_args(args: list[str]) -> list[str]:
+    if _given(args) & {"--slot-prompt-similarity", "-sps"}:
+        return []
+    return ["--slot-prompt-similarity", SLOT_PROMPT_SIMILARITY]
 
 
 def command(
@@ -155,7 +165,12 @@ def command(
         if server is None:
             raise EngineError(engine_binary.MISSING)
         always = [flag for flag in LLAMA_SERVER_ALWAYS if flag not in args]
-        chosen = [*threads_args(engine, args), *engine_specs.slot_args(engine, 1, args), *always]
+        chosen = [
+            *threads_args(engine, args),
+            *engine_specs.slot_args(engine, 1, args),
+            *always,
+            *slot_similarity_args(args),
+        ]
         pooling = pooling_args(Path(target), args)
         return [server, "--model", target, "--host", host, "--port", str(port), *named, *chosen, *args, *pooling]
     vllm = which("vllm")

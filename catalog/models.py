@@ -17,6 +17,7 @@ from .rules import (
     clash,
     declared_source_problem,
     name_problem,
+    routing_problem,
     scaling_problem,
     selector_problem,
     source_problem,
@@ -27,6 +28,13 @@ from .rules import (
 class Engine(models.TextChoices):
     LLAMACPP = "llamacpp", "llama.cpp"
     VLLM = "vllm", "vLLM"
+
+
+class RoutingProfile(models.TextChoices):
+    """How the gateway chooses among a model's replicas (gateway/prefix.py)."""
+
+    CHAT = "chat", "chat: by the conversation's prefix, bounded by load"
+    LOAD = "load", "load: the fewest requests in flight"
 
 
 class Kind(models.TextChoices):
@@ -56,7 +64,15 @@ class Model(models.Model):
         help_text="chat answers /v1/chat/completions and /v1/completions; embedding /v1/embeddings; "
         "rerank /v1/rerank. The engine is started for it.",
     )
-    routing_profile = models.CharField(max_length=50, default="chat")
+    routing_profile = models.CharField(
+        "routing",
+        max_length=50,
+        choices=RoutingProfile.choices,
+        default=RoutingProfile.CHAT,
+        help_text="chat sends a conversation's every turn to the replica that has its start cached, unless that "
+        "replica is busier than its share; load sends each request to the replica with the fewest in flight. "
+        "Embedding and rerank models are routed by load either way.",
+    )
     scaling_min = models.PositiveIntegerField("fewest replicas", default=defaults.SCALING_MIN)
     scaling_max = models.PositiveIntegerField("most replicas", default=defaults.SCALING_MAX)
     # Between fewest and most the count follows the load the gateway sees (fleet.autoscale).
@@ -107,6 +123,8 @@ class Model(models.Model):
             errors["scaling_max"] = problem
         if problem := target_load_problem(self.target_load):
             errors["target_load"] = problem
+        if problem := routing_problem(self.routing_profile, RoutingProfile.choices):
+            errors["routing_profile"] = problem
         # A declared model's source is written by whoever runs the machine, and may be any address.
         if problem := (declared_source_problem if self.declared else source_problem)(self.source):
             errors["source"] = problem

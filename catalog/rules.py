@@ -72,6 +72,14 @@ def target_load_problem(target: int | None) -> str | None:
     return None
 
 
+def routing_problem(value, choices: list[tuple[str, str]]) -> str | None:
+    """Why this is not a routing profile, or None; `choices` are (value, "value: what it does")."""
+    if value in {v for v, _ in choices}:
+        return None
+    said = " or ".join(f"{v} ({label.partition(': ')[2]})" for v, label in choices)
+    return f"the routing profile must be {said}, not {value!r}"
+
+
 def source_problem(source: str, byte_base: str | None = None) -> str | None:
     """Why this source is not an address on the byte listener, or None.
 

@@ -71,6 +71,7 @@ LLAMACPP_ARGS: dict[str, bool] = {
     **_flags(True, "--slot-prompt-similarity", "-sps", "--cache-ram", "-cram"),
     **_flags(False, "--cont-batching", "-cb", "--no-cont-batching", "-nocb", "--mlock", "--no-mmap"),
     **_flags(False, "--jinja", "--embedding", "--embeddings", "--metrics", "--no-warmup", "--swa-full"),
+    **_flags(False, "--cache-prompt"),
     **_flags(False, "--no-kv-offload", "-nkvo", "--no-webui", "--verbose", "-v", "--reranking", "--rerank"),
 }
 

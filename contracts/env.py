@@ -32,6 +32,19 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
     return value
 
 
+def env_float(name: str, default: float, minimum: float = 0.0) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingError(f"{name} must be a number, like {default}, not {raw!r}") from None
+    if not value >= minimum:  # NaN too
+        raise SettingError(f"{name} must be at least {minimum:g}, not {raw}")
+    return value
+
+
 def env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name, "").strip().lower()
     if not raw:

@@ -15,7 +15,7 @@ from catalog.memory import GB, MB
 from catalog.models import Model
 from common.admin import RecordAdmin
 
-from . import engine_stats, memory, reconcile
+from . import engine_stats, memory, reconcile, routing
 from .models import MeasuredMemory, Replica, Scale
 
 # What one page of replicas shows of memory, read once for the page (one Redis read, one
@@ -69,6 +69,7 @@ class ReplicaAdmin(RecordAdmin):
         "cause",
         "created",
         "engine_load",
+        "routed_here",
     ]
     exclude = ["reason"]
     actions = ["replace"]
@@ -141,6 +142,35 @@ class ReplicaAdmin(RecordAdmin):
         return (
             f"{found['slots_busy']} of {found['slots']} slots busy, {found['requests_deferred']} deferred, "
             f"KV cache {round(100 * found['kv_cache_used'])}%, {found['tokens_per_second']:g} tokens/s"
+        )
+
+    @admin.display(description="requests routed here")
+    def routed_here(self, replica: Replica) -> str:
+        """Why the gateways sent requests here (gateway/prefix.py): the last 24 hours by reason, and the latest."""
+        counts, latest = routing.routed_to(replica.pk)
+        if not counts:
+            return "None in the last 24 hours, as the gateways count them."
+        said = ", ".join(f"{n} by {reason}" for reason, n in sorted(counts.items(), key=lambda item: -item[1]))
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td class='route'>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (
+                    routing.when(r.get("at")),
+                    r.get("model", ""),
+                    r.get("route", ""),
+                    r.get("prompt", 0),
+                    r.get("cached", 0),
+                )
+                for r in latest
+            ),
+        )
+        return format_html(
+            '<p class="routed-counts">Last 24 hours: {}.</p><table class="routed-latest"><thead><tr><th>at (UTC)</th>'
+            "<th>model</th><th>why here</th><th>prompt tokens</th><th>from the cache</th></tr></thead>"
+            "<tbody>{}</tbody></table>",
+            said,
+            rows,
         )
 
     @admin.display(description="why")

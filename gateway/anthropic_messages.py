@@ -15,18 +15,13 @@ from .endpoints import ANTHROPIC
 from .errors import Refusal
 from .events import sse
 from .translation import ChatStream, Translation, text_of
+from .usage import cached_of
 
 TEXT_DELTA = (
     b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": %d, '
     b'"delta": {"type": "text_delta", "text": %s}}\n\n'
 )
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
-
-
-def anthropic_usage(usage: dict | None) -> dict:
-    """The engine's usage (a chat completion's) as Anthropic's `usage`: the one place it is mapped."""
-    usage = usage or {}
-    return {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)}
 
 
 def _tool_call(block: dict) -> dict:
@@ -178,6 +173,20 @@ class Messages(Translation):
 
     def stream(self) -> MessagesStream:
         return MessagesStream(self)
+
+
+def anthropic_usage(usage: dict | None) -> dict:
+    """The engine's usage (a chat completion's) in Anthropic's shape, the one place it is mapped: input_tokens
+    are the prompt's tokens not read from the cache and cache_read_input_tokens those that were (the engine's
+    prompt cache: nothing is written to a cache on request, so cache_creation_input_tokens is 0)."""
+    usage = usage or {}
+    cached = cached_of(usage)
+    return {
+        "input_tokens": max(usage.get("prompt_tokens", 0) - cached, 0),
+        "output_tokens": usage.get("completion_tokens", 0),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
 
 
 def _arguments(arguments) -> dict:

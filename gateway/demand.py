@@ -46,6 +46,10 @@ class Demand:
         self.last_request: dict[str, float] = {}
         # The gateway's own per-replica counts (pick() reads them): not counted twice.
         self.by_replica = in_flight_by_replica
+        # Every other gateway process's requests in flight per replica, as of their last writes:
+        # what prefix routing's bound adds to this process's own (gateway/prefix.py). Replaced
+        # whole from the writer's thread, so the event loop reads one dict or the next.
+        self.others: dict[int, int] = {}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-demand")
         self._writer: asyncio.Task | None = None
         self._writing: asyncio.Future | None = None
@@ -117,13 +121,25 @@ class Demand:
     def _write(self, encoded: str) -> None:
         try:
             client = self._redis()
-            client.hset(demand.LOAD_KEY, self.field, encoded)
+            pipe = client.pipeline(transaction=False)
+            pipe.hset(demand.LOAD_KEY, self.field, encoded)
+            pipe.hgetall(demand.LOAD_KEY)
+            _, fields = pipe.execute()
             now = time.time()
+            self.others = self._others(fields, now)
             if now - self._pruned_at > PRUNE_EVERY_S:
                 self._pruned_at = now
                 self._prune(client, now)
         except (redis.RedisError, OSError) as error:
+            self.others = {}  # counts that can no longer be refreshed are not kept as if they were
             self._warn("the gateway's load could not be written to Redis", error)
+
+    def _others(self, fields: dict, now: float) -> dict[int, int]:
+        mine = self.field.encode()
+        snapshots = [
+            load for field, raw in fields.items() if field != mine and (load := demand.decode(raw)) is not None
+        ]
+        return demand.total(snapshots, now)[1]
 
     def _prune(self, client: redis.Redis, now: float) -> None:
         gone = []

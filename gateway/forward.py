@@ -18,7 +18,7 @@ from django.conf import settings
 
 from contracts.credentials import bearer
 
-from . import hold, metrics, prospects, routes
+from . import hold, metrics, prefix, prospects, routes
 from .endpoints import CHAT
 from .errors import Refusal
 from .intake import sentence_of
@@ -72,7 +72,28 @@ class Forwarding:
             finally:
                 self.demand.finished(route.name)
 
-    def pick(self, upstreams: tuple[routes.Upstream, ...], tried: set[int]) -> routes.Upstream | None:
+    def pick(
+        self, route: routes.Route, tried: set[int], conversation: bytes | None
+    ) -> tuple[routes.Upstream | None, str]:
+        """The replica for this request and why (gateway/prefix.py): by its conversation's key, else by load."""
+        if conversation is not None and route.ring is not None:
+            now = time.monotonic()
+            chosen = prefix.choose(
+                route.ring,
+                conversation,
+                self.load_of,
+                lambda replica: replica in tried or self.cooling.get(replica, 0.0) > now,
+                settings.PREFIX_LOAD_BOUND,
+            )
+            if chosen is not None:
+                return chosen
+        return self.least_in_flight(route.upstreams, tried), prefix.LOAD
+
+    def load_of(self, replica: int) -> int:
+        """A replica's requests in flight: this process's now, and every other gateway's as of its last write."""
+        return self.in_flight.get(replica, 0) + self.demand.others.get(replica, 0)
+
+    def least_in_flight(self, upstreams: tuple[routes.Upstream, ...], tried: set[int]) -> routes.Upstream | None:
         """The replica with the fewest requests in flight for its weight; cooling ones last."""
         now = time.monotonic()
         best, best_score = None, 0.0
@@ -98,8 +119,10 @@ class Forwarding:
         resent: set[int] = set()
         failures = []
         refused_secret = False
+        by_prefix = route.ring is not None and scope["path"] in prefix.BY_PREFIX
+        conversation = prefix.key_of(request.payload) if by_prefix else None
         while True:
-            upstream = self.pick(route.upstreams, tried)
+            upstream, why = self.pick(route, tried, conversation)
             if upstream is None:
                 unreachable = Refusal(
                     502,
@@ -176,7 +199,7 @@ class Forwarding:
                     # what was relayed, since its usage chunk (the last) never came.
                     prompt, completion = answer.tokens(request.payload)
                     self.usage.add(request.key.id, route.name, prompt, completion)
-                    self.observer.answered(scope, replica, gateway_s, prompt, completion)
+                    self.observer.answered(scope, replica, gateway_s, prompt, completion, answer.cached(), why)
                 return prompt + completion
             finally:
                 self.in_flight[replica] -= 1

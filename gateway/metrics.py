@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from common import metrics
+from fleet import routing
 from fleet.live import redis_client
 
 from .endpoints import ENDPOINTS
@@ -66,6 +67,8 @@ class Tallies:
         self.added: dict[tuple, list] = {}
         self.prompt: dict[tuple[str], int] = {}
         self.completion: dict[tuple[str], int] = {}
+        self.cached: dict[tuple[str], int] = {}
+        self.routed: dict[tuple[str, str], int] = {}
         self.in_flight: dict[tuple[str], int] = {}
         self.failovers: dict[tuple[str], int] = {}
         self.key_requests: dict[tuple[str, str], int] = {}
@@ -126,6 +129,18 @@ class GatewayCollector(Collector):
             "Completion tokens, as the engines counted them.",
             ["model"],
             t.completion,
+        )
+        yield counter(
+            "llmgw_gateway_cached_prompt_tokens",
+            "Prompt tokens the engines took from their prompt cache rather than computing again (of the prompt tokens).",
+            ["model"],
+            t.cached,
+        )
+        yield counter(
+            "llmgw_gateway_routed",
+            "Requests sent to a replica, by why it was that one: prefix, prefix bounded or unreachable → next, load.",
+            ["model", "route"],
+            t.routed,
         )
         in_flight = GaugeMetricFamily("llmgw_gateway_in_flight", "Requests being answered now.", labels=["model"])
         for labels, n in list(t.in_flight.items()):
@@ -198,6 +213,8 @@ class Exchange:
         "replica",
         "prompt",
         "completion",
+        "cached",
+        "route",
         "key",
         "added",
     )
@@ -214,6 +231,8 @@ class Exchange:
         self.replica = 0
         self.prompt = 0
         self.completion = 0
+        self.cached = 0
+        self.route = ""
         self.key = ""
         self.added = 0.0
 
@@ -224,6 +243,8 @@ class Observer:
         self.key_labels = settings.METRICS_KEY_LABELS
         self.access = AccessLog(settings.GATEWAY_ACCESS_LOG) if settings.GATEWAY_ACCESS_LOG else None
         self._hours: dict[tuple[str, str], list[int]] = {}
+        self._routes: dict[tuple[str, int, str], int] = {}
+        self._recent: dict[int, list[dict]] = {}
         self._hours_lock = threading.Lock()
         self._hours_flush_due = False
         self._hours_failing = False
@@ -268,13 +289,15 @@ class Observer:
                     observe(t.added, (), ADDED_BUCKETS, exchange.added)
                     add(t.prompt, (model,), exchange.prompt)
                     add(t.completion, (model,), exchange.completion)
+                    add(t.cached, (model,), exchange.cached)
+                    add(t.routed, (model, exchange.route))
                 if exchange.stream and exchange.first_byte and status == 200:
                     observe(t.first_token, (model,), DURATION_BUCKETS, exchange.first_byte - exchange.started)
                 if self.key_labels and exchange.key:
                     add(t.key_requests, (exchange.key, model))
                     add(t.key_tokens, (exchange.key, model), exchange.prompt + exchange.completion)
         if model and exchange.replica:
-            self._count_hour(model, exchange.prompt, exchange.completion)
+            self._count_hour(exchange)
         if self.access is not None:
             self.access.write(access_line(exchange, status, now))
 
@@ -292,23 +315,41 @@ class Observer:
         if self.metrics:
             add(TALLIES.failovers, (scope[SCOPE_KEY].model,))
 
-    def answered(self, scope, replica: int, added_s: float, prompt: int, completion: int) -> None:
+    def answered(
+        self, scope, replica: int, added_s: float, prompt: int, completion: int, cached: int = 0, route: str = ""
+    ) -> None:
         exchange = scope[SCOPE_KEY]
         exchange.replica, exchange.added, exchange.prompt, exchange.completion = replica, added_s, prompt, completion
+        exchange.cached, exchange.route = cached, route
 
     # --- the overview's hourly counts ---------------------------------------------
 
-    def _count_hour(self, model: str, prompt: int, completion: int) -> None:
+    def _count_hour(self, exchange: Exchange) -> None:
         now = time.time()
         if now >= self._hour_ends:
             self._hour = time.strftime("%Y%m%d%H", time.gmtime(now))
             self._hour_ends = (now // 3600 + 1) * 3600
         hour = self._hour
         with self._hours_lock:
-            counts = self._hours.setdefault((hour, model), [0, 0, 0])
+            counts = self._hours.setdefault((hour, exchange.model), [0, 0, 0, 0])
             counts[0] += 1
-            counts[1] += prompt
-            counts[2] += completion
+            counts[1] += exchange.prompt
+            counts[2] += exchange.completion
+            counts[3] += exchange.cached
+            # Why it went to its replica, for the replica's page (fleet/routing.py).
+            where = (hour, exchange.replica, exchange.route)
+            self._routes[where] = self._routes.get(where, 0) + 1
+            self._recent.setdefault(exchange.replica, []).append(
+                {
+                    "at": round(now, 1),
+                    "model": exchange.model,
+                    "route": exchange.route,
+                    "prompt": exchange.prompt,
+                    "cached": exchange.cached,
+                }
+            )
+            if len(self._recent[exchange.replica]) > 2 * routing.RECENT:
+                del self._recent[exchange.replica][: -routing.RECENT]
         if not self._hours_flush_due:
             # Written a second later, from a thread, with whatever else came in meanwhile.
             self._hours_flush_due = True
@@ -319,17 +360,24 @@ class Observer:
         """Write the hourly counts to Redis; kept for the next try when Redis is away."""
         with self._hours_lock:
             counts, self._hours = self._hours, {}
+            routes, self._routes = self._routes, {}
+            recent, self._recent = self._recent, {}
             self._hours_flush_due = False
         if not counts:
             return
         try:
             pipe = redis_client().pipeline(transaction=False)
-            for (hour, model), (requests, prompt, completion) in counts.items():
+            for (hour, model), (requests, prompt, completion, cached) in counts.items():
                 key = HOUR_PREFIX + hour
                 pipe.hincrby(key, f"{model}\trequests", requests)
                 pipe.hincrby(key, f"{model}\tprompt", prompt)
                 pipe.hincrby(key, f"{model}\tcompletion", completion)
+                pipe.hincrby(key, f"{model}\tcached", cached)
                 pipe.expire(key, HOUR_KEEP_S)
+            for (hour, replica, route), requests in routes.items():
+                routing.add(pipe, hour, replica, route, requests)
+            for replica, latest in recent.items():
+                routing.note(pipe, replica, latest[-routing.RECENT :])
             pipe.execute()
             self._hours_failing = False
         except Exception as error:
@@ -337,11 +385,13 @@ class Observer:
                 log.warning("hourly usage not written to Redis (%s); kept until it can be", error)
             self._hours_failing = True
             with self._hours_lock:
-                for where, (requests, prompt, completion) in counts.items():
-                    mine = self._hours.setdefault(where, [0, 0, 0])
-                    mine[0] += requests
-                    mine[1] += prompt
-                    mine[2] += completion
+                for where, added in counts.items():
+                    mine = self._hours.setdefault(where, [0, 0, 0, 0])
+                    for i, n in enumerate(added):
+                        mine[i] += n
+                for where, n in routes.items():
+                    self._routes[where] = self._routes.get(where, 0) + n
+                # The latest requests of a flush that failed are not kept: newer ones replace them.
 
 
 class AccessLog:
@@ -397,6 +447,8 @@ def access_line(exchange: Exchange, status: int, now: float) -> str:
             "stream": exchange.stream,
             "prompt_tokens": exchange.prompt,
             "completion_tokens": exchange.completion,
+            "cached_tokens": exchange.cached,
+            "route": exchange.route or None,
             "duration_ms": round((now - exchange.started) * 1000, 3),
             "first_byte_ms": round((exchange.first_byte - exchange.started) * 1000, 3) if exchange.first_byte else None,
             "gateway_ms": round(exchange.added * 1000, 3) if exchange.replica else None,

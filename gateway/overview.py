@@ -59,15 +59,33 @@ def last_24_hours() -> dict:
         answers = pipe.execute()
     except Exception:
         answers = [{}] * len(keys)  # Redis away: an empty chart, not a broken page
+    # Prompt tokens and those of them the engines had cached, per model: the prompt cache's hit rate.
+    prompts: dict[str, list[int]] = {}
     for key, counts in zip(keys, answers, strict=True):
         by_model: dict[str, list[int]] = {}
         for field, value in counts.items():
             model, _, what = (field.decode() if isinstance(field, bytes) else field).rpartition("\t")
+            if what in ("prompt", "cached"):
+                prompts.setdefault(model, [0, 0])[0 if what == "prompt" else 1] += int(value)
+            if what == "cached":
+                continue  # of the prompt's tokens, not more of them
             slot = by_model.setdefault(model, [0, 0])
             slot[0 if what == "requests" else 1] += int(value)
         for model, (requests, tokens) in by_model.items():
             cells[(key, model)] = (requests, tokens)
-    return chart(keys, [h.strftime("%H:00") for h in hours], cells)
+    drawn = chart(keys, [h.strftime("%H:00") for h in hours], cells)
+    drawn["prompt_cache"] = prompt_cache(prompts)
+    return drawn
+
+
+def prompt_cache(prompts: dict[str, list[int]]) -> list[dict]:
+    """Per model with prompt tokens: how many, how many the engines took from their cache, and the hit rate."""
+    rows = [
+        {"model": model, "prompt": prompt, "cached": cached, "percent": round(100 * cached / prompt)}
+        for model, (prompt, cached) in prompts.items()
+        if prompt > 0
+    ]
+    return sorted(rows, key=lambda row: (-row["prompt"], row["model"]))[:MODELS_DRAWN]
 
 
 def chart(

@@ -12,10 +12,11 @@ from datetime import UTC, datetime, timedelta
 
 from django.db import connection
 
-from catalog.models import Model, Profile
+from catalog.models import Model, Profile, RoutingProfile
 from contracts import credentials
 from fleet.models import Replica
 
+from . import prefix
 from .limits import Limits, tag_of
 from .limits import of as limits_of
 from .models import LIMIT_FIELDS, ApiKey, TableChange
@@ -40,6 +41,9 @@ class Route:
     created: int
     upstreams: tuple[Upstream, ...]
     kind: str = "chat"  # chat, embedding or rerank: which addresses it answers
+    # Its ready replicas on a hash ring, for a model routed by prefix (routing profile "chat",
+    # gateway/prefix.py); None routes by load alone.
+    ring: prefix.Ring | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -91,10 +95,13 @@ class TableReader:
         self.applied: set[int] = set()  # change ids within the window already applied
         self.pruned_at = None
         self.keys: dict[int, tuple[str, Key]] = {}  # id -> (hash, key), active keys only
-        self.models: dict[int, tuple] = {}  # id -> (name, aliases, context_length, max_output, added_at, kind)
+        # id -> (name, aliases, context_length, max_output, added_at, kind, routing_profile)
+        self.models: dict[int, tuple] = {}
         self.profiles: dict[int, tuple[int, str, int]] = {}  # id -> (model id, name, weight)
         # id -> (model name, profile, endpoint, secret), ready ones
         self.replicas: dict[int, tuple[str, str, str, str]] = {}
+        # Rings by their upstreams: a table change rebuilds only the rings whose replicas changed.
+        self.rings: dict[tuple, prefix.Ring] = {}
         self.full_reads = 0
         self.rows_read = 0
 
@@ -186,7 +193,8 @@ class TableReader:
             ready.setdefault(model_name, []).append((replica_id, profile_name, endpoint, secret))
         routes: dict[str, Route] = {}
         models: list[Route] = []
-        for model_id, (name, aliases, context_length, max_output, added_at, kind) in sorted(
+        rings: dict[tuple, prefix.Ring] = {}
+        for model_id, (name, aliases, context_length, max_output, added_at, kind, routing) in sorted(
             self.models.items(), key=lambda item: item[1][0]
         ):
             upstreams = tuple(
@@ -202,12 +210,20 @@ class TableReader:
                 created=int(added_at.timestamp()),
                 upstreams=upstreams,
                 kind=kind,
+                ring=self._ring(upstreams, rings) if routing == RoutingProfile.CHAT and kind == "chat" else None,
             )
             models.append(route)
             for alias in aliases:
                 routes.setdefault(alias, route)
             routes[name] = route
+        self.rings = rings
         return {"routes": routes, "models": models}
+
+    def _ring(self, upstreams: tuple[Upstream, ...], rings: dict) -> prefix.Ring:
+        # By the upstreams themselves: a replica whose endpoint or secret changed gets a ring that has the new ones.
+        ring = rings.get(upstreams) or self.rings.get(upstreams) or prefix.Ring(upstreams)
+        rings[upstreams] = ring
+        return ring
 
 
 def key_of(row: tuple) -> tuple[str, Key]:
@@ -221,7 +237,9 @@ def _key_rows(queryset) -> list[tuple]:
 
 def _model_rows(queryset) -> list[tuple]:
     return list(
-        queryset.order_by().values_list("pk", "name", "aliases", "context_length", "max_output", "added_at", "kind")
+        queryset.order_by().values_list(
+            "pk", "name", "aliases", "context_length", "max_output", "added_at", "kind", "routing_profile"
+        )
     )
 
 

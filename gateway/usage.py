@@ -37,6 +37,10 @@ log = logging.getLogger("llmgw.gateway")
 USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# The prompt's tokens the engine took from its cache: OpenAI's usage.prompt_tokens_details.cached_tokens,
+# which llama-server writes; its timings' cache_n, where an engine writes only those.
+CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
 # Enough of an answer's end to hold its usage object; kept while the rest streams past.
 TAIL_BYTES = 16384
 # How far after `"usage": {` the counts may be; usage objects are a few hundred bytes at most.
@@ -58,6 +62,23 @@ def tokens_in(tail: bytes) -> tuple[int, int] | None:
     if prompt is None and completion is None:
         return None
     return int(prompt.group(1)) if prompt else 0, int(completion.group(1)) if completion else 0
+
+
+def cached_in(tail: bytes) -> int:
+    """The cached prompt tokens of the last usage object in an answer's tail; 0 when it says none."""
+    found = list(USAGE_OBJECT.finditer(tail))
+    if not found:
+        return 0
+    span = tail[found[-1].end() : found[-1].end() + USAGE_SPAN]
+    counted = CACHED_TOKENS.search(span) or CACHE_N.search(span)
+    return int(counted.group(1)) if counted else 0
+
+
+def cached_of(usage: dict | None) -> int:
+    """The cached prompt tokens of a chat completion's usage, as a translation writes them in its client's shape."""
+    details = (usage or {}).get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and cached > 0 else 0
 
 
 # The end of the last chunk kept to find a match split between two chunks: a match is at most 14 bytes.
@@ -86,6 +107,10 @@ class Answer:
             # A match wholly inside the carry was counted with the chunk before.
             self.generated += len(self._pattern.findall(window)) - len(self._pattern.findall(self._carry))
             self._carry = window[-CARRY_BYTES:]
+
+    def cached(self) -> int:
+        """The prompt tokens the engine had in its cache, as it said; 0 when it did not say."""
+        return cached_in(self.tail)
 
     def tokens(self, request: dict) -> tuple[int, int]:
         """(prompt, completion): the engine's own count, or what was relayed of a stream cut short."""

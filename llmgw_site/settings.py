@@ -16,7 +16,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from contracts.env import env_addr, env_bool, env_int, env_path, env_str
+from contracts.env import env_addr, env_bool, env_float, env_int, env_path, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = env_path("LLMGW_VAR", Path("var"), BASE_DIR)
@@ -137,6 +137,10 @@ GATEWAY_MAX_BODY = env_int("LLMGW_GATEWAY_MAX_BODY", 32 * 1024 * 1024, minimum=1
 # LLMGW_HOLD_QUEUE requests per model and gateway process.
 HOLD_S = env_int("LLMGW_HOLD_S", 300, minimum=0)
 HOLD_QUEUE = env_int("LLMGW_HOLD_QUEUE", 256, minimum=1)
+# Prefix routing's bound (gateway/prefix.py): a replica takes a conversation's request while its requests
+# in flight stay within this many times the model's average per replica; past it, the next on the ring does.
+# 1 would be no slack at all; below 1 no replica could ever take the request.
+PREFIX_LOAD_BOUND = env_float("LLMGW_PREFIX_LOAD_BOUND", 1.25, minimum=1.0)
 # Threads that run Django's own pages (admin, API) beside the gateway in the admin server.
 ADMIN_THREADS = env_int("LLMGW_ADMIN_THREADS", 16, minimum=1)
 # Processes `manage.py admin_server` runs on the admin port (its --workers); each has its own threads.

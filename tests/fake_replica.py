@@ -35,6 +35,10 @@ class FakeReplica:
         self.status = 200
         self.tool_call: dict | None = None
         self.hold = False  # hold every stream after its first chunk, as "hold": true in a body does
+        # Close the connection without a word on this many of the next requests, as an engine does
+        # that closes a kept-alive connection just as the gateway sends on it.
+        self.drop_next = 0
+        self.dropped = 0
         self.stop_reason: str | None = None  # vLLM names the stop sequence that ended an answer here
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -46,6 +50,11 @@ class FakeReplica:
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if self.drop_next > 0:
+            self.drop_next -= 1
+            self.dropped += 1
+            request.transport.close()
+            return web.Response()
         self.requests.append(body)
         self.headers.append(request.headers.copy())
         self.paths.append(request.path)

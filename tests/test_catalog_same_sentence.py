@@ -50,6 +50,7 @@ CASES = [
     ("the model's own name as an alias", {"aliases": ["m"]}, {"aliases": ["m"]}),
     ("most replicas fewer than fewest", {"scaling_min": 3, "scaling_max": 1}, {"scaling": {"min": 3, "max": 1}}),
     ("a target load of 0", {"target_load": 0}, {"scaling": {"target_load": 0}}),
+    ("a routing profile that does not exist", {"routing_profile": "sticky"}, {"routing_profile": "sticky"}),
     (
         "engine arguments that are not a list",
         {"profiles": [{"name": "cpu", "engine": "llamacpp", "args": "--ctx-size"}]},

@@ -56,8 +56,9 @@ def test_llamacpp_runs_llama_server_on_the_first_file_of_a_set_with_its_threads_
         *["--threads", str(len(os.sched_getaffinity(0)))],
         # Written even when one: left out, llama-server takes 4 slots over one unified pool.
         *["--parallel", "1"],
-        # /metrics is where the agent reads the slots from; no web UI on an engine's port.
-        *["--metrics", "--no-webui"],
+        # /metrics is where the agent reads the slots from; no web UI on an engine's port; the prompt
+        # cache and a slot chosen by its prompt's similarity, what prefix routing sends a conversation back for.
+        *["--metrics", "--no-webui", "--cache-prompt", "--slot-prompt-similarity", "0.10"],
         *["--ctx-size", "4096"],
     ]
 
@@ -67,7 +68,14 @@ def test_a_profiles_own_threads_and_slots_win_over_the_agents_choice(tmp_path):
     weights.write_bytes(b"")
     args = ["--threads", "1", "--parallel", "8", "--ctx-size", "8192"]
     argv = engines.command("llamacpp", weights, 9001, args, which=on_path)
-    assert argv[7:] == ["--metrics", "--no-webui", *args]
+    assert argv[7:] == ["--metrics", "--no-webui", "--cache-prompt", "--slot-prompt-similarity", "0.10", *args]
+
+
+def test_a_profiles_own_slot_similarity_wins_over_the_agents(tmp_path):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"")
+    argv = engines.command("llamacpp", weights, 9001, ["-sps", "0.5"], which=on_path)
+    assert "--slot-prompt-similarity" not in argv and argv[-2:] == ["-sps", "0.5"]
 
 
 def test_a_node_without_llama_server_is_told_how_to_get_one(tmp_path, monkeypatch):

@@ -184,8 +184,12 @@ def test_both_nodes_enrol_and_two_replicas_answer_through_the_gateway_from_the_n
     # to hold the second one), for at most 30 s.
     answered_by = set()
     deadline = time.monotonic() + 30
+    n = 0
     while answered_by != {r.pk for r in replicas} and time.monotonic() < deadline:
-        answer = session.post(gateway + "/v1/chat/completions", json={"model": "tiny", **ASK}, timeout=60)
+        # A conversation of its own each time: the gateway sends one conversation to one replica (by prefix).
+        n += 1
+        ask = dict(ASK, messages=[{"role": "user", "content": f"hi {n}"}])
+        answer = session.post(gateway + "/v1/chat/completions", json={"model": "tiny", **ask}, timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] > 0
         answered_by.add(int(answer.headers["x-llmgw-replica"]))

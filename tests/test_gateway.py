@@ -94,7 +94,7 @@ def test_an_alias_reaches_the_model_and_an_unknown_name_is_a_404(gateway, replic
 
 
 def test_the_replica_with_fewest_requests_in_flight_gets_the_next_one(gateway, replicas):
-    add_model()
+    add_model(routing="load")
     first, second = replicas("first"), replicas("second")
     add_replica("chat", first.base)
     add_replica("chat", second.base)

@@ -119,7 +119,7 @@ def test_requests_in_flight_are_counted_while_they_stream(observed, replicas):
 
 
 def test_a_replica_that_cannot_be_reached_counts_a_failover(observed, replicas):
-    add_model()
+    add_model(routing="load")
     add_replica("chat", replicas().base)
     add_replica("chat", f"http://127.0.0.1:{free_port()}/v1")  # nothing listens there
     _, secret = create_key("k")

@@ -17,6 +17,9 @@ from .support.processes import BASE_DIR, node_env, process_env
         ("LLMGW_SCAN_INTERVAL_S", "0", "LLMGW_SCAN_INTERVAL_S must be at least 1, not 0"),
         ("LLMGW_ALLOW_REMOTE_CODE", "maybe", "LLMGW_ALLOW_REMOTE_CODE must be true or false, not 'maybe'"),
         ("LLMGW_DEMO_MODEL", "please", "LLMGW_DEMO_MODEL must be true or false, not 'please'"),
+        ("LLMGW_PREFIX_LOAD_BOUND", "lots", "LLMGW_PREFIX_LOAD_BOUND must be a number, like 1.25, not 'lots'"),
+        ("LLMGW_PREFIX_LOAD_BOUND", "0.9", "LLMGW_PREFIX_LOAD_BOUND must be at least 1, not 0.9"),
+        ("LLMGW_PREFIX_LOAD_BOUND", "nan", "LLMGW_PREFIX_LOAD_BOUND must be at least 1, not nan"),
     ],
 )
 def test_a_wrong_setting_is_one_sentence_and_a_failed_start(tmp_path, name, value, sentence):

@@ -2,7 +2,8 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import transaction
 from rest_framework import serializers
 
-from ..models import Model, Profile
+from ..models import Model, Profile, RoutingProfile
+from ..rules import routing_problem
 
 
 class ProfileSerializer(serializers.ModelSerializer):
@@ -44,7 +45,13 @@ class ModelSerializer(serializers.ModelSerializer):
         read_only_fields = ["added_by", "added_at", "declared"]
         # The name's uniqueness is one of Model.clean's rules, which says it in
         # a sentence that also covers aliases.
-        extra_kwargs = {"name": {"validators": []}}
+        # The routing profile's refusal is the catalog's sentence, the one the configuration file says.
+        extra_kwargs = {
+            "name": {"validators": []},
+            "routing_profile": {
+                "error_messages": {"invalid_choice": routing_problem("{input}", RoutingProfile.choices)}
+            },
+        }
 
     def validate_profiles(self, profiles):
         if not profiles:

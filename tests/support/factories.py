@@ -9,14 +9,17 @@ from contracts import signing
 from fleet.models import Node, Replica
 
 
-def add_model(name="chat", aliases=(), context_length=1024, max_output=0, profiles=(("cpu", 1),)) -> Model:
-    """A catalog model whose profiles (name, weight) run on llamacpp."""
+def add_model(
+    name="chat", aliases=(), context_length=1024, max_output=0, profiles=(("cpu", 1),), routing="chat"
+) -> Model:
+    """A catalog model whose profiles (name, weight) run on llamacpp; `routing` is its routing profile."""
     model = Model.objects.create(
         name=name,
         aliases=list(aliases),
         source=f"http://127.0.0.1:1/{name}/v1/",
         context_length=context_length,
         max_output=max_output,
+        routing_profile=routing,
     )
     for profile, weight in profiles:
         Profile.objects.create(model=model, name=profile, engine="llamacpp", weight=weight)

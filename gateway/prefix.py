@@ -1,0 +1,171 @@
+"""Which replica takes a conversation: consistent hashing on its prefix, bounded by load (CHWBL).
+
+Every turn of a chat resends the whole conversation, and an engine that holds its
+start in its KV cache skips that prefill. Least-in-flight scatters one conversation
+over every replica, so each prefills it again and their caches evict each other.
+Here a request's key is the start of its conversation; the key's place on a ring of
+the model's replicas names the replica that has it, unless that replica already has
+more than its share of the requests in flight (the bound), and then the next replica
+on the ring takes it (Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with
+Bounded Loads", 2018; what KubeAI, llm-d and vLLM's production-stack do).
+
+The ring is made from the routing table alone (replica ids and weights), so every
+gateway process on every host builds the same one and sends a conversation to the
+same replica without talking to the others; a replica that joins or leaves moves
+only the keys that fall on its own points.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from bisect import bisect_right
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from .endpoints import ENDPOINTS
+
+
+class Upstream(Protocol):
+    """What the ring needs of a replica (routes.Upstream, which imports this module)."""
+
+    replica_id: int
+    weight: int
+
+
+# Points on the ring per replica (per unit of weight). With 128 the share of keys each of
+# two to ten replicas owns is within about 10% of its fair share, and a table change
+# builds the ring in well under a millisecond.
+POINTS = 128
+# A weight counts for at most this many times POINTS on the ring; the bound uses it whole.
+MOST_WEIGHT_POINTS = 8
+
+# What the key is made of: the messages up to and including the first from the user (the
+# system prompt, a developer message, the opening question), at most KEY_MESSAGES of them,
+# each cut to KEY_CHARS characters. That part is the same in every turn of a conversation,
+# so every turn has the key of the first; two conversations that share a long system prompt
+# but open differently still get keys of their own (and are spread), while one opening sent
+# by many clients is one hot key, which the bound spills. 512 characters is about 128
+# tokens a message: enough to tell system prompts and openings apart, and the key costs a
+# couple of microseconds however long the conversation grows, never the whole body.
+KEY_MESSAGES = 4
+KEY_CHARS = 512
+
+# Why a request went where it went: the request log and the replica's page say these.
+PREFIX = "prefix"  # the replica the key's place on the ring names
+BOUNDED = "prefix, bounded → next"  # that one was past the bound; a later one on the ring took it
+UNREACHABLE = "prefix, unreachable → next"  # that one refused a connection a moment ago; the next took it
+LOAD = "load"  # the fewest requests in flight: a model routed by load, or a request with no conversation
+REASONS = (PREFIX, BOUNDED, UNREACHABLE, LOAD)
+
+# The addresses routed by prefix: those that reach the engine as a chat completion
+# (chat completions, and Anthropic's messages and OpenAI's responses translated to one).
+BY_PREFIX = frozenset(path for path, e in ENDPOINTS.items() if e.engine_path == "/chat/completions")
+
+
+def point(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content[:KEY_CHARS]
+    if isinstance(content, list):
+        parts, size = [], 0
+        for part in content:
+            if isinstance(part, dict):
+                text = part.get("text")
+                text = text if isinstance(text, str) else f"<{part.get('type')}>"
+            else:
+                text = str(part)[:KEY_CHARS]
+            parts.append(text[: KEY_CHARS - size])
+            size += len(parts[-1])
+            if size >= KEY_CHARS:
+                break
+        return "".join(parts)
+    return ""
+
+
+def key_of(request: dict) -> bytes | None:
+    """The key of a chat-completions body: the start of its conversation, or None when it has none."""
+    messages = request.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    pieces = []
+    for message in messages[:KEY_MESSAGES]:
+        if not isinstance(message, dict):
+            break
+        role = message.get("role")
+        pieces.append(f"{role}\x00{_text(message.get('content'))}\x01")
+        if role == "user":
+            break
+    return "".join(pieces).encode("utf-8", "surrogatepass") if pieces else None
+
+
+class Ring:
+    """The replicas of one model on a hash ring; built once per table, read by every request."""
+
+    def __init__(self, upstreams: tuple[Upstream, ...]) -> None:
+        # Weight 0 is a standby: on the ring only when nothing else is.
+        members = [u for u in upstreams if u.weight > 0] or list(upstreams)
+        self.members = tuple(members)
+        self.weights = tuple(max(u.weight, 1) for u in members)
+        placed = []
+        for index, upstream in enumerate(members):
+            for n in range(POINTS * min(self.weights[index], MOST_WEIGHT_POINTS)):
+                placed.append((point(f"{upstream.replica_id}#{n}".encode()), upstream.replica_id, index))
+        placed.sort()  # a tie between two replicas' points goes the same way in every gateway: by replica id
+        self._points = [p for p, _, _ in placed]
+        self._owners = [index for _, _, index in placed]
+
+    def walk(self, key: bytes) -> Iterator[int]:
+        """The members' indices in the order the ring meets them from the key's place, each once."""
+        if not self._points:
+            return
+        start = bisect_right(self._points, point(key))
+        seen: set[int] = set()
+        count = len(self._points)
+        for i in range(count):
+            index = self._owners[(start + i) % count]
+            if index not in seen:
+                seen.add(index)
+                yield index
+                if len(seen) == len(self.members):
+                    return
+
+    def owner(self, key: bytes) -> int:
+        """The replica id the key belongs to when no replica is past the bound."""
+        return self.members[next(self.walk(key))].replica_id
+
+
+def choose(
+    ring: Ring,
+    key: bytes,
+    load_of: Callable[[int], int],
+    unusable: Callable[[int], bool],
+    bound: float,
+) -> tuple[Upstream, str] | None:
+    """The replica for `key` and why, or None when every member is unusable.
+
+    A member takes the request while its load plus this request stays within
+    ceil(bound × (the model's load + 1) × its weight ÷ the members' weights), the
+    paper's capacity; with bound ≥ 1 some member always has room. `load_of` is a
+    replica's requests in flight, every gateway's; `unusable` is true of a replica
+    already tried for this request or cooling after a refused connection.
+    """
+    members, weights = ring.members, ring.weights
+    total = sum(load_of(u.replica_id) for u in members)
+    all_weight = sum(weights)
+    skipped_for_load = skipped_unusable = False
+    for index in ring.walk(key):
+        upstream = members[index]
+        if unusable(upstream.replica_id):
+            skipped_unusable = True
+            continue
+        capacity = math.ceil(bound * (total + 1) * weights[index] / all_weight)
+        if load_of(upstream.replica_id) + 1 <= capacity:
+            if skipped_for_load:
+                return upstream, BOUNDED
+            return upstream, UNREACHABLE if skipped_unusable else PREFIX
+        skipped_for_load = True
+    return None

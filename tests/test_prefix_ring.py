@@ -1,0 +1,133 @@
+"""The ring and the choice of gateway/prefix.py on their own, beside the tests on real replicas (test_prefix.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from gateway import prefix
+from gateway.routes import Upstream
+
+
+def upstreams(*ids: int, weight: int = 1) -> tuple[Upstream, ...]:
+    return tuple(Upstream(i, f"http://127.0.0.1:{9000 + i}/v1", weight) for i in ids)
+
+
+def conversation(n: int, turns: int = 1) -> dict:
+    messages = [{"role": "system", "content": f"You are assistant number {n}. " + "Be brief. " * 200}]
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"Question {t} of conversation {n}?"}]
+        messages += [{"role": "assistant", "content": f"Answer {t}."}]
+    return {"messages": messages[:-1]}
+
+
+KEYS = [prefix.key_of(conversation(n)) for n in range(2000)]
+
+
+def test_every_turn_of_a_conversation_has_the_key_of_its_first():
+    first = prefix.key_of(conversation(7, turns=1))
+    assert all(prefix.key_of(conversation(7, turns=t)) == first for t in range(2, 9))
+    assert prefix.key_of(conversation(8)) != first
+
+
+def test_the_key_is_bounded_however_long_the_conversation_or_its_system_prompt():
+    long = {"messages": [{"role": "system", "content": "x" * 1_000_000}, {"role": "user", "content": "y" * 10**6}]}
+    assert len(prefix.key_of(long)) < prefix.KEY_MESSAGES * (prefix.KEY_CHARS + 16)
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "z" * 10**6}, {"type": "image_url"}]}]}
+    assert len(prefix.key_of(parts)) <= prefix.KEY_CHARS + 16
+    assert prefix.key_of({"messages": []}) is None and prefix.key_of({"prompt": "hi"}) is None
+
+
+def test_conversations_that_share_a_system_prompt_but_open_differently_have_keys_of_their_own():
+    system = {"role": "system", "content": "The same long instructions. " * 100}
+    a = {"messages": [system, {"role": "user", "content": "Tell me about cats."}]}
+    b = {"messages": [system, {"role": "user", "content": "Tell me about dogs."}]}
+    assert prefix.key_of(a) != prefix.key_of(b)
+
+
+def test_every_gateway_process_builds_the_same_ring_from_the_same_table():
+    # Another interpreter, with its own hash seed: the ring depends on the table alone.
+    script = (
+        "from gateway import prefix; from gateway.routes import Upstream;"
+        "ring = prefix.Ring(tuple(Upstream(i, '', 1) for i in (3, 8, 21)));"
+        "print([ring.owner(('conversation %d' % n).encode()) for n in range(200)])"
+    )
+    env = {"DJANGO_SETTINGS_MODULE": "llmgw_site.settings", "PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"}
+    other = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup(); " + script],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout.strip()
+    ring = prefix.Ring(upstreams(21, 3, 8))  # the same replicas in another order
+    assert other == str([ring.owner(f"conversation {n}".encode()) for n in range(200)])
+
+
+def test_keys_spread_over_the_replicas_near_their_fair_share():
+    ring = prefix.Ring(upstreams(1, 2, 3, 4))
+    owners = [ring.owner(key) for key in KEYS]
+    for replica in (1, 2, 3, 4):
+        assert 0.18 < owners.count(replica) / len(KEYS) < 0.32, owners.count(replica)
+
+
+def test_a_replica_that_joins_takes_only_its_share_and_the_rest_stay_where_they_were():
+    before = prefix.Ring(upstreams(1, 2, 3))
+    after = prefix.Ring(upstreams(1, 2, 3, 4))
+    moved = [(before.owner(k), after.owner(k)) for k in KEYS if before.owner(k) != after.owner(k)]
+    assert all(new == 4 for _, new in moved), "a key moved between replicas that were there before"
+    assert 0.15 < len(moved) / len(KEYS) < 0.35, len(moved)
+
+
+def test_a_replica_that_leaves_gives_away_only_its_own_keys():
+    before = prefix.Ring(upstreams(1, 2, 3, 4))
+    after = prefix.Ring(upstreams(1, 2, 4))
+    for key in KEYS:
+        if before.owner(key) != 3:
+            assert after.owner(key) == before.owner(key)
+
+
+def test_a_standby_of_weight_0_is_on_the_ring_only_when_nothing_else_is():
+    ring = prefix.Ring((*upstreams(1, 2), Upstream(3, "", 0)))
+    assert {ring.owner(k) for k in KEYS[:200]} == {1, 2}
+    assert {prefix.Ring((Upstream(3, "", 0),)).owner(k) for k in KEYS[:20]} == {3}
+
+
+def choose(ring, key, loads, unusable=(), bound=1.25):
+    return prefix.choose(ring, key, lambda r: loads.get(r, 0), lambda r: r in unusable, bound)
+
+
+def test_the_owner_takes_its_key_until_it_has_more_than_its_bound_then_the_next_on_the_ring_does():
+    ring = prefix.Ring(upstreams(1, 2))
+    key = KEYS[0]
+    owner = ring.owner(key)
+    other = 3 - owner
+    loads: dict[int, int] = {}
+    sent = []
+    for _ in range(8):  # eight requests of one hot key, none finished
+        upstream, why = choose(ring, key, loads)
+        loads[upstream.replica_id] = loads.get(upstream.replica_id, 0) + 1
+        sent.append((upstream.replica_id, why))
+    assert sent[0] == (owner, prefix.PREFIX) and sent[1] == (owner, prefix.PREFIX)
+    assert (other, prefix.BOUNDED) in sent
+    # ceil(1.25 × 8 / 2) = 5: the owner never holds more than its bound.
+    assert loads[owner] == 5 and loads[other] == 3
+
+
+def test_a_replica_that_refused_a_moment_ago_is_walked_past_and_said_so():
+    ring = prefix.Ring(upstreams(1, 2, 3))
+    key = KEYS[1]
+    owner = ring.owner(key)
+    upstream, why = choose(ring, key, {}, unusable={owner})
+    assert upstream.replica_id != owner and why == prefix.UNREACHABLE
+    assert choose(ring, key, {}, unusable={1, 2, 3}) is None
+
+
+def test_a_heavier_replica_owns_more_keys_and_has_a_larger_bound():
+    ring = prefix.Ring((Upstream(1, "", 1), Upstream(2, "", 3)))
+    owners = [ring.owner(k) for k in KEYS]
+    assert 0.65 < owners.count(2) / len(KEYS) < 0.85
+    # Loads 3 and 9 of 12: replica 2 may have ceil(1.25 × 13 × 3/4) = 13, replica 1 ceil(1.25 × 13 / 4) = 5.
+    key = next(k for k in KEYS if ring.owner(k) == 1)
+    assert choose(ring, key, {1: 4, 2: 8})[0].replica_id == 1
+    assert choose(ring, key, {1: 5, 2: 8}) == (ring.members[1], prefix.BOUNDED)
