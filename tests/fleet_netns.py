@@ -185,6 +185,10 @@ class Node:
             # only one beside its own loopback) and replicas advertise the node's address.
             LLMGW_ENGINE_HOST="0.0.0.0",
             LLMGW_ENGINE_ADVERTISE=self.host.address,
+            # The fleet test throttles and cuts the byte listener's HTTP (its proxy) and watches the
+            # fetch's part files: its nodes fetch over HTTP. Their sharing of pieces over libtorrent,
+            # in namespaces too, is tests/test_swarm_fleet.py's.
+            LLMGW_FETCH_TORRENT="false",
             LLMGW_HEARTBEAT_S=TIMING["LLMGW_HEARTBEAT_S"],
         )
 
