@@ -41,6 +41,7 @@ def free_port_on(address: str) -> int:
 
 class ControlPlane:
     def __init__(self, fleet: Fleet, mirror: Path, log_dir: Path, *, whole: bool = True, **extra_env: str):
+        self.whole = whole
         self.fleet = fleet
         self.mirror = mirror
         self.log_dir = log_dir
@@ -188,7 +189,7 @@ class Node:
             # The fleet test throttles and cuts the byte listener's HTTP (its proxy) and watches the
             # fetch's part files: its nodes fetch over HTTP. Their sharing of pieces over libtorrent,
             # in namespaces too, is tests/test_swarm_fleet.py's.
-            LLMGW_FETCH_TORRENT="false",
+            LLMGW_FETCH_TORRENT="false" if self.control.whole else "true",
             LLMGW_HEARTBEAT_S=TIMING["LLMGW_HEARTBEAT_S"],
         )
 
