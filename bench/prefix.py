@@ -33,7 +33,9 @@ every request's start, that the replica chosen had no more requests in flight th
 bound, ceil(LLMGW_PREFIX_LOAD_BOUND × (the model's requests in flight + 1) ÷ replicas).
 
 --cache-ram passes llama-server's host-memory prompt cache size (MiB; 0 turns it off);
-left out, llama-server's default (8192) is what the agent runs. Only loopback is used.
+left out, the bound the control plane starts a replica with (`catalog.memory.prompt_cache_args`:
+one pool's KV cache again, from the model's header) is what is used, as a replica of it runs.
+Only loopback is used.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ import django  # noqa: E402
 django.setup()
 
 from agent import engines  # noqa: E402
+from catalog.memory import prompt_cache_args  # noqa: E402
 from launcher import smollm2  # noqa: E402
+from mirror.headers import read_version  # noqa: E402
 
 TOPICS = [
     "rivers", "castles", "violins", "glaciers", "bakeries", "lighthouses", "orchards", "comets",
@@ -142,6 +146,8 @@ class Run:
         args = ["--ctx-size", str(o.slots * 2048), "--parallel", str(o.slots), "--threads", "1"]
         if o.cache_ram is not None:
             args += ["--cache-ram", str(o.cache_ram)]
+        else:
+            args += prompt_cache_args("llamacpp", read_version({smollm2.FILE: smollm2.gguf_path()}), args)
         ports, started = [], []
         for n in range(o.replicas):
             port = engines.free_port()
@@ -401,7 +407,7 @@ def main() -> int:
         prompt_mean = rows[0]["prompt_mean"]
         print(
             f"\n{options.replicas} replicas of {smollm2.MODEL} (one thread, {options.slots} slots each"
-            f"{', --cache-ram ' + str(options.cache_ram) if options.cache_ram is not None else ''}), "
+            f", --cache-ram {options.cache_ram if options.cache_ram is not None else 'as the control plane bounds it'}), "
             f"{options.conversations} conversations × {options.turns} turns, {options.clients} clients, "
             f"answers of {options.max_tokens} tokens, prompts of {prompt_mean:.0f} tokens on average\n"
         )

@@ -8,8 +8,10 @@ fleet's pages need it too and the fleet sits below serving.
 llama.cpp: the weights (every tensor's bytes: the file is mapped, and a model's
 matrices are all read for each token; twice for the types the CPU backend repacks), the KV cache for the context pool (layers × KV
 heads × (key + value head size) × pool × bytes per element of the cache type; the pool
-is shared by the slots, not multiplied by them), the compute buffers (the activations
-of one micro-batch) and the engine's own footprint. vLLM: the weights plus the KV cache
+is shared by the slots, not multiplied by them), the host-memory prompt cache (idle
+slots' prompts kept for their conversations' next turns: `--cache-ram`, bounded by the
+control plane to one pool's KV cache again, `prompt_cache_args`), the compute buffers
+(the activations of one micro-batch) and the engine's own footprint. vLLM: the weights plus the KV cache
 for --max-model-len, or, on a card, what --gpu-memory-utilization takes of it
 (vLLM reserves that share whatever the model needs).
 
@@ -73,10 +75,12 @@ class Estimate:
     engine: str
     # Why a part could not be worked out from the header ("" when every part could).
     missing: str = ""
+    # llama-server's host-memory prompt cache, at its bound (0 for vLLM, which keeps none).
+    prompt_cache: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.overhead
+        return self.weights + self.kv_cache + self.prompt_cache + self.overhead
 
     @property
     def total_gb(self) -> int:
@@ -99,6 +103,36 @@ def arg_value(args: Sequence[str], *flags: str) -> str | None:
             elif i + 1 < len(args):
                 found = args[i + 1]
     return found
+
+
+# llama-server keeps idle slots' prompts in host memory, up to `--cache-ram` MiB (its own
+# default 8,192 MiB whatever the model, -1 without bound, 0 none): a conversation pushed
+# out of its slot is restored at its next turn instead of computed again (prefix routing
+# sends it back for that). The control plane bounds it to one pool's KV cache again, so
+# that a replica keeps as many tokens again as its slots hold, and the estimate counts it;
+# a profile's own --cache-ram wins. Where the header does not give the KV cache's size the
+# cache is turned off: memory nobody counted is how a node runs out of it.
+PROMPT_CACHE_FLAGS = ("--cache-ram", "-cram")
+
+
+def prompt_cache_args(engine: str, header: dict | None, args: Sequence[str]) -> list[str]:
+    """`--cache-ram N` for a llama-server start whose arguments do not bound its prompt cache, else nothing."""
+    if engine != "llamacpp" or arg_value(args, *PROMPT_CACHE_FLAGS) is not None:
+        return []
+    found = estimate(header or {}, engine, args)
+    kv = found.kv_cache if found is not None else 0
+    return ["--cache-ram", str(-(-kv // MB))]
+
+
+def _prompt_cache(args: Sequence[str], kv_cache: int) -> tuple[int, str]:
+    """(bytes the prompt cache may hold, why it could not be counted): the profile's --cache-ram, else the pool's KV again."""
+    given = arg_value(args, *PROMPT_CACHE_FLAGS)
+    if given is None:
+        return kv_cache, ""
+    mib = _number(given, 0)
+    if mib < 0:
+        return 0, "--cache-ram -1 puts no bound on the engine's prompt cache: it is not counted"
+    return int(mib * MB), ""
 
 
 def _number(raw: str | None, default: float) -> float:
@@ -164,13 +198,16 @@ def _llamacpp(header: dict, weights: int, args: list[str], parallel: int) -> Est
     )
     types = header.get("tensor_types") or {}
     repacked = sum(int(types.get(name, 0)) for name in LLAMACPP_REPACKED_TYPES)
+    kv_cache = int(per_token * pool)
+    prompt_cache, unbounded = _prompt_cache(args, kv_cache)
     return Estimate(
         weights=weights + repacked,
-        kv_cache=int(per_token * pool),
+        kv_cache=kv_cache,
+        prompt_cache=prompt_cache,
         overhead=compute + LLAMACPP_FOOTPRINT_BYTES,
         pool=pool,
         engine="llamacpp",
-        missing=missing,
+        missing="; ".join(why for why in (missing, unbounded) if why),
     )
 
 

@@ -109,10 +109,11 @@ class ReplicaAdmin(RecordAdmin):
         if found is None:
             return "—"
         return format_html(
-            '<span title="weights {} + KV cache {} (pool {}) + overhead {}">{}</span>',
+            '<span title="weights {} + KV cache {} (pool {}) + prompt cache {} + overhead {}">{}</span>',
             _gb(found.weights),
             _gb(found.kv_cache),
             found.pool,
+            _gb(found.prompt_cache),
             _gb(found.overhead),
             _gb(found.total),
         )

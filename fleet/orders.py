@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from celery import current_app
 
+from catalog.memory import prompt_cache_args
 from catalog.models import Model
 from contracts import credentials, signing, tasks
 from contracts.engine_args import kind_args
 
+from . import memory
 from .models import Node, Replica
 
 
@@ -21,6 +23,9 @@ def send_start(replica: Replica) -> None:
     # llama.cpp's --embedding): inside the signed arguments, and checked by the node's allow-list.
     kind = Model.objects.filter(name=replica.model_name).values_list("kind", flat=True).first() or "chat"
     engine_args = list(replica.args) + kind_args(replica.engine, kind, replica.args)
+    # llama-server's prompt cache, bounded to what the estimate counts for it (catalog.memory).
+    header = memory.headers_for([replica.source]).get(replica.source)
+    engine_args += prompt_cache_args(replica.engine, header, replica.args)
     args = [replica.pk, replica.source, replica.engine, engine_args]
     # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
     # The nonce tells this replica's engine secret from an earlier replica's of the same id

@@ -46,6 +46,7 @@ def offer(headers: Mapping | None, engine: str, bytes_total: int, ctx_size: str 
     parts = {
         "weights_mb": round(found.weights / MB),
         "kv_cache_mb": round(found.kv_cache / MB),
+        "prompt_cache_mb": round(found.prompt_cache / MB),
         "overhead_mb": round(found.overhead / MB),
         "total_mb": round(found.total / MB),
         "pool": found.pool,

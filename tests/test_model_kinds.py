@@ -8,6 +8,7 @@ import openai
 import pytest
 import redis
 from django.conf import settings
+from django.utils import timezone
 
 from agent import engines
 from catalog.models import Model
@@ -145,8 +146,35 @@ def test_the_start_of_an_embedding_models_replica_carries_the_embedding_switch_i
     reconcile.send_start(replica)
     # sent() checks the proof the node would check: the switch is part of what is signed.
     ((task, args, kwargs),) = sent(broker, "node.a")
-    assert task == "agent.start_replica" and args[3] == ["--ctx-size", "512", "--embedding"]
+    # Weights from outside this mirror have no header read: llama-server keeps no prompt in host memory.
+    assert task == "agent.start_replica" and args[3] == ["--ctx-size", "512", "--embedding", "--cache-ram", "0"]
     assert kwargs == {"model": "embed", "nonce": credentials.replica_nonce(replica.created)}
+
+
+def test_a_replica_of_mirrored_weights_is_started_with_its_prompt_cache_bounded_to_what_the_estimate_counts():
+    from catalog.memory import MB, estimate
+    from mirror.models import MirrorVersion
+
+    broker = redis.Redis.from_url(settings.REDIS_URL)
+    broker.flushdb()
+    kinded("chatty", "chat")
+    header = {"format": "gguf", "layers": 24, "kv_heads": 2, "head_dim": 64, "weights_bytes": 5 * MB}
+    MirrorVersion.objects.create(model="chatty", version="v1", scanned_at=timezone.now(), headers=header)
+    source = f"{settings.BYTES_URL}chatty/v1/"
+    replica = Replica.objects.create(
+        model_name="chatty", profile_name="cpu", node=node("a"), source=source, engine="llamacpp"
+    )
+    replica.args = ["--ctx-size", "4096"]
+    reconcile.send_start(replica)
+    ((task, args, kwargs),) = sent(broker, "node.a")
+    # 24 layers × 2 KV heads × 64 × (key + value) × 2 bytes × 4,096 tokens: 48 MiB, as many tokens again as the pool.
+    assert args[3] == ["--ctx-size", "4096", "--cache-ram", "48"]
+    assert estimate(header, "llamacpp", replica.args).prompt_cache == 48 * MB
+    # A profile's own bound is sent as it is, and not twice.
+    replica.args = ["--ctx-size", "4096", "--cache-ram", "512"]
+    reconcile.send_start(replica)
+    ((task, args, kwargs),) = sent(broker, "node.a")
+    assert args[3] == ["--ctx-size", "4096", "--cache-ram", "512"]
 
 
 def test_each_engine_is_told_its_kind_in_its_own_spelling(tmp_path):
@@ -296,13 +324,11 @@ def test_an_embedding_model_served_through_the_api_is_started_by_the_agent_with_
     from agent import engine_state
 
     _, cache = agent_n1
-    assert engine_state.read_state(cache)["replicas"][str(replica.pk)]["args"] == [
-        "--ctx-size",
-        "256",
-        "--parallel",
-        "4",
-        "--embedding",
-    ]
+    started = engine_state.read_state(cache)["replicas"][str(replica.pk)]["args"]
+    assert started[:5] == ["--ctx-size", "256", "--parallel", "4", "--embedding"]
+    # Its prompt cache bounded (catalog.memory.prompt_cache_args; the figure is checked where
+    # the control plane's own BYTES_URL is this test's), never llama-server's 8 GiB.
+    assert started[5] == "--cache-ram" and started[6].isdigit() and len(started) == 7
 
 
 def test_the_serve_plan_of_a_mirrored_gguf_with_a_pooling_type_offers_embedding(live_server, mirror_root, admin_client):

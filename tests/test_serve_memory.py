@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from catalog.memory import GB, MB, estimate
+from catalog.memory import GB, MB, estimate, prompt_cache_args
 from mirror import scan
 from mirror.models import MirrorVersion
 
@@ -35,7 +35,27 @@ def test_the_kv_cache_is_layers_times_kv_heads_times_head_size_times_two_per_tok
     assert at_16k.kv_cache == 8 * at_2k.kv_cache
     assert at_2k.weights == at_16k.weights == 525 * MB
     assert at_2k.overhead == at_16k.overhead
-    assert at_2k.total == at_2k.weights + at_2k.kv_cache + at_2k.overhead
+    assert at_2k.total == at_2k.weights + at_2k.kv_cache + at_2k.prompt_cache + at_2k.overhead
+
+
+def test_the_prompt_cache_is_counted_at_the_bound_the_engine_is_started_with():
+    # Left to llama-server it would keep up to 8,192 MiB of prompts whatever the model: the
+    # control plane starts it bounded to one pool's KV cache again, and that is what is counted.
+    default = estimate(HEADER, "llamacpp", ["--ctx-size", "2048"])
+    assert default.prompt_cache == default.kv_cache == 24 * MB
+    assert prompt_cache_args("llamacpp", HEADER, ["--ctx-size", "2048"]) == ["--cache-ram", "24"]
+    # A profile's own bound wins, is counted, and gets no second flag.
+    own = ["--ctx-size", "2048", "--cache-ram", "100"]
+    assert estimate(HEADER, "llamacpp", own).prompt_cache == 100 * MB
+    assert prompt_cache_args("llamacpp", HEADER, own) == []
+    assert estimate(HEADER, "llamacpp", ["--ctx-size", "2048", "-cram=0"]).prompt_cache == 0
+    unbounded = estimate(HEADER, "llamacpp", ["--ctx-size", "2048", "--cache-ram", "-1"])
+    assert unbounded.prompt_cache == 0 and "no bound" in unbounded.missing
+    # Where the header does not say how big the KV cache is, no prompt is kept in host memory.
+    assert prompt_cache_args("llamacpp", None, []) == ["--cache-ram", "0"]
+    assert prompt_cache_args("llamacpp", {"weights_bytes": 5 * MB}, []) == ["--cache-ram", "0"]
+    assert prompt_cache_args("vllm", HEADER, []) == []
+    assert estimate({**HEADER, "format": "safetensors"}, "vllm", []).prompt_cache == 0
 
 
 def test_a_quantized_cache_type_shrinks_the_kv_cache_and_slots_share_the_pool():
