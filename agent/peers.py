@@ -43,7 +43,7 @@ from contracts import credentials, signing
 from contracts.swarm import Swarm, SwarmError, info_hash_of
 
 from . import runtime
-from .sources import TIMEOUT, describe, origin
+from .sources import TIMEOUT, describe, origin, refusal_of
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,8 @@ class NodeSwarm:
         self._stop = threading.Event()
         self._http = requests.Session()
         self._said = ""
+        # Why the tracker refused this node's pass, while it does: every fetch in progress stops with it.
+        self.refused = ""
         threading.Thread(target=self._keep_announcing, name="swarm-announce", daemon=True).start()
 
     # --- the fleet ---------------------------------------------------------------
@@ -124,11 +126,14 @@ class NodeSwarm:
             self._say(f"the tracker {url} did not answer ({describe(error)}); peers stay as they were")
             return
         if response.status_code == 401:
-            # Revoked: the fleet will not serve this node, and it serves nobody.
+            # Revoked (or its token issued anew): the fleet will not serve this node, and it serves
+            # nobody. A fetch in progress stops with the byte listener's sentence rather than
+            # waiting on a web seed that refuses it until every source counts as stalled.
             self.swarm.allow([])
             with self._lock:
                 self.peers = {}
-            self._say(f"the tracker {url} refused this node's pass: it serves no peer and gets none")
+            self.refused = f"the byte listener refused this node's pass at {url} (401): {refusal_of(response)}"
+            self._say(f"{self.refused}; it serves no peer and gets none")
             return
         try:
             said = response.json()
@@ -137,7 +142,7 @@ class NodeSwarm:
         except (ValueError, KeyError, TypeError):
             self._say(f"the tracker {url} answered {response.status_code} without a peer list")
             return
-        self._said = ""
+        self._said = self.refused = ""
         self.swarm.allow(fleet)
         with self._lock:
             self.peers.update(peers)
@@ -207,12 +212,18 @@ class NodeSwarm:
                     seeds_made.update(at=time.monotonic(), url=web_seed(source, single_file))
                 return [seeds_made["url"]]
 
+            def progress_unless_refused(status) -> None:
+                if self.refused:
+                    # Not transient: a revoked node stays revoked (as over HTTP, agent/sources.py).
+                    raise SwarmError(self.refused)
+                progress(status)
+
             done = self.swarm.fetch(
                 torrent,
                 directory,
                 web_seeds=web_seeds,
                 peers=lambda: self.peers_of(key),
-                progress=progress,
+                progress=progress_unless_refused,
                 resume_path=resume_path(self.cache, key),
                 **stall,
             )
