@@ -18,7 +18,8 @@ only:
 - Only those addresses may connect to this node, or be connected to (libtorrent's IP filter,
   set again at every answer): a host that is not an enrolled node gets no piece, and a
   revoked node drops out of the next answer, so its connections are closed and it is
-  refused from then on. What this does not stop is in docs/fleet.md.
+  refused from then on. What this does not stop is in docs/fleet.md. The revoked node's
+  own announce is refused: it serves nobody, and its fetches stop with the refusal.
 """
 
 from __future__ import annotations

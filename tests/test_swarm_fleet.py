@@ -383,7 +383,6 @@ PLAIN_PEER = textwrap.dedent(
         print(json.dumps({"bytes": st.total_payload_download, "pieces": st.num_pieces, "peers": st.num_peers}), flush=True)
         h.connect_peer((host, int(port)))  # again and again: each one after a refusal is a next connection
         time.sleep(0.5)
-    print(json.dumps({"bytes": h.status().total_payload_download, "pieces": h.status().num_pieces, "peers": 0}))
     """
 )
 
