@@ -44,7 +44,8 @@ from contracts import credentials, signing
 from contracts.swarm import Swarm, SwarmError, info_hash_of
 
 from . import runtime
-from .sources import TIMEOUT, describe, origin, refusal_of
+from .download import new_session
+from .sources import TIMEOUT, describe, origin, refusal_of, status_error
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,8 @@ class NodeSwarm:
         self._stop = threading.Event()
         self._http = requests.Session()
         self._said = ""
-        # Why the tracker refused this node's pass, while it does: every fetch in progress stops with it.
-        self.refused = ""
+        # Why the tracker refused this node's pass, while it does: each fetch in progress then asks the mirror.
+        self.tracker_refused = ""
         threading.Thread(target=self._keep_announcing, name="swarm-announce", daemon=True).start()
 
     # --- the fleet ---------------------------------------------------------------
@@ -127,14 +128,12 @@ class NodeSwarm:
             self._say(f"the tracker {url} did not answer ({describe(error)}); peers stay as they were")
             return
         if response.status_code == 401:
-            # Revoked (or its token issued anew): the fleet will not serve this node, and it serves
-            # nobody. A fetch in progress stops with the byte listener's sentence rather than
-            # waiting on a web seed that refuses it until every source counts as stalled.
+            # Revoked (or its token issued anew): the fleet will not serve this node, and it serves nobody.
             self.swarm.allow([])
             with self._lock:
                 self.peers = {}
-            self.refused = f"the byte listener refused this node's pass at {url} (401): {refusal_of(response)}"
-            self._say(f"{self.refused}; it serves no peer and gets none")
+            self.tracker_refused = f"the tracker {url} refused this node's pass (401): {refusal_of(response)}"
+            self._say(f"{self.tracker_refused}; it serves no peer and gets none")
             return
         try:
             said = response.json()
@@ -143,7 +142,7 @@ class NodeSwarm:
         except (ValueError, KeyError, TypeError):
             self._say(f"the tracker {url} answered {response.status_code} without a peer list")
             return
-        self._said = self.refused = ""
+        self._said = self.tracker_refused = ""
         self.swarm.allow(fleet)
         with self._lock:
             self.peers.update(peers)
@@ -213,10 +212,16 @@ class NodeSwarm:
                     seeds_made.update(at=time.monotonic(), url=web_seed(source, single_file))
                 return [seeds_made["url"]]
 
+            asked_after = {"refusal": ""}
+
             def progress_unless_refused(status) -> None:
-                if self.refused:
-                    # Not transient: a revoked node stays revoked (as over HTTP, agent/sources.py).
-                    raise SwarmError(self.refused)
+                # Refused by the tracker: the mirror is asked once whether it refuses this node too (it
+                # does unless it is open to anyone), and the fetch stops with its sentence, as over HTTP,
+                # rather than waiting on a web seed that refuses it until every source counts as stalled.
+                if self.tracker_refused and asked_after["refusal"] != self.tracker_refused:
+                    asked_after["refusal"] = self.tracker_refused
+                    if refusal := mirror_refusal(source):
+                        raise SwarmError(refusal)  # not transient: a revoked node stays revoked
                 progress(status)
 
             done = self.swarm.fetch(
@@ -241,6 +246,16 @@ class NodeSwarm:
     def close(self) -> None:
         self._stop.set()
         self.swarm.close()
+
+
+def mirror_refusal(source: str) -> str:
+    """The byte listener's sentence when it refuses this node the source (401), else ""."""
+    try:
+        response = new_session(source).get(source, timeout=TIMEOUT, stream=True)
+    except requests.RequestException:
+        return ""  # not an answer either way: the web seed's own failures say the rest
+    with response:
+        return str(status_error(source, 401, response)) if response.status_code == 401 else ""
 
 
 # --- the session's process, and how a fetch talks to it ---------------------------------

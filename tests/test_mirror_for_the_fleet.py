@@ -100,6 +100,24 @@ def test_a_public_mirror_serves_anyone(mirror_root, weights, tmp_path, django_db
         process.stop()
 
 
+def test_a_public_mirror_serves_a_revoked_node_its_set_through_libtorrent_though_the_tracker_refuses_it(
+    mirror_root, weights, tmp_path, settings, monkeypatch
+):
+    process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_PUBLIC="true")
+    token = issue_token("gone")
+    revoke_token("gone")
+    monkeypatch.setenv("LLMGW_NODE_NAME", "gone")
+    monkeypatch.setenv("LLMGW_NODE_TOKEN", token)
+    settings.BYTES_URL = url
+    try:
+        # The tracker answers nodes only; the mirror, open to anyone, is the web seed all the same.
+        assert requests.get(url + "announce?info_hash=" + "0" * 64 + "&port=1", timeout=5).status_code == 401
+        directory = fetch_source(url + "m/v1/", tmp_path / "cache")
+    finally:
+        process.stop()
+    assert (directory / "a.bin").read_bytes() == WEIGHTS and (directory / ".complete").exists()
+
+
 def test_a_node_fetches_a_set_with_its_pass_and_never_sends_it_to_another_host(
     byte_listener, weights, settings, tmp_path
 ):
@@ -218,8 +236,9 @@ def test_through_libtorrent_a_node_revoked_mid_fetch_stops_says_why_and_nothing_
             fetch_source(source, cache, progress=progress)
         assert progress.revoked_at is not None, "the fetch ended before a piece was verified"
         sentence = str(failed.value)
-        assert sentence.startswith(f"fetching {source}: the byte listener refused this node's pass"), sentence
-        assert "(401)" in sentence and "revoked" in sentence, sentence
+        # The byte listener's sentence, as over HTTP, once the tracker has refused the node (its next announce).
+        assert sentence.startswith(f"fetching {source}: the byte listener refused {source} (401): the credential is")
+        assert "revoked" in sentence, sentence
         assert not failed.value.transient  # a revoked node stays refused: not tried again by itself
         assert progress.state == "failed" and progress.error == sentence
         sent = sum(proxy.path_bytes.get(f"/m/v4/{n}", 0) for n in ("a.bin", "b.bin"))
