@@ -311,8 +311,8 @@ class Swarm:
         """Fetch the torrent's files into dest_dir from the web seeds and peers; returns when every piece is verified.
 
         Pieces already in dest_dir are kept: by `resume_path`'s record when there is one
-        (written every second while pieces arrive, and at the end), else by hashing what
-        is there. Raises SwarmError with a sentence: a disk error, every source stalled
+        (written every second while pieces arrive, and at the end; a piece its file on disk
+        no longer reaches is fetched again), else by hashing what is there. Raises SwarmError with a sentence: a disk error, every source stalled
         for `give_up_s` (default 10 × stall_s). An exception from `progress` stops the
         fetch (its resume data saved) and is raised as it is. Afterwards the torrent stays
         in the session, seeding, unless `keep_seeding` is false.
