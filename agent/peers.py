@@ -18,7 +18,8 @@ only:
 - Only those addresses may connect to this node, or be connected to (libtorrent's IP filter,
   set again at every answer): a host that is not an enrolled node gets no piece, and a
   revoked node drops out of the next answer, so its connections are closed and it is
-  refused from then on. What this does not stop is in docs/fleet.md.
+  refused from then on. What this does not stop is in docs/fleet.md. The revoked node's
+  own announce is refused: it serves nobody, and its fetches stop with the refusal.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from contracts import credentials, signing
 from contracts.swarm import Swarm, SwarmError, info_hash_of
 
 from . import runtime
-from .sources import TIMEOUT, describe, origin
+from .download import new_session
+from .sources import TIMEOUT, describe, origin, refusal_of, status_error
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,8 @@ class NodeSwarm:
         self._stop = threading.Event()
         self._http = requests.Session()
         self._said = ""
+        # Why the tracker refused this node's pass, while it does: each fetch in progress then asks the mirror.
+        self.tracker_refused = ""
         threading.Thread(target=self._keep_announcing, name="swarm-announce", daemon=True).start()
 
     # --- the fleet ---------------------------------------------------------------
@@ -124,11 +128,12 @@ class NodeSwarm:
             self._say(f"the tracker {url} did not answer ({describe(error)}); peers stay as they were")
             return
         if response.status_code == 401:
-            # Revoked: the fleet will not serve this node, and it serves nobody.
+            # Revoked (or its token issued anew): the fleet will not serve this node, and it serves nobody.
             self.swarm.allow([])
             with self._lock:
                 self.peers = {}
-            self._say(f"the tracker {url} refused this node's pass: it serves no peer and gets none")
+            self.tracker_refused = f"the tracker {url} refused this node's pass (401): {refusal_of(response)}"
+            self._say(f"{self.tracker_refused}; it serves no peer and gets none")
             return
         try:
             said = response.json()
@@ -137,7 +142,7 @@ class NodeSwarm:
         except (ValueError, KeyError, TypeError):
             self._say(f"the tracker {url} answered {response.status_code} without a peer list")
             return
-        self._said = ""
+        self._said = self.tracker_refused = ""
         self.swarm.allow(fleet)
         with self._lock:
             self.peers.update(peers)
@@ -207,12 +212,24 @@ class NodeSwarm:
                     seeds_made.update(at=time.monotonic(), url=web_seed(source, single_file))
                 return [seeds_made["url"]]
 
+            asked_after = {"refusal": ""}
+
+            def progress_unless_refused(status) -> None:
+                # Refused by the tracker: the mirror is asked once whether it refuses this node too (it
+                # does unless it is open to anyone), and the fetch stops with its sentence, as over HTTP,
+                # rather than waiting on a web seed that refuses it until every source counts as stalled.
+                if self.tracker_refused and asked_after["refusal"] != self.tracker_refused:
+                    asked_after["refusal"] = self.tracker_refused
+                    if refusal := mirror_refusal(source):
+                        raise SwarmError(refusal)  # not transient: a revoked node stays revoked
+                progress(status)
+
             done = self.swarm.fetch(
                 torrent,
                 directory,
                 web_seeds=web_seeds,
                 peers=lambda: self.peers_of(key),
-                progress=progress,
+                progress=progress_unless_refused,
                 resume_path=resume_path(self.cache, key),
                 **stall,
             )
@@ -229,6 +246,16 @@ class NodeSwarm:
     def close(self) -> None:
         self._stop.set()
         self.swarm.close()
+
+
+def mirror_refusal(source: str) -> str:
+    """The byte listener's sentence when it refuses this node the source (401), else ""."""
+    try:
+        response = new_session(source).get(source, timeout=TIMEOUT, stream=True)
+    except requests.RequestException:
+        return ""  # not an answer either way: the web seed's own failures say the rest
+    with response:
+        return str(status_error(source, 401, response)) if response.status_code == 401 else ""
 
 
 # --- the session's process, and how a fetch talks to it ---------------------------------

@@ -311,8 +311,8 @@ class Swarm:
         """Fetch the torrent's files into dest_dir from the web seeds and peers; returns when every piece is verified.
 
         Pieces already in dest_dir are kept: by `resume_path`'s record when there is one
-        (written every second while pieces arrive, and at the end), else by hashing what
-        is there. Raises SwarmError with a sentence: a disk error, every source stalled
+        (written every second while pieces arrive, and at the end; a piece its file on disk
+        no longer reaches is fetched again), else by hashing what is there. Raises SwarmError with a sentence: a disk error, every source stalled
         for `give_up_s` (default 10 × stall_s). An exception from `progress` stops the
         fetch (its resume data saved) and is raised as it is. Afterwards the torrent stays
         in the session, seeding, unless `keep_seeding` is false.
@@ -332,6 +332,8 @@ class Swarm:
                 params = None  # unreadable: the files are hashed instead
             if params is not None and info_hash_of_params(params) not in ("", key):
                 params = None  # the record of another torrent
+            if params is not None:
+                _forget_what_the_disk_lost(params, info, dest)
         if params is None:
             params = lt.add_torrent_params()
         params.ti = info
@@ -634,6 +636,46 @@ def info_hash_of_params(params: lt.add_torrent_params) -> str:
         return str(hashes.v2) if hashes.has_v2() else ""
     except (AttributeError, RuntimeError):
         return ""
+
+
+def _forget_what_the_disk_lost(params: lt.add_torrent_params, info: lt.torrent_info, dest: Path) -> None:
+    """Take out of a resume record the pieces its files no longer hold: a file cut short or removed since.
+
+    libtorrent believes its record without looking: a file cut short after it was whole
+    would be seeded as it is, the fetch would fetch nothing, and the manifest's sha256
+    would then fail. A piece counts only where every one of its files on disk still
+    reaches its end; the others are fetched again, the rest of the record kept.
+    """
+    layout = info.layout()
+    paths = {i: dest / name for i, name in _rooted(info).items()}
+    sizes: dict[int, int] = {}
+
+    def size_on_disk(i: int) -> int:
+        if i not in sizes:
+            try:
+                sizes[i] = (paths.get(i) or dest / layout.file_path(i)).stat().st_size
+            except OSError:
+                sizes[i] = 0
+        return sizes[i]
+
+    def held(piece: int) -> bool:
+        return all(
+            layout.file_flags(s.file_index) & lt.file_storage.flag_pad_file
+            or size_on_disk(s.file_index) >= s.offset + s.size
+            for s in info.map_block(piece, 0, info.piece_size(piece))
+        )
+
+    have = list(params.have_pieces)
+    lost = [i for i in range(min(len(have), info.num_pieces())) if have[i] and not held(i)]
+    for i in lost:
+        have[i] = False
+    unfinished = dict(params.unfinished_pieces)
+    for piece in [p for p in unfinished if not held(int(p))]:
+        del unfinished[piece]
+    if lost:
+        log.warning("%d verified piece(s) of %s are no longer on disk; they are fetched again", len(lost), dest)
+    params.have_pieces = have
+    params.unfinished_pieces = unfinished
 
 
 def _who(watch: _StallWatch, sources, seeds: dict[str, str]) -> str:

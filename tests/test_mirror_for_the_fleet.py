@@ -16,6 +16,7 @@ import pytest
 import requests
 
 from agent.fetch import FetchError, cache_path, fetch_source
+from agent.fetch_state import read_verified
 from agent.progress import Progress
 from contracts import credentials, signing
 from fleet.enrolment import issue_token, revoke_token
@@ -99,6 +100,24 @@ def test_a_public_mirror_serves_anyone(mirror_root, weights, tmp_path, django_db
         process.stop()
 
 
+def test_a_public_mirror_serves_a_revoked_node_its_set_through_libtorrent_though_the_tracker_refuses_it(
+    mirror_root, weights, tmp_path, settings, monkeypatch
+):
+    process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_PUBLIC="true")
+    token = issue_token("gone")
+    revoke_token("gone")
+    monkeypatch.setenv("LLMGW_NODE_NAME", "gone")
+    monkeypatch.setenv("LLMGW_NODE_TOKEN", token)
+    settings.BYTES_URL = url
+    try:
+        # The tracker answers nodes only; the mirror, open to anyone, is the web seed all the same.
+        assert requests.get(url + "announce?info_hash=" + "0" * 64 + "&port=1", timeout=5).status_code == 401
+        directory = fetch_source(url + "m/v1/", tmp_path / "cache")
+    finally:
+        process.stop()
+    assert (directory / "a.bin").read_bytes() == WEIGHTS and (directory / ".complete").exists()
+
+
 def test_a_node_fetches_a_set_with_its_pass_and_never_sends_it_to_another_host(
     byte_listener, weights, settings, tmp_path
 ):
@@ -179,6 +198,65 @@ def test_a_node_revoked_mid_fetch_is_refused_at_its_next_range_request_and_nothi
         assert (directory / "a.bin").read_bytes() == a
         assert not (directory / "b.bin").exists() and (directory / "b.bin.part").stat().st_size == 100_000
         assert not (directory / ".complete").exists()
+    finally:
+        proxy.stop()
+
+
+class RevokesOnFirstPiece(Progress):
+    """Revokes the node's token once libtorrent has verified a piece: the fetch is under way."""
+
+    def __init__(self, node: str):
+        super().__init__()
+        self.node = node
+        self.revoked_at: int | None = None  # bytes done when the token was revoked
+
+    def swarm(self, status: dict) -> None:
+        if self.revoked_at is None and status["pieces_done"] > 0:
+            revoke_token(self.node)
+            self.revoked_at = status["bytes_done"]
+        super().swarm(status)
+
+
+def test_through_libtorrent_a_node_revoked_mid_fetch_stops_says_why_and_nothing_half_is_whole(
+    byte_listener, mirror_root, tmp_path, fleet_node, settings, monkeypatch
+):
+    name, _ = fleet_node
+    mib = 1 << 20
+    a, b = (WEIGHTS * 41)[: 6 * mib], (WEIGHTS[::-1] * 41)[: 6 * mib]
+    put(mirror_root, "m", "v4", {"a.bin": a, "b.bin": b})
+    # Slow enough (libtorrent asks a web seed for a whole file's range at once) that the
+    # revocation lands with most of the set still to come.
+    proxy = CountingProxy(byte_listener, rate=mib)
+    settings.BYTES_URL = proxy.url
+    source = proxy.url + "m/v4/"
+    cache = tmp_path / "cache"
+    try:
+        progress = RevokesOnFirstPiece(name)
+        with pytest.raises(FetchError) as failed:
+            fetch_source(source, cache, progress=progress)
+        assert progress.revoked_at is not None, "the fetch ended before a piece was verified"
+        sentence = str(failed.value)
+        # The byte listener's sentence, as over HTTP, once the tracker has refused the node (its next announce).
+        assert sentence.startswith(f"fetching {source}: the byte listener refused {source} (401): the credential is")
+        assert "revoked" in sentence, sentence
+        assert not failed.value.transient  # a revoked node stays refused: not tried again by itself
+        assert progress.state == "failed" and progress.error == sentence
+        sent = sum(proxy.path_bytes.get(f"/m/v4/{n}", 0) for n in ("a.bin", "b.bin"))
+        assert sent < len(a) + len(b), "the whole set arrived before the revocation took effect"
+        directory = cache_path(source, cache)
+        assert not (directory / ".complete").exists()
+        # Nothing half-written counts as whole: only a file that is the mirror's is recorded as verified.
+        for recorded in read_verified(cache, directory):
+            assert (directory / recorded).read_bytes() == {"a.bin": a, "b.bin": b}[recorded], recorded
+        # Enrolled again, the node gets the set whole, what libtorrent had verified kept.
+        monkeypatch.setenv("LLMGW_NODE_TOKEN", issue_token(name))
+        proxy.rate = None
+        proxy.reset_counts()
+        fetch_source(source, cache)
+        assert (directory / "a.bin").read_bytes() == a and (directory / "b.bin").read_bytes() == b
+        assert (directory / ".complete").exists()
+        again = sum(proxy.path_bytes.get(f"/m/v4/{n}", 0) for n in ("a.bin", "b.bin"))
+        assert again <= len(a) + len(b) - 4 * mib, again
     finally:
         proxy.stop()
 

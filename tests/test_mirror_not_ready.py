@@ -232,6 +232,27 @@ def test_a_cached_set_cut_short_by_an_older_fetch_is_fetched_again_and_a_whole_o
     assert proxy.requests == [("GET", "/m/v1/", "")] and hashed == []
 
 
+def test_through_libtorrent_a_cached_set_cut_short_after_it_was_marked_whole_is_made_whole_in_one_fetch(
+    proxy, mirror_root, tmp_path
+):
+    # libtorrent's resume record says every piece of a.bin was verified; the file on disk has lost
+    # the end of them. One fetch must see it, fetch those pieces again and keep the rest.
+    files = {"a.bin": data("a", 9 * MIB + 1000), "b.bin": data("b", MIB)}
+    put(mirror_root, "m", "v1", files)
+    source = proxy.url + "m/v1/"
+    cache = tmp_path / "cache"
+    directory = fetch_source(source, cache)
+    assert (directory / ".complete").exists()
+    with open(directory / "a.bin", "r+b") as fh:
+        fh.truncate(5 * MIB)  # a.bin's first 4 MiB piece whole, its second cut, its third gone
+    proxy.reset_counts()
+    fetch_source(source, cache)  # one attempt: a failed sha256 check and a second attempt would raise here
+    assert (directory / "a.bin").read_bytes() == files["a.bin"] and (directory / ".complete").exists()
+    # What was fetched again: the two pieces the file lost, not the piece it kept, and nothing of b.bin.
+    assert proxy.path_bytes.get("/m/v1/a.bin") == len(files["a.bin"]) - 4 * MIB, proxy.requests
+    assert "/m/v1/b.bin" not in proxy.path_bytes, proxy.requests
+
+
 def test_a_cached_set_the_mirror_has_changed_since_is_fetched_again_where_it_changed(
     proxy, mirror_root, tmp_path, settings
 ):

@@ -151,6 +151,24 @@ def test_a_fetch_stopped_halfway_resumes_with_only_the_pieces_it_had_not_verifie
     assert done.bytes_from_peers <= (11 - kept) * PIECE, (done, kept)
 
 
+def test_a_resume_record_is_held_to_the_files_on_disk_and_what_a_file_lost_is_fetched_again(tmp_path, sessions):
+    source = version_dir(tmp_path / "seeder")
+    torrent = torrent_of(source)
+    seeder, fetcher = sessions(), sessions()
+    seeder.seed(torrent, source)
+    resume = tmp_path / "got.resume"
+    peers = [("127.0.0.1", seeder.listen_port)]
+    fetcher.fetch(torrent, tmp_path / "got", peers=peers, resume_path=resume, keep_seeding=False)
+    # Whole by the record, and then a.bin cut short: its first piece still there, the rest gone.
+    with open(tmp_path / "got" / "a.bin", "r+b") as fh:
+        fh.truncate(PIECE + 10)
+    assert all(lt.read_resume_data(resume.read_bytes()).have_pieces[:4])
+    done = fetcher.fetch(torrent, tmp_path / "got", peers=peers, resume_path=resume)
+    same_files(tmp_path / "got")
+    # The pieces the file lost, and not the one it kept nor any of b.bin's.
+    assert done.bytes_from_peers == len(FILES["a.bin"]) - PIECE, done
+
+
 def test_an_address_not_allowed_gets_no_piece(tmp_path, sessions):
     source = version_dir(tmp_path / "seeder")
     torrent = torrent_of(source)
