@@ -69,6 +69,7 @@ class Gateway(Forwarding):
         self.refresh_s = settings.GATEWAY_REFRESH_MS / 1000
         self._db = ThreadPoolExecutor(1, thread_name_prefix="gateway-db")
         self._session: aiohttp.ClientSession | None = None
+        self._fresh_session: aiohttp.ClientSession | None = None
         self._refresher: asyncio.Task | None = None
         self._refreshing: asyncio.Future | None = None
         self._last_refresh_start = 0.0
@@ -82,13 +83,19 @@ class Gateway(Forwarding):
     async def start(self) -> None:
         if self._session is not None:
             return
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=IDLE_S, ttl_dns_cache=60, socket_factory=upstream_socket
-            ),
+        sockets = dict(limit=0, ttl_dns_cache=60, socket_factory=upstream_socket)
+        answers = dict(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.GATEWAY_UPSTREAM_TIMEOUT_S),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_S, **sockets), **answers
+        )
+        # A request resent after its kept-alive connection was dropped goes on a connection of its
+        # own (gateway/forward.py): the pool may hold more that the engine has let go.
+        self._fresh_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True, **sockets), **answers
         )
         await self.refresh()
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
@@ -104,6 +111,7 @@ class Gateway(Forwarding):
             self._refresher.cancel()
         if self._session:
             await self._session.close()
+            await self._fresh_session.close()
             self._session = None
         await self.limiter.close()
         await self.demand.stop()

@@ -139,8 +139,9 @@ class Forwarding:
             self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
             try:
                 sent_at = time.perf_counter()
+                session = self._fresh_session if replica in resent else self._session
                 try:
-                    response = await self._session.post(
+                    response = await session.post(
                         upstream.base + request.endpoint.engine_path,
                         data=request.body,
                         headers={
@@ -164,6 +165,8 @@ class Forwarding:
                         # engine let go as it was reused (cpp-httplib does, under load). The engine is
                         # well; the request goes to it again once, on a new connection, as HTTP
                         # clients resend on a reused connection (at worst the engine works twice).
+                        # On a new connection: the pool may hold others the engine let go (all of
+                        # them, when it has closed them at once), and the next of those would fail too.
                         resent.add(replica)
                         tried.discard(replica)
                         continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -204,17 +205,16 @@ class DroppingEngine:
         }
     ).encode()
 
-    def __init__(self):
-        import threading
-
+    def __init__(self, together: int = 1):
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.base = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
         self.answered = self.dropped = 0
+        # The first `together` requests are answered only once all of them have come, each on a
+        # connection of its own: the gateway's pool then holds that many the engine will drop.
+        self.together = threading.Barrier(together)
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self):
-        import threading
-
         while True:
             try:
                 connection, _ = self.listener.accept()
@@ -241,6 +241,10 @@ class DroppingEngine:
         with connection:
             if not self.read_request(connection):
                 return
+            try:
+                self.together.wait(timeout=30)
+            except threading.BrokenBarrierError:
+                pass
             connection.sendall(
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                 + f"Content-Length: {len(self.ANSWER)}\r\n\r\n".encode()
@@ -267,6 +271,31 @@ def test_an_engine_that_drops_a_kept_alive_connection_as_it_is_reused_still_answ
         for turn in range(4):
             answer = chat(session, impatient_gateway.url)
             assert answer.status_code == 200, (turn, answer.text)
+        assert engine.dropped >= 1, "the gateway never reused a connection, so nothing was tried"
+    finally:
+        engine.stop()
+
+
+def test_a_request_resent_after_a_dropped_connection_goes_on_a_new_one_not_another_the_engine_dropped(
+    impatient_gateway,
+):
+    # Under load the gateway's pool holds several kept-alive connections to one engine, and the
+    # engine may have let all of them go: the resend used to take the next one from the pool,
+    # fail again, and cool the only replica (bench/prefix.py's hot prefix: "Can not write request body").
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = DroppingEngine(together=3)
+    try:
+        add_model()
+        add_replica("chat", engine.base)
+        _, secret = create_key("k")
+        until_routed(client(secret), impatient_gateway.url)
+        with ThreadPoolExecutor(3) as pool:
+            first = list(pool.map(lambda _: chat(client(secret), impatient_gateway.url), range(3)))
+        assert [a.status_code for a in first] == [200, 200, 200]
+        assert engine.together.n_waiting == 0 and not engine.together.broken, "three connections were not open at once"
+        answer = chat(client(secret), impatient_gateway.url)
+        assert answer.status_code == 200, answer.text
         assert engine.dropped >= 1, "the gateway never reused a connection, so nothing was tried"
     finally:
         engine.stop()
