@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -212,6 +213,7 @@ class DroppingEngine:
         # The first `together` requests are answered only once all of them have come, each on a
         # connection of its own: the gateway's pool then holds that many the engine will drop.
         self.together = threading.Barrier(together)
+        self.connections = itertools.count(1)
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self):
@@ -241,10 +243,11 @@ class DroppingEngine:
         with connection:
             if not self.read_request(connection):
                 return
-            try:
-                self.together.wait(timeout=30)
-            except threading.BrokenBarrierError:
-                pass
+            if next(self.connections) <= self.together.parties:
+                try:
+                    self.together.wait(timeout=30)
+                except threading.BrokenBarrierError:
+                    pass
             connection.sendall(
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                 + f"Content-Length: {len(self.ANSWER)}\r\n\r\n".encode()
