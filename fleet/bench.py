@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import requests
+from django.conf import settings
 from django.utils import timezone
 
 from . import memory
@@ -143,6 +144,20 @@ def suggested_target_load(levels: Sequence[dict]) -> int:
     return max(int(best), 1)
 
 
+def memory_now(replica: Replica) -> int:
+    """The replica's host memory by its node's latest heartbeat; on a busy node that one may be
+    late, so its next is waited for (a heartbeat's time at most), and 0 only if none comes."""
+    deadline = time.monotonic() + settings.HEARTBEAT_S * settings.HEARTBEATS_MISSED
+    while True:
+        measured, _ = memory.latest([replica.node.name])
+        now = measured.get(replica.pk)
+        if now is not None and now.node == replica.node.name:
+            return now.host
+        if time.monotonic() >= deadline:
+            return 0
+        time.sleep(0.2)
+
+
 def ready_replica(model: str) -> Replica:
     replica = Replica.objects.select_related("node").filter(model_name=model, state=Replica.State.READY).first()
     if replica is None:
@@ -166,9 +181,7 @@ def run(
         result = level(url, key, model, concurrency, rounds, max_tokens)
         if not result["requests"]:
             raise BenchError(f"no request at {concurrency} at once was answered: {result['first_error']}")
-        measured, _ = memory.latest([replica.node.name])
-        now = measured.get(replica.pk)
-        result["memory_bytes"] = now.host if now is not None and now.node == replica.node.name else 0
+        result["memory_bytes"] = memory_now(replica)
         results.append(result)
         say(
             f"{concurrency:>3} at once: {result['tokens_per_s']:.1f} tokens/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms "

@@ -131,7 +131,7 @@ def test_a_running_replica_s_measured_memory_reaches_the_replicas_page_and_bench
     levels = peak.bench["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 4]
     assert [lv["requests"] for lv in levels] == [1, 4]
-    assert all(lv["tokens_per_s"] > 0 and lv["ttft_p50_ms"] > 0 and lv["memory_bytes"] > 0 for lv in levels)
+    assert all(lv["tokens_per_s"] > 0 and lv["ttft_p50_ms"] > 0 and lv["memory_bytes"] > 0 for lv in levels), levels
     assert "Suggested target load per replica" in out.getvalue()
     assert Model.objects.get(name="tiny").target_load == peak.bench["suggested_target_load"]
     page = admin_client.get(f"/admin/fleet/measuredmemory/{peak.pk}/change/").content.decode()
