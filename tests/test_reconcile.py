@@ -35,7 +35,9 @@ def start_of(replica_id: int, args: tuple[str, ...] = ("--ctx-size", "512")) -> 
     # The catalog's name goes with it: a vLLM engine serves under it, and refuses any other.
     # And the nonce of the engine's secret: the replica's creation time (contracts.credentials).
     nonce = credentials.replica_nonce(Replica.objects.get(pk=replica_id).created)
-    return ("agent.start_replica", [replica_id, SOURCE, "llamacpp", list(args)], {"model": "tiny", "nonce": nonce})
+    # SOURCE is not on this mirror, so no header bounds llama-server's prompt cache: none (catalog.memory).
+    sent = [*args, "--cache-ram", "0"]
+    return ("agent.start_replica", [replica_id, SOURCE, "llamacpp", sent], {"model": "tiny", "nonce": nonce})
 
 
 def test_a_replica_is_written_and_its_node_told_to_start_it(broker):
