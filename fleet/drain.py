@@ -3,13 +3,18 @@
 A replica stopped while it serves (replaced after its profile was edited, its model's
 count lowered, its node drained) is marked `stopping` at once, so every gateway drops it
 from its table at its next read (within LLMGW_GATEWAY_REFRESH_MS) and sends it nothing
-new. When the gateways' load (contracts/demand.py, shared through Redis) says requests
-are in flight on it, its node is not told to stop it yet: a later pass tells it once the
-load has said "none in flight" for a snapshot taken after the gateways stopped sending
-(SETTLE_S after it was marked), or after LIMIT_S whatever the load says. Stopping the
-engine at once cut those answers short (PyPI's llama.cpp server ends every open event
-stream on SIGTERM): bench/on_demand_change.py saw 2 to 8 of 220 streams cut in a
-rolling replacement under 16 clients.
+new. Its node is not told to stop it yet: a later pass tells it once the gateways' load
+(contracts/demand.py, shared through Redis) has said "none in flight" for a snapshot
+taken after the gateways stopped sending (SETTLE_S after it was marked), or after
+LIMIT_S whatever the load says. Stopping the engine at once cut those answers short
+(PyPI's llama.cpp server ends every open event stream on SIGTERM): bench/on_demand_change.py
+saw 2 to 8 of 220 streams cut in a rolling replacement under 16 clients.
+
+Every serving replica waits SETTLE_S, even one the last snapshot shows idle: that
+snapshot is up to a second old, and until its next table read a gateway may still send
+the replica a request (the bound of prefix routing sends one to a replica the ring
+rarely names). Stopped at once on "none in flight", such a stream was cut
+(tests/test_rolling_replacement.py, 1 stream in about 80, in CI).
 """
 
 from __future__ import annotations
@@ -24,12 +29,9 @@ LIMIT_S = 60.0
 _KEY = "llmgw:draining:{}"
 
 
-def hold_stop(replica_id: int, in_flight: int) -> bool:
-    """Whether the node's stop is to wait for the replica's requests; remembered for later passes."""
-    if in_flight <= 0:
-        return False
+def hold_stop(replica_id: int) -> None:
+    """The node's stop of a serving replica waits for its requests; remembered for later passes."""
     redis_client().set(_KEY.format(replica_id), "1", ex=int(LIMIT_S) + 60)
-    return True
 
 
 def draining(replica_ids: list[int]) -> set[int]:

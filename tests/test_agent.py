@@ -254,6 +254,51 @@ def test_the_agent_refuses_to_start_without_a_token_or_a_database(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_an_agent_started_before_its_broker_answers_waits_for_it_and_starts(enrolled_node, agent_cache, tmp_path):
+    """A host whose network or broker comes up a moment after the agent (a boot, a link restored).
+
+    Before, the agent's start-up check gave up at the first refused connection ("nothing
+    answers at REDIS_URL"), and an agent no service manager started again stayed down:
+    tests/test_fleet_netns.py's node restored its link and started its agent, which died of
+    "No route to host" while the bridge was being resolved.
+    """
+    import shutil
+    import subprocess
+    import sys
+
+    from .services import free_port
+    from .support.processes import Process, node_env
+
+    name, token = enrolled_node
+    port = free_port()
+    env = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, REDIS_URL=f"redis://127.0.0.1:{port}/0")
+    argv = [sys.executable, "manage.py", "agent", "--node", name, "--cache", str(agent_cache)]
+    agent = Process("agent-early", argv, env, tmp_path)
+    broker = None
+    try:
+        wait_until(
+            lambda: "Waiting up to" in agent.output() or not agent.alive(),
+            timeout=60,
+            what="the agent to say it waits for its broker",
+        )
+        assert agent.alive(), agent.output()
+        broker = subprocess.Popen(
+            [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+            stdout=subprocess.DEVNULL,
+            cwd=tmp_path,
+        )
+        wait_until(
+            lambda: "ready." in agent.output() or not agent.alive(), timeout=60, what="the agent to start on its broker"
+        )
+        assert agent.alive() and "ready." in agent.output(), agent.output()
+        assert "Traceback" not in agent.output()
+    finally:
+        agent.stop()
+        if broker is not None:
+            broker.kill()
+            broker.wait(timeout=10)
+
+
 def test_the_same_fetch_sent_twice_at_once_sends_each_byte_once_and_both_finish(
     enrolled_node, control_worker, byte_listener, four_files, agent_cache, tmp_path, redis_client
 ):

@@ -1,5 +1,6 @@
 import json
 import os
+import time
 from pathlib import Path
 
 import redis
@@ -10,6 +11,10 @@ from agent import engine_state, engines, facts, metrics, peers, runtime, supervi
 from agent.celery import app
 from contracts.names import node_name_problem
 from contracts.tasks import node_queue
+
+
+# How long a broker that does not answer yet is waited for at start (check_broker).
+BROKER_WAIT_S = 30.0
 
 
 class Command(BaseCommand):
@@ -105,7 +110,29 @@ class Command(BaseCommand):
             engines.stop_group(pid, grace=10)
 
     def check_broker(self) -> None:
+        """The broker answers, or a CommandError; a broker not reachable yet is waited for, BROKER_WAIT_S at most.
+
+        A host whose network has only just come up (a boot, a link restored) cannot reach
+        the broker for its first seconds ("No route to host" while the neighbour is being
+        resolved); an agent that gave up at once then never started where no service
+        manager starts it again. A URL that cannot be parsed or a wrong password fails at once.
+        """
         try:
-            redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=3).ping()
-        except (redis.RedisError, OSError, ValueError) as error:
+            client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=3)
+        except ValueError as error:
             raise CommandError(f"nothing answers at REDIS_URL ({settings.REDIS_URL}): {error}") from None
+        deadline = time.monotonic() + BROKER_WAIT_S
+        said = False
+        while True:
+            try:
+                client.ping()
+                return
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
+                if isinstance(error, redis.AuthenticationError) or time.monotonic() >= deadline:
+                    raise CommandError(f"nothing answers at REDIS_URL ({settings.REDIS_URL}): {error}") from None
+                if not said:
+                    self.stderr.write(f"Waiting up to {BROKER_WAIT_S:.0f} s for the broker at REDIS_URL: {error}")
+                    said = True
+                time.sleep(1.0)
+            except redis.RedisError as error:
+                raise CommandError(f"nothing answers at REDIS_URL ({settings.REDIS_URL}): {error}") from None
