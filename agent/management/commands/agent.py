@@ -12,7 +12,6 @@ from agent.celery import app
 from contracts.names import node_name_problem
 from contracts.tasks import node_queue
 
-
 # How long a broker that does not answer yet is waited for at start (check_broker).
 BROKER_WAIT_S = 30.0
 
