@@ -10,11 +10,13 @@ LIMIT_S whatever the load says. Stopping the engine at once cut those answers sh
 (PyPI's llama.cpp server ends every open event stream on SIGTERM): bench/on_demand_change.py
 saw 2 to 8 of 220 streams cut in a rolling replacement under 16 clients.
 
-Every serving replica waits SETTLE_S, even one the last snapshot shows idle: that
-snapshot is up to a second old, and until its next table read a gateway may still send
-the replica a request (the bound of prefix routing sends one to a replica the ring
-rarely names). Stopped at once on "none in flight", such a stream was cut
-(tests/test_rolling_replacement.py, 1 stream in about 80, in CI).
+A replica of a model that has requests in flight waits SETTLE_S even when the last
+snapshot shows none on the replica itself: that snapshot is up to a second old, and
+until its next table read a gateway may still send the replica one (the bound of prefix
+routing sends one to a replica the ring rarely names). Stopped at once on "none in
+flight on it", such a stream was cut (tests/test_rolling_replacement.py, 1 stream in
+about 80, in CI). A replica of a model with nothing in flight anywhere (idle, scaled to
+zero, stopped to make room) is stopped at once: a wake that made room waits for no pass.
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ LIMIT_S = 60.0
 _KEY = "llmgw:draining:{}"
 
 
-def hold_stop(replica_id: int) -> None:
-    """The node's stop of a serving replica waits for its requests; remembered for later passes."""
+def hold_stop(replica_id: int, in_flight: int, model_in_flight: int) -> bool:
+    """Whether the node's stop is to wait for the replica's requests; remembered for later passes.
+
+    `in_flight` is the replica's requests in flight, `model_in_flight` its model's, every gateway's.
+    """
+    if in_flight <= 0 and model_in_flight <= 0:
+        return False
     redis_client().set(_KEY.format(replica_id), "1", ex=int(LIMIT_S) + 60)
+    return True
 
 
 def draining(replica_ids: list[int]) -> set[int]:

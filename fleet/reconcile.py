@@ -247,16 +247,16 @@ def reconcile_unlocked(
 
     Replica.objects.filter(pk__in=plan.forget).delete()
     stopping = [r.pk for r in replicas if r.state == Replica.State.STOPPING]
-    # Requests in flight per replica, read only when a replica is draining.
-    in_flight = autoscale.read_load()[1] if stopping else {}
+    serving_stopped = any(by_id[i].state == Replica.State.READY for i in plan.stop)
+    # Requests in flight per model and replica, read only when a replica that serves is stopped or draining.
+    model_load, in_flight = autoscale.read_load() if serving_stopped or stopping else ({}, {})
     draining = drain.draining(stopping)
     for replica_id in plan.stop:
         replica = by_id[replica_id]
-        # One that serves drains first, however idle the last snapshot says it is (fleet/drain.py).
-        serving = replica.state == Replica.State.READY
-        if serving:
-            drain.hold_stop(replica_id)
-        stop(replica, plan.stop_reasons.get(replica_id, ""), tell=not serving)
+        busy = replica.state == Replica.State.READY and drain.hold_stop(
+            replica_id, in_flight.get(replica_id, 0), model_load.get(replica.model_name, {}).get("in_flight", 0)
+        )
+        stop(replica, plan.stop_reasons.get(replica_id, ""), tell=not busy)
         if replica_id in plan.stop_reasons:
             log.info(
                 "replica %s of %s stopped: %s", replica_id, by_id[replica_id].model_name, plan.stop_reasons[replica_id]

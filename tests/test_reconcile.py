@@ -12,7 +12,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from contracts import credentials
+from contracts import credentials, demand
 from fleet import drain, reconcile
 from fleet.live import LISTENING_KEY
 from fleet.models import Node, Replica
@@ -210,6 +210,11 @@ def test_an_edited_profile_is_rolled_out_the_old_replica_stopping_once_the_new_o
     assert sent(broker, "node.a") == [start_of(new.pk, ["--ctx-size", "4096"])]
 
     reconcile.record_report(new.node, new.pk, "ready", "http://a:9001/v1", "")
+    # A gateway's load: the model answers a request, on the new replica, none on the old.
+    snapshot = {"at": time.time(), "models": {"tiny": {"in_flight": 1, "waiting": 0, "last_request": time.time()}}}
+    redis.Redis.from_url(settings.REDIS_URL).hset(
+        demand.LOAD_KEY, "test-gateway", demand.encode({**snapshot, "replicas": {str(new.pk): 1}})
+    )
     reconcile.reconcile(models=edited)
     assert Replica.objects.get(pk=old.pk).state == "stopping"
     # Not told at once, though no gateway's load says a request is on it: a gateway that has
