@@ -45,7 +45,7 @@ from django.conf import settings
 
 from contracts import credentials, signing
 from contracts.sources import seed_alias
-from contracts.swarm import Swarm, SwarmError, info_hash_of
+from contracts.swarm import Swarm, SwarmError, info_hash_of, torrent_info
 
 from . import runtime
 from .download import new_session
@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 ANNOUNCE_S = 5.0
 # While a fetch runs: a node that started its fetch a moment later is a peer a second later.
 ANNOUNCE_FETCHING_S = 1.0
+# A connection to the mirror for every this many pieces of the set, up to LLMGW_FETCH_CONNECTIONS: one with
+# fewer pieces of its own to ask would ask for the others' (libtorrent's end-game), and the mirror send them twice.
+PIECES_PER_CONNECTION = 4
 # A web seed's pass is made anew this often; a pass is good for an hour (contracts.credentials).
 RENEW_PASS_S = 600.0
 
@@ -81,7 +84,7 @@ def advertised_host() -> str:
     return getattr(settings, "LLMGW_ENGINE_ADVERTISE", "")
 
 
-def web_seeds(source: str, single_file: bool) -> list[str]:
+def web_seeds(source: str, single_file: bool, connections: int | None = None) -> list[str]:
     """The byte listener as the torrent's web seeds, with this node's pass as their Basic credentials.
 
     BEP 19 puts the torrent's own path after the URL: a version of several files is a folder
@@ -89,14 +92,17 @@ def web_seeds(source: str, single_file: bool) -> list[str]:
     that file, asked at the version's address. libtorrent opens one connection per URL, so
     this node's byte listener is offered under LLMGW_FETCH_CONNECTIONS addresses (its plain
     one first, then its aliases, contracts.sources.SEED_ALIAS): where a link limits each
-    connection, or its round trip is long, several fill it. Another server has no aliases.
+    connection, or its round trip is long, several fill it (`connections` of them, when
+    given, else as many as the setting says). Another server has no aliases.
     """
     base = urlsplit(source if single_file else source.rstrip("/").rsplit("/", 1)[0] + "/")
     ours = origin(source) == origin(settings.BYTES_URL)
     paths = [base.path]
     if ours:
         root = urlsplit(settings.BYTES_URL).path
-        for n in range(1, getattr(settings, "FETCH_CONNECTIONS", 8)):
+        if connections is None:
+            connections = getattr(settings, "FETCH_CONNECTIONS", 8)
+        for n in range(1, connections):
             if (alias := seed_alias(root, base.path, n)) != base.path:
                 paths.append(alias)
     bases = [base._replace(path=path).geturl() for path in paths]
@@ -241,10 +247,12 @@ class NodeSwarm:
         try:
             self.announce()
             seeds_made = {"at": 0.0, "urls": []}
+            pieces = torrent_info(torrent).num_pieces()
+            connections = min(getattr(settings, "FETCH_CONNECTIONS", 8), max(1, pieces // PIECES_PER_CONNECTION))
 
             def seeds_now() -> list[str]:
                 if time.monotonic() - seeds_made["at"] >= RENEW_PASS_S:
-                    seeds_made.update(at=time.monotonic(), urls=web_seeds(source, single_file))
+                    seeds_made.update(at=time.monotonic(), urls=web_seeds(source, single_file, connections))
                 # Once a peer is known for the set, the mirror is one connection: more would ask it for
                 # pieces the peers hold, and eight nodes would each take the whole set from it.
                 return seeds_made["urls"][:1] if self.peers_of(key) else seeds_made["urls"]

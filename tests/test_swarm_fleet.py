@@ -47,7 +47,6 @@ from agent.fetch import cache_path  # noqa: E402
 from agent.peers import resume_path  # noqa: E402
 from contracts import credentials, signing  # noqa: E402
 from contracts import progress as contracts_progress  # noqa: E402
-from contracts.sources import SEED_ALIAS  # noqa: E402
 from contracts.swarm import info_hash_of  # noqa: E402
 from fleet.enrolment import issue_token, revoke_token  # noqa: E402
 
@@ -55,6 +54,7 @@ from .fleet_netns import ControlPlane, Node  # noqa: E402
 from .support.database import db_access  # noqa: E402, F401  (a fixture)
 from .support.fleet import send_fetch  # noqa: E402
 from .support.mirror import settle  # noqa: E402
+from .support.processes import unaliased  # noqa: E402
 from .support.waiting import wait_until  # noqa: E402
 
 MIB = 1 << 20
@@ -144,21 +144,11 @@ def assert_same_as_the_mirror(control: ControlPlane, node: Node, version: str) -
         assert (directory / name).read_bytes() == (control.mirror / "tiny" / version / name).read_bytes(), name
 
 
-def plain(path: str) -> str:
-    """A path as the byte listener's own address of the file: a fetch asks for it under aliases too (/.seed/<n>/...)."""
-    return re.sub(rf"^/{re.escape(SEED_ALIAS)}/\d+/", "/", path)
-
-
-def sent_of(control: ControlPlane, path: str) -> int:
-    """Body bytes the proxy passed on for a file, under its own address and its aliases."""
-    return sum(sent for p, sent in control.proxy.path_bytes.items() if plain(p) == path)
-
-
 def file_request(version: str, node: Node):
     """A predicate for the proxy's `hold`: a request for one of the version's files, from that node."""
 
     def held(client: str, path: str, _range: str) -> bool:
-        path = plain(path)
+        path = unaliased(path)
         name = path.rsplit("/", 1)[1]
         in_version = path.startswith(f"/tiny/{version}/")
         return client == node.host.address and in_version and name != "" and not name.startswith("?")
@@ -202,12 +192,12 @@ def test_with_the_byte_listener_stopped_a_second_node_gets_the_set_whole_from_th
     assert_same_as_the_mirror(control, nodes["n2"], "v1")
     total = sum(VERSIONS["v1"].values())
     assert said["bytes_from_peers"] >= total and said["bytes_from_mirror"] == 0, said
-    assert not any(sent_of(control, f"/tiny/v1/{n}") for n in VERSIONS["v1"] if n != "config.json")
+    assert not any(control.proxy.path_bytes.get(f"/tiny/v1/{n}") for n in VERSIONS["v1"] if n != "config.json")
 
 
 def last_piece_of_a_bin(client: str, path: str, range_: str, node: Node) -> bool:
     """The mirror's answer to `node` for any range reaching a.bin's last piece: held forever."""
-    if client != node.host.address or plain(path) != "/tiny/v2/a.bin":
+    if client != node.host.address or unaliased(path) != "/tiny/v2/a.bin":
         return False
     m = re.match(r"bytes=(\d+)-(\d+)", range_)
     return m is not None and int(m.group(2)) >= 2 * PIECE
@@ -309,7 +299,7 @@ def asked_of_verified(requests: list, record: lt.add_torrent_params, info: lt.to
     reached = []
     for request in requests:
         m = re.match(r"bytes=(\d+)-(\d+)", request[2])
-        name = plain(request[1]).rsplit("/", 1)[-1]
+        name = unaliased(request[1]).rsplit("/", 1)[-1]
         if m is None or name not in index:
             continue
         first, last = (info.map_file(index[name], int(m.group(i)), 1).piece for i in (1, 2))
@@ -354,7 +344,7 @@ def test_a_node_killed_mid_fetch_resumes_with_only_the_pieces_it_had_not_verifie
     # second) would be asked again, and are in `left` too: the record is what a kill leaves. Over the
     # fetch's several connections a few blocks of the last pieces are asked of two at once (libtorrent's
     # end-game): at most a piece more.
-    sent = {n: sent_of(control, f"/tiny/v3/{n}") for n in VERSIONS["v3"]}
+    sent = {n: control.proxy.path_bytes.get(f"/tiny/v3/{n}", 0) for n in VERSIONS["v3"]}
     for name in VERSIONS["v3"]:
         assert left.get(name, 0) <= sent[name] <= left.get(name, 0) + PIECE, (name, sent, left)
     assert not asked_of_verified(control.proxy.requests, record, info), control.proxy.requests

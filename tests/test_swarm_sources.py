@@ -30,8 +30,8 @@ MIB = 1 << 20
 WEIGHTS = bytes(range(256)) * 4096  # 1 MiB
 
 
-def files_of(version: str) -> dict[str, bytes]:
-    return {"a.bin": version.encode() + WEIGHTS, "b.bin": WEIGHTS[::-1] + version.encode()}
+def files_of(version: str, mib: int = 1) -> dict[str, bytes]:
+    return {"a.bin": version.encode() + WEIGHTS * mib, "b.bin": WEIGHTS[::-1] + version.encode()}
 
 
 def torrent_of(byte_listener: str, version: str) -> bytes:
@@ -104,8 +104,10 @@ def test_a_fetch_offers_the_mirror_as_several_urls_and_as_one_once_a_peer_holds_
     byte_listener, mirror_root, node_swarm, seeder, settings, tmp_path
 ):
     settings.FETCH_CONNECTIONS = 3
-    for version in ("v1", "v2"):
-        put(mirror_root, "m", version, files_of(version))
+    # 12 pieces of 4 MiB and more: enough for three connections (agent.peers.PIECES_PER_CONNECTION).
+    big = {version: files_of(version, mib=44) for version in ("v1", "v2")}
+    for version, files in big.items():
+        put(mirror_root, "m", version, files)
     node = node_swarm()
 
     def fetch(version: str) -> tuple[dict, list[set[str]]]:
@@ -118,7 +120,7 @@ def test_a_fetch_offers_the_mirror_as_several_urls_and_as_one_once_a_peer_holds_
             offered.append({u.split("@", 1)[1] for u in handle.url_seeds()})
 
         done = node.fetch(torrent, tmp_path / version, f"{byte_listener}m/{version}/", False, progress)
-        for name, data in files_of(version).items():
+        for name, data in big[version].items():
             assert (tmp_path / version / name).read_bytes() == data, name
         return done, offered
 
