@@ -11,10 +11,13 @@ The session listens on LLMGW_PEER_PORT and serves the verified pieces of every s
 (complete sets from the cache, what it has verified of sets it is fetching) to the fleet
 only:
 
-- Peers are found through the control plane: every few seconds the node announces what it
-  holds to the byte listener's tracker (`/announce`, the node's pass required), which
-  answers the other enrolled nodes that hold each torrent, and the addresses of every
-  enrolled node that announced lately (`fleet`).
+- Peers are found through the control plane: the node announces what it holds to the byte
+  listener's tracker (`/announce`, the node's pass required), which answers the other
+  enrolled nodes that hold each torrent, and the addresses of every enrolled node that
+  announced lately (`fleet`). It announces every 5 s, and while a fetch runs at its start
+  and then every second, and at once when an address it does not know yet connects (a
+  node that just joined): nodes that start a fetch together find each other in a second
+  or two, rather than after the mirror has sent each of them what the others could have.
 - Only those addresses may connect to this node, or be connected to (libtorrent's IP filter,
   set again at every answer): a host that is not an enrolled node gets no piece, and a
   revoked node drops out of the next answer, so its connections are closed and it is
@@ -41,7 +44,8 @@ import requests
 from django.conf import settings
 
 from contracts import credentials, signing
-from contracts.swarm import Swarm, SwarmError, info_hash_of
+from contracts.sources import seed_alias
+from contracts.swarm import Swarm, SwarmError, info_hash_of, torrent_info
 
 from . import runtime
 from .download import new_session
@@ -50,6 +54,11 @@ from .sources import TIMEOUT, describe, origin, refusal_of, status_error
 log = logging.getLogger(__name__)
 
 ANNOUNCE_S = 5.0
+# While a fetch runs: a node that started its fetch a moment later is a peer a second later.
+ANNOUNCE_FETCHING_S = 1.0
+# A connection to the mirror for every this many pieces of the set, up to LLMGW_FETCH_CONNECTIONS: one with
+# fewer pieces of its own to ask would ask for the others' (libtorrent's end-game), and the mirror send them twice.
+PIECES_PER_CONNECTION = 4
 # A web seed's pass is made anew this often; a pass is good for an hour (contracts.credentials).
 RENEW_PASS_S = 600.0
 
@@ -75,20 +84,33 @@ def advertised_host() -> str:
     return getattr(settings, "LLMGW_ENGINE_ADVERTISE", "")
 
 
-def web_seed(source: str, single_file: bool) -> str:
-    """The byte listener as the torrent's web seed, with this node's pass as its Basic credentials.
+def web_seeds(source: str, single_file: bool, connections: int | None = None) -> list[str]:
+    """The byte listener as the torrent's web seeds, with this node's pass as their Basic credentials.
 
     BEP 19 puts the torrent's own path after the URL: a version of several files is a folder
     named for the version, so the seed is the model's address; a version of one file is
-    that file, asked at the version's address.
+    that file, asked at the version's address. libtorrent opens one connection per URL, so
+    this node's byte listener is offered under LLMGW_FETCH_CONNECTIONS addresses (its plain
+    one first, then its aliases, contracts.sources.SEED_ALIAS): where a link limits each
+    connection, or its round trip is long, several fill it (`connections` of them, when
+    given, else as many as the setting says). Another server has no aliases.
     """
-    base = source if single_file else source.rstrip("/").rsplit("/", 1)[0] + "/"
+    base = urlsplit(source if single_file else source.rstrip("/").rsplit("/", 1)[0] + "/")
+    ours = origin(source) == origin(settings.BYTES_URL)
+    paths = [base.path]
+    if ours:
+        root = urlsplit(settings.BYTES_URL).path
+        if connections is None:
+            connections = getattr(settings, "FETCH_CONNECTIONS", 8)
+        for n in range(1, connections):
+            if (alias := seed_alias(root, base.path, n)) != base.path:
+                paths.append(alias)
+    bases = [base._replace(path=path).geturl() for path in paths]
     node, token = runtime.node_name(), runtime.token()
-    if not (node and token) or origin(source) != origin(settings.BYTES_URL):
-        return base
-    parts = urlsplit(base)
+    if not (node and token and ours):
+        return bases
     secret = credentials.bytes_pass(signing.token_hash(token), node)
-    return parts._replace(netloc=f"{node}:{secret}@{parts.netloc}").geturl()
+    return [urlsplit(b)._replace(netloc=f"{node}:{secret}@{urlsplit(b).netloc}").geturl() for b in bases]
 
 
 class NodeSwarm:
@@ -96,14 +118,17 @@ class NodeSwarm:
 
     def __init__(self, cache: Path, listen_port: int, listen_host: str = "0.0.0.0"):
         self.cache = Path(cache)
-        self.swarm = Swarm(listen_port, listen_host)
-        self.swarm.allow([])  # nobody until the tracker has said who the fleet is
         self.peers: dict[str, list[tuple[str, int]]] = {}
+        self.fleet: set[str] = set()
         self.fetching: set[str] = set()
         self._lock = threading.Lock()
+        self._announcing = threading.Lock()
         self._stop = threading.Event()
+        self._announce_now = threading.Event()
         self._http = requests.Session()
         self._said = ""
+        self.swarm = Swarm(listen_port, listen_host, on_refused=self._refused)
+        self.swarm.allow([])  # nobody until the tracker has said who the fleet is
         # Why the tracker refused this node's pass, while it does: each fetch in progress then asks the mirror.
         self.tracker_refused = ""
         threading.Thread(target=self._keep_announcing, name="swarm-announce", daemon=True).start()
@@ -112,6 +137,10 @@ class NodeSwarm:
 
     def announce(self) -> None:
         """Tell the tracker what this node holds; take who else holds it, and who the fleet is."""
+        with self._announcing:
+            self._announce()
+
+    def _announce(self) -> None:
         held = set(self.swarm.held()) | self.fetching
         node, token = runtime.node_name(), runtime.token()
         if not (node and token):
@@ -144,8 +173,15 @@ class NodeSwarm:
             return
         self._said = self.tracker_refused = ""
         self.swarm.allow(fleet)
+        self.fleet = set(fleet)
         with self._lock:
             self.peers.update(peers)
+
+    def _refused(self, address: str) -> None:
+        # An address the filter does not know connected: a node that enrolled or started since the last
+        # answer, most likely. Asked at once, so that it is let in now rather than at the next round.
+        if address not in self.fleet:
+            self._announce_now.set()
 
     def _say(self, sentence: str) -> None:
         if sentence != self._said:
@@ -154,12 +190,16 @@ class NodeSwarm:
 
     def _keep_announcing(self) -> None:
         while not self._stop.is_set() and not self.swarm.closed:
+            self._announce_now.clear()
             try:
                 self.seed_complete_sets()
                 self.announce()
             except Exception:
                 log.exception("announcing this node's torrents")
-            self._stop.wait(ANNOUNCE_S)
+            # At most once a second, however often strangers knock.
+            self._stop.wait(ANNOUNCE_FETCHING_S)
+            if not self.fetching:
+                self._announce_now.wait(ANNOUNCE_S - ANNOUNCE_FETCHING_S)
 
     def peers_of(self, info_hash: str) -> list[tuple[str, int]]:
         with self._lock:
@@ -203,14 +243,19 @@ class NodeSwarm:
         key = info_hash_of(torrent)
         self.remember(torrent, directory)
         self.fetching.add(key)
+        self._announce_now.set()  # and then every second while it runs
         try:
             self.announce()
-            seeds_made = {"at": 0.0, "url": ""}
+            seeds_made = {"at": 0.0, "urls": []}
+            pieces = torrent_info(torrent).num_pieces()
+            connections = min(getattr(settings, "FETCH_CONNECTIONS", 8), max(1, pieces // PIECES_PER_CONNECTION))
 
-            def web_seeds() -> list[str]:
+            def seeds_now() -> list[str]:
                 if time.monotonic() - seeds_made["at"] >= RENEW_PASS_S:
-                    seeds_made.update(at=time.monotonic(), url=web_seed(source, single_file))
-                return [seeds_made["url"]]
+                    seeds_made.update(at=time.monotonic(), urls=web_seeds(source, single_file, connections))
+                # Once a peer is known for the set, the mirror is one connection: more would ask it for
+                # pieces the peers hold, and eight nodes would each take the whole set from it.
+                return seeds_made["urls"][:1] if self.peers_of(key) else seeds_made["urls"]
 
             asked_after = {"refusal": ""}
 
@@ -227,7 +272,7 @@ class NodeSwarm:
             done = self.swarm.fetch(
                 torrent,
                 directory,
-                web_seeds=web_seeds,
+                web_seeds=seeds_now,
                 peers=lambda: self.peers_of(key),
                 progress=progress_unless_refused,
                 resume_path=resume_path(self.cache, key),
@@ -245,6 +290,7 @@ class NodeSwarm:
 
     def close(self) -> None:
         self._stop.set()
+        self._announce_now.set()
         self.swarm.close()
 
 

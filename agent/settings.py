@@ -49,6 +49,8 @@ AGENT_CACHE = env_path("LLMGW_AGENT_CACHE", VAR_DIR / "agent-cache", BASE_DIR)
 FETCH_PARALLEL = env_int("LLMGW_FETCH_PARALLEL", 4, minimum=1)
 # How long a fetch waits on a mirror version that is not ready yet (a file still being copied in).
 FETCH_WAIT_S = env_int("LLMGW_FETCH_WAIT_S", 6 * 3600, minimum=1)
+# Connections to the byte listener a set's fetch opens (its web seed URLs, agent/peers.py), until a peer holds the set.
+FETCH_CONNECTIONS = env_int("LLMGW_FETCH_CONNECTIONS", 8, minimum=1)
 # A source (a peer, the mirror as web seed) sending less than this for this long loses its pieces to the others.
 FETCH_STALL_BYTES_S = env_int("LLMGW_FETCH_STALL_BYTES_S", 1 << 20, minimum=1)
 FETCH_STALL_S = env_int("LLMGW_FETCH_STALL_S", 20, minimum=1)

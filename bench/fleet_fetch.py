@@ -2,7 +2,8 @@
 """Weights to a whole fleet (issue 24): one node, eight from the mirror only, eight with peers; and one node at 50 ms.
 
     sudo .venv/bin/python bench/fleet_fetch.py [--size-mib 1024] [--rate-mbit 400] [--nodes 8]
-                                               [--rtt-ms 50] [--conn-mbit 40] [--rtt-size-mib 1024]
+                                               [--rtt-ms 50] [--conn-mbit 40] [--rtt-size-mib 256]
+                                               [--connections 8]
 
 Nodes are network namespaces on one bridge (tests/netns.py, as in the fleet test); the
 byte listener (gunicorn, sendfile, public: the pass is not what is measured) runs on
@@ -27,12 +28,14 @@ waited on until their session is up, then told to go at once; a run's time is fr
   session, as `manage.py agent` starts it beside its worker: peers from the byte listener's
   tracker, enrolled nodes only) and `manage.py fetch` through it, against a second byte
   listener that serves only enrolled nodes (with Redis for the tracker); one node alone
-  (T1 agent), then N at once; its times include each fetch command's start;
+  (T1 agent), then N at once; its times include each fetch command's start; each node's
+  fetch opens --connections to the mirror (LLMGW_FETCH_CONNECTIONS) until a peer holds the set;
 - bytes the byte listener's host sent on the bridge in each run (tx counter of the bridge);
 - one node, one file of --rtt-size-mib, through a relay on this host that holds every
   chunk --rtt-ms/2 each way and limits each TCP connection to --conn-mbit (this kernel has
-  no netem or fq: `tc` cannot delay or pace per flow here), libtorrent against curl's single
-  stream.
+  no netem or fq: `tc` cannot delay or pace per flow here): curl's single stream, libtorrent
+  with the mirror as its one web seed, and the agent's fetch (`agent.fetch.fetch_source`, what
+  `manage.py fetch` runs: the manifest, the torrent, then the --connections URLs it offers).
 
 Ratios are against the named figure of the same run. Root is needed (namespaces, tc).
 """
@@ -89,6 +92,23 @@ def node_main(args) -> None:
     )
     sys.stdin.read()  # seeding for the others until the run ends
     swarm.close()
+
+
+def agent_fetch_main(args) -> None:
+    """One node's fetch as `manage.py fetch` makes it (the node's settings, `fetch_source`): "ready", then at "go"
+    the source into the cache, and its seconds."""
+    os.environ["DJANGO_SETTINGS_MODULE"] = "agent.settings"
+    import django
+
+    django.setup()
+    from agent.fetch import fetch_source
+
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    started = time.monotonic()
+    fetch_source(args.source, Path(args.cache))
+    print(json.dumps({"seconds": time.monotonic() - started}), flush=True)
 
 
 # --- on this host ----------------------------------------------------------------------
@@ -270,8 +290,9 @@ class Agents:
     """Each node as `manage.py agent` runs its fetches: `python -m agent.peers` (the node's one session,
     announcing to the byte listener's tracker, seeding what it holds) and `manage.py fetch` through it."""
 
-    def __init__(self, hosts, work: Path, bytes_url: str, redis_url: str, tokens: dict[str, str]):
+    def __init__(self, hosts, work: Path, bytes_url: str, redis_url: str, tokens: dict[str, str], connections: int):
         self.hosts, self.work, self.bytes_url = hosts, work, bytes_url
+        self.connections = connections
         self.redis_url, self.tokens = redis_url, tokens
         self.sessions: list[subprocess.Popen] = []
 
@@ -289,6 +310,7 @@ class Agents:
             "LLMGW_AGENT_CACHE": str(cache),
             "LLMGW_ENGINE_ADVERTISE": host.address,
             "LLMGW_PEER_PORT": str(PEER_PORT),
+            "LLMGW_FETCH_CONNECTIONS": str(self.connections),
         }
 
     def run(self, count: int, bridge: str) -> dict:
@@ -411,16 +433,12 @@ def start_relay(listen: tuple[str, int], upstream: tuple[str, int], one_way_s: f
 def one_node_at_rtt(host, work: Path, mirror: Path, fleet_address: str, bytes_port: int, args) -> dict:
     import socket
 
-    ports = []
-    for _ in range(args.rtt_seeds):
-        with socket.socket() as s:
-            s.bind((fleet_address, 0))
-            ports.append(s.getsockname()[1])
-    for port in ports:
-        start_relay(
-            (fleet_address, port), (fleet_address, bytes_port), args.rtt_ms / 2000, args.conn_mbit * 1_000_000 / 8
-        )
-    relay_port = ports[0]
+    with socket.socket() as s:
+        s.bind((fleet_address, 0))
+        relay_port = s.getsockname()[1]
+    start_relay(
+        (fleet_address, relay_port), (fleet_address, bytes_port), args.rtt_ms / 2000, args.conn_mbit * 1_000_000 / 8
+    )
     relay = f"http://{fleet_address}:{relay_port}/"
     torrent = work / "one.torrent"
     get(f"{relay}bench/one/")
@@ -434,18 +452,43 @@ def one_node_at_rtt(host, work: Path, mirror: Path, fleet_address: str, bytes_po
     shutil.rmtree(dest)
     # A single-file torrent: its web seed is the version's own address.
     result = run_nodes([host], work, torrent, f"{relay}bench/one/", False, "lo")
-    out["libtorrent"] = result["seconds"]
-    if args.rtt_seeds > 1:
-        # The same mirror under several addresses (one relay port each): libtorrent opens one
-        # connection per web seed URL, so this is what several connections to the mirror would give.
-        seeds = ",".join(f"http://{fleet_address}:{port}/bench/one/" for port in ports)
-        out[f"libtorrent, {args.rtt_seeds} web seed URLs"] = run_nodes([host], work, torrent, seeds, False, "lo")[
-            "seconds"
-        ]
+    out["libtorrent, the mirror as its one web seed"] = result["seconds"]
+    # The agent's fetch, the relay as its byte listener: the URLs it offers are its own choice.
+    cache = work / "agent-rtt"
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/root"),
+        "LLMGW_BYTES_URL": relay,
+        "LLMGW_VAR": str(work / "agent-rtt-var"),
+        "LLMGW_AGENT_CACHE": str(cache),
+        "LLMGW_FETCH_CONNECTIONS": str(args.connections),
+        "REDIS_URL": "redis://127.0.0.1:1/0",  # unused: no node name, so no progress in Redis and no tracker
+    }
+    argv = [sys.executable, str(Path(__file__).resolve()), "agent-fetch", "--source", f"{relay}bench/one/"]
+    fetch = subprocess.Popen(
+        host.argv([*argv, "--cache", str(cache)]),
+        env=env,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(work / "agent-rtt.log", "ab"),
+        text=True,
+    )
+    if fetch.stdout.readline().strip() != "ready":
+        raise SystemExit("the agent's fetch did not start; see agent-rtt.log")
+    fetch.stdin.write("go\n")
+    fetch.stdin.flush()
+    line = fetch.stdout.readline().strip()
+    fetch.wait(timeout=60)
+    try:
+        out[f"the agent's fetch ({args.connections} connections)"] = json.loads(line)["seconds"]
+    except ValueError:
+        raise SystemExit(f"the agent's fetch failed: {line!r}; see agent-rtt.log") from None
+    shutil.rmtree(cache, ignore_errors=True)
     return out
 
 
-def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup: list) -> Agents:
+def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup: list, args) -> Agents:
     """What the agent's path needs on this host: Redis (the tracker's peer lists), a byte listener that
     serves only enrolled nodes (the tracker names them), and each node enrolled."""
     import secrets
@@ -516,7 +559,7 @@ def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup
         if time.monotonic() > until:
             raise SystemExit("the byte listener for the agents did not start; see byte-listener-private.log")
         time.sleep(0.3)
-    return Agents(hosts, work, url, redis_url, tokens)
+    return Agents(hosts, work, url, redis_url, tokens, args.connections)
 
 
 def main() -> None:
@@ -526,17 +569,24 @@ def main() -> None:
     for option in ("--torrent", "--dest", "--seed", "--listen"):
         node.add_argument(option, required=True)
     node.add_argument("--peers", default="")
+    agent_fetch = sub.add_parser("agent-fetch")
+    agent_fetch.add_argument("--source", required=True)
+    agent_fetch.add_argument("--cache", required=True)
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--rate-mbit", type=int, default=400, help="every link's rate (400 Mbit/s = 50 MB/s)")
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--rtt-ms", type=int, default=50)
     parser.add_argument("--conn-mbit", type=int, default=40, help="each connection's limit in the RTT case")
     parser.add_argument("--rtt-size-mib", type=int, default=256)
-    parser.add_argument("--rtt-seeds", type=int, default=4, help="also libtorrent given this many URLs of the mirror")
+    parser.add_argument(
+        "--connections", type=int, default=8, help="LLMGW_FETCH_CONNECTIONS of the agent's fetches (its rows only)"
+    )
     parser.add_argument("--skip", default="", help="comma-separated: t1, mirror, peers, agents, rtt")
     args = parser.parse_args()
     if args.role == "node":
         return node_main(args)
+    if args.role == "agent-fetch":
+        return agent_fetch_main(args)
     if os.geteuid() != 0 or shutil.which("tc") is None:
         raise SystemExit("bench/fleet_fetch.py needs root and tc (iproute2): nodes are namespaces, links are shaped")
     skip = set(filter(None, args.skip.split(",")))
@@ -599,7 +649,7 @@ def main() -> None:
             rows[f"{args.nodes} nodes, with peers"] = run_nodes(hosts, work, torrent, seed, True, fleet.bridge)
             print("with peers", rows[f"{args.nodes} nodes, with peers"], flush=True)
         if "agents" not in skip:
-            agents = start_agents_side(fleet, hosts, work, mirror, env, cleanup)
+            agents = start_agents_side(fleet, hosts, work, mirror, env, cleanup, args)
             rows["one node alone, the agent's path (T1 agent)"] = agents.run(1, fleet.bridge)
             print("agent T1", rows["one node alone, the agent's path (T1 agent)"], flush=True)
             rows[f"{args.nodes} nodes, the agent's path (peers from the tracker)"] = agents.run(

@@ -12,6 +12,11 @@ from urllib.parse import unquote, urlsplit
 
 from .names import plain_name_problem
 
+# The byte listener serves a version's files under other addresses too, `/.seed/<n>/<model>/<version>/<file>`,
+# exactly as under `/<model>/<version>/<file>`: libtorrent opens one connection per web seed URL, so a fetch
+# given n of them has n connections to the mirror, where a link limits each connection (issue 24).
+SEED_ALIAS = ".seed"
+
 
 class SourceError(ValueError):
     """A source that no node would fetch; str() is the sentence."""
@@ -57,3 +62,10 @@ def cache_parts(source: str) -> tuple[str, list[str]]:
                 f"{source} is refused rather than cached: a part of its path is not a plain name: {problem}"
             )
     return host_dir, segments
+
+
+def seed_alias(root: str, address: str, n: int) -> str:
+    """`address` (under the byte listener's `root`) as its alias number n; an address not under root as it is."""
+    if not address.startswith(root):
+        return address
+    return f"{root}{SEED_ALIAS}/{int(n)}/{address[len(root) :]}"

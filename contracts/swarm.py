@@ -8,8 +8,8 @@ no app here: a process makes one `Swarm` and keeps it.
     swarm.allow(["10.0.0.21", "10.0.0.22"])         # who may connect or be connected to; None: anyone
     done = swarm.fetch(
         torrent_bytes, dest_dir,
-        web_seeds=["http://node:PASS@mirror:8001/model/"],   # or a callable giving the current list
-        peers=[("10.0.0.22", 6881)],                          # or a callable, asked again every few seconds
+        web_seeds=["http://node:PASS@mirror:8001/model/"],   # or a callable, asked again every second
+        peers=[("10.0.0.22", 6881)],                          # or a callable, asked again every second
         progress=callback,                                    # called with a SwarmStatus; raising stops the fetch
         resume_path=dest_dir.parent / ".resume",              # libtorrent's resume data, kept across kills
         stall_bytes_s=1 << 20, stall_s=20,
@@ -25,8 +25,9 @@ sent a block failing its hash is banned (it is named in `Fetched.banned`). Whole
 hashes (a manifest's sha256) are the caller's to check: this module does not know them.
 
 Stalls: a source (a peer, or a web seed) with requests outstanding that delivers less than
-`stall_bytes_s` over `stall_s` loses them: a web seed is taken out of the torrent, a peer's
-address is blocked, both for `stall_s` (then tried again), and libtorrent asks the other
+`stall_bytes_s` over `stall_s` loses them: a web seed's server is taken out of the torrent (every
+URL of it: the mirror given as several URLs, one connection each, is one source, its connections
+counted together), a peer's address is blocked, both for `stall_s` (then tried again), and libtorrent asks the other
 sources for those pieces (it goes on to end-game, asking the last pieces of several
 sources at once). When nothing has arrived from anyone for `stall_s`, `SwarmStatus.all_stalled`
 is true and `SwarmStatus.why` names every source ("every source stalled: the mirror
@@ -40,6 +41,7 @@ only; peers are whoever the caller names, and `allow` is the only gate on who co
 from __future__ import annotations
 
 import atexit
+import functools
 import ipaddress
 import logging
 import os
@@ -60,8 +62,9 @@ PeerList = Sequence[tuple[str, int]] | Callable[[], Sequence[tuple[str, int]]]
 UrlList = Sequence[str] | Callable[[], Sequence[str]]
 
 POLL_S = 0.5
-# How often the callables for web seeds and peers are asked again (a pass renewed, a new peer).
-REFRESH_S = 5.0
+# How often the callables for web seeds and peers are asked again (a new peer, a pass renewed): a peer
+# that joined is connected to within a second, rather than after the mirror sent what it could have.
+PEERS_S = 1.0
 # How often resume data is written while pieces arrive: a kill loses at most this much verified work.
 RESUME_EVERY_S = 1.0
 ALERTS = (
@@ -170,7 +173,17 @@ class Swarm:
     TCP port a firewall can name.
     """
 
-    def __init__(self, listen_port: int = 6881, listen_host: str = "0.0.0.0", *, user_agent: str = "llmgw"):
+    def __init__(
+        self,
+        listen_port: int = 6881,
+        listen_host: str = "0.0.0.0",
+        *,
+        user_agent: str = "llmgw",
+        on_refused: Callable[[str], None] | None = None,
+    ):
+        """`on_refused(address)` is called (on the alert thread) when `allow`'s filter refuses an address: a node
+        that joined since the caller last asked who the fleet is, or a stranger."""
+        self.on_refused = on_refused
         self.session = lt.session(
             {
                 "listen_interfaces": f"{listen_host}:{int(listen_port)}",
@@ -186,6 +199,9 @@ class Swarm:
                 "allow_multiple_connections_per_ip": True,
                 # A web seed that failed is asked again soon: it is the source of last resort.
                 "urlseed_wait_retry": 3,
+                # One connection per web seed URL, and a fetch may be given many of one mirror (libtorrent's 3
+                # would cap them): where a link limits each connection, that is what fills it.
+                "max_web_seed_connections": 64,
                 "close_redundant_connections": False,
                 # Rate limits for local networks would otherwise not apply: a fleet's is local.
                 "rate_limit_ip_overhead": False,
@@ -356,7 +372,7 @@ class Swarm:
         try:
             while True:
                 now = time.monotonic()
-                if now - last_refresh >= REFRESH_S or last_refresh == 0.0:
+                if now - last_refresh >= PEERS_S or last_refresh == 0.0:
                     last_refresh = now
                     self._refresh_web_seeds(handle, web_seeds, seeds, watch)
                     for host, port in _called(peers):
@@ -447,7 +463,8 @@ class Swarm:
                 self.forget(key)
 
     def _refresh_web_seeds(self, handle, web_seeds: UrlList, seeds: dict[str, str], watch: _StallWatch) -> None:
-        """Web seeds as the caller gives them now: a URL whose credentials changed (a renewed pass) replaces the old."""
+        """Web seeds as the caller gives them now: a URL whose credentials changed (a renewed pass) replaces the
+        old, and one no longer given is taken out (its connection closed, its pieces asked of the others)."""
         wanted = {}
         for url in _called(web_seeds):
             wanted[_without_credentials(url)] = url
@@ -457,28 +474,33 @@ class Swarm:
                     self._always.add(address)
                     self._apply_filter()
         current = set(handle.url_seeds())
+        for bare in [b for b in seeds if b not in wanted]:
+            if seeds[bare] in current:
+                handle.remove_url_seed(seeds[bare])
+            del seeds[bare]
         for bare, url in wanted.items():
             old = seeds.get(bare)
             if old is not None and old != url and old in current:
                 handle.remove_url_seed(old)
             seeds[bare] = url
-            if watch.name_of_seed(bare) not in watch.stalled:
+            if watch.name_of_url(bare, seeds) not in watch.stalled and url not in current:
                 handle.add_url_seed(url)
 
     def _abandon(self, handle, name: str, watch: _StallWatch, seeds: dict[str, str], stall_s: float) -> None:
-        bare = watch.seed_of_name(name)
-        if bare is not None:
-            url = seeds.get(bare)
-            if url:
-                handle.remove_url_seed(url)
+        if watch.seed_of_name(name) is not None:
+            # Every URL of that server: it is one source however many connections it was asked over.
+            for bare, url in seeds.items():
+                if watch.name_of_url(bare, seeds) == name:
+                    handle.remove_url_seed(url)
         else:
             self._block_for(name.removeprefix("peer ").rsplit(":", 1)[0], stall_s)
         log.warning("%s stalled; its pieces go to other sources", name)
 
     def _restore(self, handle, name: str, seeds: dict[str, str]) -> None:
-        bare = _StallWatch.seed_of_name(name)
-        if bare is not None and seeds.get(bare):
-            handle.add_url_seed(seeds[bare])
+        if _StallWatch.seed_of_name(name) is not None:
+            for bare, url in seeds.items():
+                if _StallWatch.name_of_url(bare, seeds) == name:
+                    handle.add_url_seed(url)
         # A blocked peer's address frees itself when its time is up.
         with self._lock:
             self._apply_filter()
@@ -519,6 +541,12 @@ class Swarm:
         log.debug("alert %s: %s", type(alert).__name__, alert.message())
         if isinstance(alert, lt.listen_failed_alert):
             log.warning("the peer port could not be opened: %s", alert.message())
+            return
+        if isinstance(alert, lt.peer_blocked_alert):
+            address = _endpoint(alert).rsplit(":", 1)[0]
+            # Refused by `allow`, not for having stalled: the caller may learn the fleet anew.
+            if alert.reason == lt.reason_t.ip_filter and address not in self._blocked and self.on_refused:
+                self.on_refused(address)
             return
         held = self._owner(alert)
         if held is None:
@@ -570,7 +598,12 @@ class Swarm:
 
 
 class _StallWatch:
-    """Which sources delivered less than the floor while asked for pieces, over the window."""
+    """Which sources delivered less than the floor while asked for pieces, over the window.
+
+    A source is a peer, or a web seed's server: the URLs of one server (the mirror under
+    several addresses, one connection each) are one source, counted together, so one slow
+    connection is not a stalled mirror and "every source stalled" names the mirror once.
+    """
 
     def __init__(self, floor_bytes_s: int, window_s: float):
         self.floor = floor_bytes_s
@@ -578,6 +611,10 @@ class _StallWatch:
         self.samples: dict[str, deque[tuple[float, int, bool]]] = {}
         self.stalled: dict[str, float] = {}  # name -> until when it is left out
         self.ever: set[str] = set()
+        # Bytes by connection, and what connections now closed had sent, by source: a source's count
+        # goes on rising as its connections come and go.
+        self.connections: dict[tuple, int] = {}
+        self.banked: dict[str, int] = {}
 
     @staticmethod
     def name_of_seed(bare_url: str) -> str:
@@ -587,26 +624,44 @@ class _StallWatch:
     def seed_of_name(name: str) -> str | None:
         return name.removeprefix("the mirror ") if name.startswith("the mirror ") else None
 
+    @staticmethod
+    def name_of_url(bare_url: str, seeds: dict[str, str]) -> str:
+        """A web seed URL's source: its server, by the first of its URLs the caller gave."""
+        server = _server(bare_url)
+        return _StallWatch.name_of_seed(next((b for b in seeds if _server(b) == server), bare_url))
+
     def name(self, p, seeds: dict[str, str]) -> str:
         host, port = p.ip[0], p.ip[1]
         if p.connection_type != lt.peer_info.standard_bittorrent:
             for bare in seeds:
-                parts = urlsplit(bare)
-                if _resolve(parts.hostname or "") == host and (parts.port or 80) == port:
+                if _server(bare) == (host, port):
                     return self.name_of_seed(bare)
             return f"the web seed {host}:{port}"
         return f"peer {host}:{port}"
 
     def observe(self, infos, now: float, seeds: dict[str, str]) -> list[str]:
         """The names of sources that have just stalled."""
-        stalled_now = []
-        seen = set()
+        got_by: dict[str, int] = {}
+        asked_by: dict[str, bool] = {}
+        open_now: dict[tuple, int] = {}
         for p in infos:
             name = self.name(p, seeds)
-            seen.add(name)
+            connection = (name, tuple(p.local_endpoint()))
+            if p.total_download < self.connections.get(connection, 0):  # the same port again: counting anew
+                self.banked[name] = self.banked.get(name, 0) + self.connections[connection]
+            open_now[connection] = p.total_download
             asked = p.download_queue_length > 0 or p.downloading_piece_index >= 0
+            asked_by[name] = asked_by.get(name, False) or asked
+        for connection, sent in self.connections.items():
+            if connection not in open_now:
+                self.banked[connection[0]] = self.banked.get(connection[0], 0) + sent
+        self.connections = open_now
+        for (name, _), sent in open_now.items():
+            got_by[name] = got_by.get(name, 0) + sent
+        stalled_now = []
+        for name, asked in asked_by.items():
             history = self.samples.setdefault(name, deque())
-            history.append((now, p.total_download, asked))
+            history.append((now, self.banked.get(name, 0) + got_by.get(name, 0), asked))
             while history and now - history[0][0] > self.window + POLL_S:
                 history.popleft()
             if name in self.stalled or now - history[0][0] < self.window:
@@ -615,7 +670,7 @@ class _StallWatch:
             if all(s[2] for s in history) and got < self.floor * self.window:
                 stalled_now.append(name)
         for name in list(self.samples):
-            if name not in seen:
+            if name not in asked_by:
                 del self.samples[name]
         for name in stalled_now:
             self.stalled[name] = now + self.window
@@ -676,6 +731,17 @@ def _forget_what_the_disk_lost(params: lt.add_torrent_params, info: lt.torrent_i
         log.warning("%d verified piece(s) of %s are no longer on disk; they are fetched again", len(lost), dest)
     params.have_pieces = have
     params.unfinished_pieces = unfinished
+
+
+@functools.lru_cache(maxsize=256)
+def _server(url: str) -> tuple[str | None, int]:
+    """(address, port) of a URL's server: what a web seed's connection is to."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        port = -1
+    return _resolve(parts.hostname or ""), port
 
 
 def _who(watch: _StallWatch, sources, seeds: dict[str, str]) -> str:

@@ -2,6 +2,7 @@
 
 from django.urls import path, re_path
 
+from contracts.sources import SEED_ALIAS
 from fleet.enrolment import token_hash_of
 from mirror import bytes_views
 from mirror.bytes_auth import only_the_fleet
@@ -20,6 +21,9 @@ urlpatterns = [
     # Peers of a torrent, for the nodes (issue 24); before the model patterns, and without a
     # slash, so that no model's name can shadow it.
     path("announce", fleet_only(tracker)),
+    # A file under another address, so that one node may fetch over several connections (a web
+    # seed URL each); a hidden folder's name, which no model can have.
+    path(f"{SEED_ALIAS}/<int:n>/<str:model>/<str:version>/<str:name>", fleet_only(bytes_views.seed_alias)),
     path("", fleet_only(bytes_views.model_list)),
     path("<str:model>/", fleet_only(bytes_views.version_list)),
     path("<str:model>/<str:version>/", fleet_only(bytes_views.manifest)),

@@ -292,6 +292,15 @@ def file(request: HttpRequest, model: str, version: str, name: str) -> HttpRespo
     return response
 
 
+def seed_alias(request: HttpRequest, n: int, model: str, version: str, name: str) -> HttpResponse:
+    """`/.seed/<n>/<model>/<version>/<file>`: the file, exactly as its own address serves it (contracts.sources.SEED_ALIAS).
+
+    libtorrent opens one connection per web seed URL: a node given several of these fetches
+    over several connections, where a link limits each one (issue 24).
+    """
+    return file(request, model, version, name)
+
+
 # --- the tracker: which enrolled nodes hold which torrent (issue 24) -----------------
 
 SWARM_PREFIX = "llmgw:swarm:"

@@ -129,7 +129,7 @@ class Credentials:
         """`url` with a current pass as its Basic credentials: what libtorrent sends a web seed.
 
         The same pass for a quarter of its life, then the next: libtorrent is asked for the
-        web seeds every few seconds, and a changed URL is a new web seed (its connection
+        web seeds every second, and a changed URL is a new web seed (its connection
         and requests dropped), so the URL changes only when the pass must.
         """
         if not self.key:

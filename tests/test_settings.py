@@ -38,6 +38,8 @@ def test_a_wrong_setting_is_one_sentence_and_a_failed_start(tmp_path, name, valu
         ("LLMGW_HEARTBEAT_S", "often", "LLMGW_HEARTBEAT_S must be a whole number, not 'often'"),
         ("LLMGW_ALLOW_REMOTE_CODE", "maybe", "LLMGW_ALLOW_REMOTE_CODE must be true or false, not 'maybe'"),
         ("LLMGW_FETCH_PARALLEL", "0", "LLMGW_FETCH_PARALLEL must be at least 1, not 0"),
+        ("LLMGW_FETCH_CONNECTIONS", "0", "LLMGW_FETCH_CONNECTIONS must be at least 1, not 0"),
+        ("LLMGW_FETCH_CONNECTIONS", "many", "LLMGW_FETCH_CONNECTIONS must be a whole number, not 'many'"),
     ],
 )
 def test_a_wrong_node_setting_is_one_sentence_and_the_agent_does_not_start(tmp_path, name, value, sentence):

@@ -54,6 +54,7 @@ from .fleet_netns import ControlPlane, Node  # noqa: E402
 from .support.database import db_access  # noqa: E402, F401  (a fixture)
 from .support.fleet import send_fetch  # noqa: E402
 from .support.mirror import settle  # noqa: E402
+from .support.processes import unaliased  # noqa: E402
 from .support.waiting import wait_until  # noqa: E402
 
 MIB = 1 << 20
@@ -147,6 +148,7 @@ def file_request(version: str, node: Node):
     """A predicate for the proxy's `hold`: a request for one of the version's files, from that node."""
 
     def held(client: str, path: str, _range: str) -> bool:
+        path = unaliased(path)
         name = path.rsplit("/", 1)[1]
         in_version = path.startswith(f"/tiny/{version}/")
         return client == node.host.address and in_version and name != "" and not name.startswith("?")
@@ -195,7 +197,7 @@ def test_with_the_byte_listener_stopped_a_second_node_gets_the_set_whole_from_th
 
 def last_piece_of_a_bin(client: str, path: str, range_: str, node: Node) -> bool:
     """The mirror's answer to `node` for any range reaching a.bin's last piece: held forever."""
-    if client != node.host.address or path != "/tiny/v2/a.bin":
+    if client != node.host.address or unaliased(path) != "/tiny/v2/a.bin":
         return False
     m = re.match(r"bytes=(\d+)-(\d+)", range_)
     return m is not None and int(m.group(2)) >= 2 * PIECE
@@ -289,12 +291,30 @@ def not_in_the_record(record: lt.add_torrent_params, info: lt.torrent_info) -> d
     return left
 
 
+def asked_of_verified(requests: list, record: lt.add_torrent_params, info: lt.torrent_info) -> list:
+    """The requests (method, path, Range) that reached into a piece the resume record holds as verified."""
+    layout = info.layout()
+    index = {layout.file_name(i): i for i in range(layout.num_files())}
+    have = list(record.have_pieces)
+    reached = []
+    for request in requests:
+        m = re.match(r"bytes=(\d+)-(\d+)", request[2])
+        name = unaliased(request[1]).rsplit("/", 1)[-1]
+        if m is None or name not in index:
+            continue
+        first, last = (info.map_file(index[name], int(m.group(i)), 1).piece for i in (1, 2))
+        if any(int(piece) < len(have) and have[int(piece)] for piece in range(int(first), int(last) + 1)):
+            reached.append(request)
+    return reached
+
+
 def test_a_node_killed_mid_fetch_resumes_with_only_the_pieces_it_had_not_verified(fleet, tmp_path):
     control, nodes, _ = fleet
     n3 = nodes["n3"]
     source = source_of(control, "v3")
     info = lt.torrent_info(leaked_torrent(control, n3, "v3", tmp_path / "v3.torrent"))
-    control.proxy.rate = 3 * MIB  # bytes a second for each answer: about ten seconds for the set
+    # Bytes a second for each answer, over the fetch's LLMGW_FETCH_CONNECTIONS (8): about ten seconds for the set.
+    control.proxy.rate = 3 * MIB // 8
     try:
         send_fetch("n3", source, broker_url=control.redis_url)
         wait_until(
@@ -319,11 +339,15 @@ def test_a_node_killed_mid_fetch_resumes_with_only_the_pieces_it_had_not_verifie
     said = fetched(control, n3, "v3")
     assert_same_as_the_mirror(control, n3, "v3")
     # What was verified is kept, and so is every block written of a piece begun: the resumed fetch
-    # asks the mirror for exactly what the record at the kill did not hold (no peer holds v3), file
-    # by file. Pieces verified after the record's last save (it is written every second) would be
-    # asked again, and are in `left` too: the record is what a kill leaves.
+    # asks the mirror for what the record at the kill did not hold (no peer holds v3), file by file,
+    # and for no verified piece. Pieces verified after the record's last save (it is written every
+    # second) would be asked again, and are in `left` too: the record is what a kill leaves. Over the
+    # fetch's several connections a few blocks of the last pieces are asked of two at once (libtorrent's
+    # end-game): at most a piece more.
     sent = {n: control.proxy.path_bytes.get(f"/tiny/v3/{n}", 0) for n in VERSIONS["v3"]}
-    assert sent == {n: left.get(n, 0) for n in VERSIONS["v3"]}, (sent, left, control.proxy.requests)
+    for name in VERSIONS["v3"]:
+        assert left.get(name, 0) <= sent[name] <= left.get(name, 0) + PIECE, (name, sent, left)
+    assert not asked_of_verified(control.proxy.requests, record, info), control.proxy.requests
     assert said["bytes_from_peers"] == 0 and 0 < sum(sent.values()) < total, said
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import requests
 from django.conf import settings
+
+from contracts.sources import SEED_ALIAS
 
 from ..services import free_port
 from .waiting import wait_until
@@ -264,6 +267,11 @@ def start_celery_worker(name: str, queues: str, log_dir: Path, **env: str) -> Pr
     return process
 
 
+def unaliased(path: str) -> str:
+    """A byte listener's path as the file's own address: `/.seed/<n>/m/v1/a.bin` is `/m/v1/a.bin` (contracts.sources)."""
+    return re.sub(rf"^/{re.escape(SEED_ALIAS)}/\d+/", "/", path)
+
+
 class CountingProxy:
     """A loopback HTTP proxy in front of the byte listener that counts, slows and misbehaves.
 
@@ -287,7 +295,9 @@ class CountingProxy:
         # open with nothing sent, for as long as it says so (a source that stalls, issue 24).
         self.hold = None
         self.body_bytes = 0
-        self.path_bytes: dict[str, int] = {}  # body bytes by path (query string dropped)
+        # Body bytes by file: by path, the query string dropped, and a seed alias's counted as its file's own
+        # (`/.seed/3/m/v1/a.bin` is `/m/v1/a.bin`: a fetch asks for one file over several addresses).
+        self.path_bytes: dict[str, int] = {}
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
         # Bytes of a request that began before reset_counts (say, to a process
         # just killed) are not counted after it.
@@ -318,7 +328,7 @@ class CountingProxy:
 
     def _send_body(self, handler, data_iter, limit: int | None) -> None:
         generation = self._generation
-        path = handler.path.split("?", 1)[0]
+        path = unaliased(handler.path.split("?", 1)[0])
         sent = 0
         started = time.monotonic()
         for chunk in data_iter:
