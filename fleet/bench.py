@@ -38,10 +38,18 @@ class BenchError(Exception):
 
 
 def stream_once(
-    url: str, key: str, model: str, prompt: str, max_tokens: int, system: str = "", temperature: float | None = None
+    url: str,
+    key: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    system: str = "",
+    temperature: float | None = None,
+    extra: dict | None = None,
 ) -> dict:
     """One streamed chat answer: time to first token, tokens, and whether it ended whole
-    ([DONE] after a finish_reason). `key` "" sends no Authorization (an engine asked directly)."""
+    ([DONE] after a finish_reason). `key` "" sends no Authorization (an engine asked directly);
+    `extra` adds fields to the body (a test's logit_bias)."""
     messages = [{"role": "system", "content": system}] if system else []
     body = {
         "model": model,
@@ -52,6 +60,7 @@ def stream_once(
     }
     if temperature is not None:
         body["temperature"] = temperature
+    body.update(extra or {})
     started = time.perf_counter()
     first = finish = None
     tokens = chunks = 0
@@ -76,11 +85,13 @@ def stream_once(
             if chunk.get("usage"):
                 tokens = int(chunk["usage"].get("completion_tokens") or 0)
             for choice in chunk.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    chunks += 1
-                    if first is None:
-                        first = time.perf_counter() - started
+                shown = bool((choice.get("delta") or {}).get("content"))
+                chunks += shown
                 finish = choice.get("finish_reason") or finish
+                # An answer whose tokens show no text (bytes that make no whole character yet, or
+                # an end at once) has its first token when its end arrives: it was computed by then.
+                if first is None and (shown or finish is not None):
+                    first = time.perf_counter() - started
     # A server that sends no usage in streams (llama-cpp-python's ignores stream_options): a token a chunk.
     return {
         "ttft": first,

@@ -316,6 +316,32 @@ def test_llamacpp_serves_a_three_file_gguf_comes_back_after_a_kill_and_is_adopte
     assert engine_state.read_state(cache)["replicas"] == {}
 
 
+@pytest.mark.engine
+@pytest.mark.parametrize(
+    "bias",
+    [
+        pytest.param({EOS_TOKEN_ID: 100}, id="an-end-at-once"),
+        # Byte tokens (3 + the byte): 0xE2 opens a three-byte character that never comes whole.
+        pytest.param({3 + 0xE2: 100}, id="bytes-that-make-no-character"),
+    ],
+)
+def test_bench_times_the_first_token_of_an_answer_that_shows_no_text(tmp_path, tiny_gguf, engine_cleanup, bias):
+    """`manage.py bench_replica` on such answers (a random model's, often) once recorded a TTFT of 0."""
+    from fleet.bench import stream_once
+
+    cache = tmp_path / "cache"
+    reports = Reports()
+    sup = supervisor.Supervisor(cache, reports)
+    assert engine_state.want(cache, 1, "llamacpp", "http://mirror/tiny/v1/", tiny_gguf, ["--ctx-size", "256"], "tiny")
+    step_until(sup, lambda: "ready" in reports.states(), 120, "llama.cpp to answer on /health")
+    endpoint = reports.last()[2]
+
+    result = stream_once(endpoint, "", "tiny", "hello", 2, extra={"logit_bias": {str(t): b for t, b in bias.items()}})
+    assert result["whole"], result
+    assert result["ttft"] is not None and 0 < result["ttft"] <= result["seconds"], result
+    assert result["tokens"] >= 1, result
+
+
 # --- vLLM, by a stand-in ---------------------------------------------------------
 
 
