@@ -143,7 +143,7 @@ class Run:
 
     def start_engines(self, name: str) -> list[int]:
         o = self.options
-        args = ["--ctx-size", str(o.slots * 2048), "--parallel", str(o.slots), "--threads", "1"]
+        args = ["--ctx-size", str(o.slots * 2048), "--parallel", str(o.slots), "--threads", "1", *o.engine_args.split()]
         if o.cache_ram is not None:
             args += ["--cache-ram", str(o.cache_ram)]
         else:
@@ -373,6 +373,7 @@ def main() -> int:
     parser.add_argument("--bound", type=float, default=1.25, help="LLMGW_PREFIX_LOAD_BOUND for the gateway")
     parser.add_argument("--modes", default="prefix,load", help="which of prefix and load to measure")
     parser.add_argument("--skip-hot", action="store_true")
+    parser.add_argument("--engine-args", default="", help="more llama-server arguments, as a profile's args (quoted)")
     parser.add_argument(
         "--sticky-clients",
         action="store_true",
