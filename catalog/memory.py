@@ -113,12 +113,17 @@ def arg_value(args: Sequence[str], *flags: str) -> str | None:
 # a profile's own --cache-ram wins. Where the header does not give the KV cache's size the
 # cache is turned off: memory nobody counted is how a node runs out of it.
 PROMPT_CACHE_FLAGS = ("--cache-ram", "-cram")
+# An embedding or rerank engine answers each input whole and resumes no conversation: its
+# prompt cache would only hold memory, so it is started with none (and none is counted).
+NO_CONVERSATION_SWITCHES = frozenset({"--embedding", "--embeddings", "--reranking", "--rerank"})
 
 
 def prompt_cache_args(engine: str, header: dict | None, args: Sequence[str]) -> list[str]:
     """`--cache-ram N` for a llama-server start whose arguments do not bound its prompt cache, else nothing."""
     if engine != "llamacpp" or arg_value(args, *PROMPT_CACHE_FLAGS) is not None:
         return []
+    if NO_CONVERSATION_SWITCHES.intersection(args):
+        return ["--cache-ram", "0"]
     found = estimate(header or {}, engine, args)
     kv = found.kv_cache if found is not None else 0
     return ["--cache-ram", str(-(-kv // MB))]
@@ -128,7 +133,7 @@ def _prompt_cache(args: Sequence[str], kv_cache: int) -> tuple[int, str]:
     """(bytes the prompt cache may hold, why it could not be counted): the profile's --cache-ram, else the pool's KV again."""
     given = arg_value(args, *PROMPT_CACHE_FLAGS)
     if given is None:
-        return kv_cache, ""
+        return (0 if NO_CONVERSATION_SWITCHES.intersection(args) else kv_cache), ""
     mib = _number(given, 0)
     if mib < 0:
         return 0, "--cache-ram -1 puts no bound on the engine's prompt cache: it is not counted"

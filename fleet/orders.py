@@ -25,7 +25,7 @@ def send_start(replica: Replica) -> None:
     engine_args = list(replica.args) + kind_args(replica.engine, kind, replica.args)
     # llama-server's prompt cache, bounded to what the estimate counts for it (catalog.memory).
     header = memory.headers_for([replica.source]).get(replica.source)
-    engine_args += prompt_cache_args(replica.engine, header, replica.args)
+    engine_args += prompt_cache_args(replica.engine, header, engine_args)
     args = [replica.pk, replica.source, replica.engine, engine_args]
     # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
     # The nonce tells this replica's engine secret from an earlier replica's of the same id

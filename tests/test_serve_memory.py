@@ -55,6 +55,10 @@ def test_the_prompt_cache_is_counted_at_the_bound_the_engine_is_started_with():
     assert prompt_cache_args("llamacpp", None, []) == ["--cache-ram", "0"]
     assert prompt_cache_args("llamacpp", {"weights_bytes": 5 * MB}, []) == ["--cache-ram", "0"]
     assert prompt_cache_args("vllm", HEADER, []) == []
+    # An embedding or rerank engine resumes no conversation: started with no prompt cache, none counted.
+    for switch in ("--embedding", "--reranking"):
+        assert prompt_cache_args("llamacpp", HEADER, ["--ctx-size", "2048", switch]) == ["--cache-ram", "0"]
+        assert estimate(HEADER, "llamacpp", ["--ctx-size", "2048", switch]).prompt_cache == 0
     assert estimate({**HEADER, "format": "safetensors"}, "vllm", []).prompt_cache == 0
 
 
