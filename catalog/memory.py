@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from contracts.engines import KIND_SWITCH_SPELLINGS
+
 GB = 1 << 30
 MB = 1 << 20
 
@@ -115,7 +117,7 @@ def arg_value(args: Sequence[str], *flags: str) -> str | None:
 PROMPT_CACHE_FLAGS = ("--cache-ram", "-cram")
 # An embedding or rerank engine answers each input whole and resumes no conversation: its
 # prompt cache would only hold memory, so it is started with none (and none is counted).
-NO_CONVERSATION_SWITCHES = frozenset({"--embedding", "--embeddings", "--reranking", "--rerank"})
+NO_CONVERSATION_SWITCHES = frozenset().union(*KIND_SWITCH_SPELLINGS.values())
 
 
 def prompt_cache_args(engine: str, header: dict | None, args: Sequence[str]) -> list[str]:

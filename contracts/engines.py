@@ -150,6 +150,14 @@ def _given(args: list[str] | tuple[str, ...]) -> set[str]:
     return {arg.split("=", 1)[0] for arg in args}
 
 
+# llama-server's switches for a model kind, each with the other spelling it takes
+# (--embeddings for --embedding, --rerank for --reranking).
+KIND_SWITCH_SPELLINGS = {
+    "--embedding": frozenset({"--embedding", "--embeddings"}),
+    "--reranking": frozenset({"--reranking", "--rerank"}),
+}
+
+
 def kind_args(engine: str, kind: str, args: list[str] | tuple[str, ...] = ()) -> list[str]:
     """What to add to a profile's `args` to start `engine` for a model of `kind`; none it already has.
 
@@ -159,8 +167,7 @@ def kind_args(engine: str, kind: str, args: list[str] | tuple[str, ...] = ()) ->
     wanted = found.kinds.get(kind, []) if found else []
     if not wanted:
         return []
-    # llama-server takes --embedding for --embeddings and --rerank for --reranking.
-    spellings = {"--embedding": {"--embeddings"}, "--reranking": {"--rerank"}}.get(wanted[0], set()) | {wanted[0]}
+    spellings = KIND_SWITCH_SPELLINGS.get(wanted[0], frozenset()) | {wanted[0]}
     return [] if spellings & _given(args) else list(wanted)
 
 
