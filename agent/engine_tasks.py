@@ -74,7 +74,7 @@ def start_replica(replica_id: int, source: str, engine: str, args: list[str], mo
         args,
         cache=runtime.cache_dir(),
         fetch=fetch_reported,
-        report=supervisor.celery_report(runtime.token()),
+        report=supervisor.celery_report(runtime.key()),
         allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,
         model=model,
         nonce=nonce,
@@ -100,4 +100,4 @@ def fetch_reported(source: str, cache: Path) -> Path:
 def stop_replica(replica_id: int) -> None:
     if not engine_state.unwant(runtime.cache_dir(), replica_id):
         # Nothing of that id runs here: say so, and the control plane lets the row go.
-        supervisor.celery_report(runtime.token())(replica_id, "stopped", "", "")
+        supervisor.celery_report(runtime.key())(replica_id, "stopped", "", "")

@@ -1,7 +1,10 @@
-"""How a node tells the control plane about its replicas: numbered reports, and repeats posted in Redis.
+"""How a node tells the control plane about its replicas: signed reports, and repeats posted in Redis.
 
 Used by the supervisor (every change, and each replica's state again every minute)
 and by the engine tasks (a fetch that failed, a stop of a replica this node does not know).
+Each report is signed with the node's key (contracts.signing `sign_message`), never
+carrying its token; its sequence number is when it was signed, so the control plane can
+tell a late report from the latest one without a counter in Redis.
 """
 
 from __future__ import annotations
@@ -12,12 +15,10 @@ from collections.abc import Callable
 
 from celery import current_app
 
-from contracts.tasks import CONTROL_QUEUE, REPLICA_REPORT, REPORTS_KEY, post, report_seq_key
+from contracts import signing
+from contracts.tasks import CONTROL_QUEUE, REPLICA_REPORT, ReplicaReport, post_report
 
 from . import progress, runtime
-
-# A replica's report counter outlives a month without reports; the control plane's too.
-REPORT_SEQ_KEEP_S = 30 * 24 * 3600
 
 log = logging.getLogger("agent.supervisor")
 
@@ -25,31 +26,23 @@ log = logging.getLogger("agent.supervisor")
 Report = Callable[[int, str, str, str], None]
 
 
-def celery_report(token: str) -> Report:
+def celery_report(key: str) -> Report:
+    """The reporter of this node, signing with `key` (the node's token hash, runtime.key())."""
+    node = runtime.node_name()
+
+    def signed(replica_id: int, state: str, endpoint: str, reason: str) -> dict:
+        # An engine's last lines may hold a NUL, which the control plane refuses in any text.
+        body = ReplicaReport(replica=replica_id, state=state, endpoint=endpoint, reason=reason.replace("\x00", ""))
+        return signing.sign_message(key, REPLICA_REPORT, node, body)
+
     def report(replica_id: int, state: str, endpoint: str, reason: str) -> None:
-        # Numbered, so the control plane can tell a late report from the latest one.
-        seq = report_seq(replica_id)
-        current_app.send_task(
-            REPLICA_REPORT, args=[token, replica_id, state, endpoint, reason], kwargs={"seq": seq}, queue=CONTROL_QUEUE
-        )
+        message = signed(replica_id, state, endpoint, reason)
+        current_app.send_task(REPLICA_REPORT, args=[message], queue=CONTROL_QUEUE)
 
     def again(replica_id: int, state: str, endpoint: str, reason: str) -> None:
         # Nothing new: posted for the control plane's next collection, not a message of its own.
-        entry = json.dumps([token, replica_id, state, endpoint, reason, report_seq(replica_id)])
-        post(progress.redis_client(), current_app.send_task, REPORTS_KEY, str(replica_id), entry)
+        message = json.dumps(signed(replica_id, state, endpoint, reason))
+        post_report(progress.redis_client(), current_app.send_task, node, replica_id, message)
 
     report.again = again
     return report
-
-
-def report_seq(replica_id: int) -> int:
-    """The next number of this replica's reports on this node; 0 (applied whatever came before) without Redis."""
-    try:
-        key = report_seq_key(runtime.node_name(), replica_id)
-        client = progress.redis_client()
-        seq = client.incr(key)
-        client.expire(key, REPORT_SEQ_KEEP_S)
-        return int(seq)
-    except Exception:
-        log.warning("could not number the report of replica %s; it is sent unnumbered", replica_id)
-        return 0

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from django.conf import settings
 
+from contracts import signing
+
 NODE_NAME = "LLMGW_NODE_NAME"
 AGENT_CACHE = "LLMGW_AGENT_CACHE"
 NODE_TOKEN = "LLMGW_NODE_TOKEN"
@@ -31,3 +33,10 @@ def cache_dir() -> Path:
 
 def token() -> str:
     return os.environ.get(NODE_TOKEN, "").strip()
+
+
+def key() -> str:
+    """The node's signing key, the sha256 of its token (what the control plane stores): derived here,
+    so the token itself never leaves the node; "" without a token."""
+    raw = token()
+    return signing.token_hash(raw) if raw else ""

@@ -108,7 +108,9 @@ class Supervisor:
         return engine_state.state_dir(self.cache) / f"replica-{replica_id}.log"
 
     def endpoint(self, port: int) -> str:
-        return f"http://{self.advertise}:{port}/v1"
+        # The form the control plane accepts, and the only one: http://ADDRESS:PORT/v1, ADDRESS as enrolled.
+        host = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
+        return f"http://{host}:{port}/v1"
 
     def secret(self, entry: dict) -> str:
         """What the engine of this entry answers to, and the gateway presents; empty without a token."""
@@ -431,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=watch_parent, daemon=True).start()
     supervisor = Supervisor(
         options.cache,
-        celery_report(token),
+        celery_report(signing.token_hash(token)),
         host=settings.LLMGW_ENGINE_HOST,
         advertise=settings.LLMGW_ENGINE_ADVERTISE,
         allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,

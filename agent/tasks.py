@@ -1,7 +1,8 @@
 """The agent's tasks: a fetch on a node's own queue, and its report on the control plane's.
 
-A node has no database. What it has to say goes to `control` as a task, with its
-enrolment token, and the control plane believes the token, not the worker.
+A node has no database. What it has to say goes to `control` as a task, signed with the
+node's key (contracts.signing `sign_message`); the control plane believes the signature,
+not the worker. The token itself never leaves the node.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from celery import Task, current_app, shared_task
 
 from contracts import signing
 from contracts.progress import cancel_key, clear_cancel
-from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEATS_KEY, node_queue, post
+from contracts.tasks import CONTROL_QUEUE, FETCH, FETCH_FINISHED, HEARTBEAT, node_queue, post_heartbeat
 
 from . import engine_state, facts, memory, progress, runtime
 from .fetch import FetchError, fetch_source
@@ -39,7 +40,8 @@ def report_fetch(
         "started": started,
     }
     try:
-        current_app.send_task(FETCH_FINISHED, args=[runtime.token(), payload], queue=CONTROL_QUEUE)
+        message = signing.sign_message(runtime.key(), FETCH_FINISHED, runtime.node_name(), payload)
+        current_app.send_task(FETCH_FINISHED, args=[message], queue=CONTROL_QUEUE)
     except Exception:
         # The fetch itself is done or failed either way; the progress key in Redis still says which.
         log.exception("could not report the fetch of %s to the control plane", source)
@@ -60,7 +62,7 @@ class FromControlPlane(Task):
     def __call__(self, *args, **kwargs):
         proof = kwargs.pop(signing.PROOF, None)
         problem = signing.proof_problem(
-            signing.token_hash(runtime.token()) if runtime.token() else "",
+            runtime.key(),
             self.name,
             runtime.node_name(),
             list(args),
@@ -87,8 +89,7 @@ class OnThisNode(FromControlPlane):
         args = list(self.request.args if args is None else args)
         kwargs = dict(self.request.kwargs if kwargs is None else kwargs)
         kwargs.pop(signing.PROOF, None)
-        key = signing.token_hash(runtime.token())
-        kwargs = signing.with_proof(key, self.name, runtime.node_name(), args, kwargs)
+        kwargs = signing.with_proof(runtime.key(), self.name, runtime.node_name(), args, kwargs)
         return super().retry(args, kwargs, *more, **options)
 
 
@@ -150,7 +151,7 @@ def fetch(self, source: str) -> None:
 
 
 def send_heartbeat(static: dict | None = None) -> None:
-    """One heartbeat from this node: its facts and its token, posted for the control plane's next collection.
+    """One heartbeat from this node: its facts, signed and posted for the control plane's next collection.
 
     A broker that is away is tried again at the next beat, not retried here: the
     worker's event loop runs this and must not stall on it (the client's timeouts are short).
@@ -160,10 +161,6 @@ def send_heartbeat(static: dict | None = None) -> None:
     payload["replicas"] = engine_state.wanted_ids(runtime.cache_dir())
     # What each replica's engine really holds, and what the node has free (docs/placement.md).
     payload.update(memory.heartbeat_facts(runtime.cache_dir()))
-    post(
-        progress.redis_client(),
-        current_app.send_task,
-        HEARTBEATS_KEY,
-        runtime.node_name(),
-        json.dumps([runtime.token(), payload]),
-    )
+    node = runtime.node_name()
+    message = signing.sign_message(runtime.key(), HEARTBEAT, node, payload)
+    post_heartbeat(progress.redis_client(), current_app.send_task, node, json.dumps(message))

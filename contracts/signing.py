@@ -11,6 +11,13 @@ hold the key and no other node does: a node cannot forge a message for another.
 The expiry bounds a replay: a message copied off the queue is worth nothing after
 `PROOF_TTL_S`. It is long enough for a task that waits in the queue while its node
 restarts, or that the node takes back after its worker died.
+
+What a node says goes the other way, signed by the node with the same key
+(`sign_message`, `message_problem`): its heartbeats, replica reports and fetch reports
+name the node and carry a MAC, never the token, so reading the broker gives nobody a
+node's token. They expire after `REPORT_TTL_S` (minutes, not the orders' hour: see there)
+and carry a sequence number that is the time they were signed, in microseconds, so the
+control plane can bound it by its own clock.
 """
 
 from __future__ import annotations
@@ -22,6 +29,19 @@ import time
 
 PROOF_TTL_S = 3600
 PROOF = "proof"
+
+# A node's message is worth nothing after this long. A heartbeat and a repeated report are
+# taken within a second or two of being posted, and the node says them again every 15 s and
+# every minute, so an expired one is never missed; five minutes covers a control worker's
+# restart for the reports that are said once (a state change, a fetch's end). Short, because
+# a copy read off the broker can be posted again until then: a replayed replica report is
+# refused by its sequence anyway, but a replayed heartbeat keeps a node that died looking
+# alive, so at most this long (an hour, as for orders, would be an hour of a dead node).
+REPORT_TTL_S = 300
+# How far ahead of the control plane's clock a node's may be (the hosts run NTP): a message
+# signed later than this, or expiring later than REPORT_TTL_S from now plus this, is refused.
+CLOCK_SKEW_S = 60
+_last_seq = 0
 
 
 def token_hash(token: str) -> str:
@@ -72,3 +92,58 @@ def with_proof(key: str, task: str, node: str, args: list, kwargs: dict | None =
     """The keyword arguments to send: the task's own and its proof."""
     kwargs = dict(kwargs or {})
     return {**kwargs, PROOF: sign(key, task, node, args, kwargs)}
+
+
+def sign_message(key: str, kind: str, node: str, body, now: float | None = None) -> dict:
+    """A node's message to the control plane, signed with its key (the token hash): sent or posted as is.
+
+    `kind` is the task name it goes by (contracts/tasks.py); `seq` is when it was signed, in
+    microseconds, and rises within a process even when two messages share a microsecond.
+    """
+    global _last_seq
+    now = time.time() if now is None else now
+    seq = max(int(now * 1_000_000), _last_seq + 1)
+    _last_seq = seq
+    expires = int(now) + REPORT_TTL_S
+    return {
+        "node": node,
+        "kind": kind,
+        "seq": seq,
+        "expires": expires,
+        "body": body,
+        "mac": _mac(key, kind, node, [seq, body], {}, expires),
+    }
+
+
+def message_problem(key: str, kind: str, node: str, message, now: float | None = None) -> str | None:
+    """Why this is not a message node `node` signed as `kind` and could have sent by now; None when it is.
+
+    `key` is the node's token hash as the control plane stores it.
+    """
+    if not isinstance(message, dict):
+        return "it is not a signed message (an agent older than the control plane sends its raw token instead)"
+    if message.get("node") != node:
+        return f"it names another node than {node}"
+    if message.get("kind") != kind:
+        return f"it is signed as {str(message.get('kind'))[:50]!r}, not {kind}"
+    seq, expires, mac = message.get("seq"), message.get("expires"), message.get("mac")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (seq, expires)) or not isinstance(mac, str):
+        return "its signature is malformed"
+    if not key:
+        return f"node {node} has no enrolment token to check it with"
+    try:
+        expected = _mac(key, kind, node, [seq, message.get("body")], {}, expires)
+    except (TypeError, ValueError, RecursionError):
+        return "its body cannot be checked"
+    if not hmac.compare_digest(expected, mac):
+        return f"its signature does not match: node {node} did not sign it"
+    now = time.time() if now is None else now
+    if now > expires:
+        return f"it expired at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(expires))} UTC"
+    if expires > now + REPORT_TTL_S + CLOCK_SKEW_S:
+        return f"it expires {expires - now:.0f} s from now, later than a node signs for ({REPORT_TTL_S} s)"
+    # The sequence orders a replica's reports: one from the future would make every genuine
+    # later report look old, so it may not be later than what the node could have signed by now.
+    if not 0 < seq <= (now + CLOCK_SKEW_S) * 1_000_000:
+        return f"its sequence number {seq} is not a time the node could have signed it at"
+    return None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+from . import keys, signing
+
 CONTROL_QUEUE = "control"
 
 
@@ -28,15 +30,21 @@ START_REPLICA = "agent.start_replica"
 # replica answers `stopped` so the control plane can let the row go.
 STOP_REPLICA = "agent.stop_replica"
 
-# --- sent by a node, on the control queue; the first argument is always its token --------
+# --- sent by a node, on the control queue ------------------------------------------------
+#
+# Each takes one argument: a message the node signed (contracts/signing.py `sign_message`:
+# {node, kind, seq, expires, body, mac}), whose `kind` is the task's name. It names the node
+# and never carries its token; the control plane checks it with the node's stored token
+# hash. Until issue 33 the first argument was the node's raw enrolment token: a message in
+# that form is refused with a log line (agents are upgraded before the control plane).
 
-# heartbeat(token: str, facts: Facts)
+# heartbeat(message): body is Facts
 HEARTBEAT = "fleet.heartbeat"
-# fetch_finished(token: str, report: FetchReport)
+# fetch_finished(message): body is FetchReport
 FETCH_FINISHED = "agent.fetch_finished"
-# replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "", seq: int = 0)
-# `seq` is the report's order among this replica's reports on the node (see report_seq_key);
-# the control plane ignores a report older than one it applied. 0 (an older agent): applied.
+# replica_report(message): body is ReplicaReport. The message's `seq` (when it was signed, in
+# microseconds) orders a replica's reports: the control plane ignores one older than a
+# report it applied, and refuses one signed later than its own clock allows.
 REPLICA_REPORT = "fleet.replica_report"
 
 # --- the control plane to itself ---------------------------------------------------------
@@ -66,10 +74,15 @@ class Facts(TypedDict, total=False):
     replicas: list[int]
 
 
-def report_seq_key(node: str, replica_id: int) -> str:
-    """The node's counter of one replica's reports, in Redis: shared by the worker and the
-    supervisor, which both report, and kept across the agent's restarts."""
-    return f"llmgw:report-seq:{node}:{replica_id}"
+class ReplicaReport(TypedDict):
+    """What a node says of one replica it runs."""
+
+    replica: int
+    state: str  # one of REPLICA_STATES
+    # Where the engine answers, when ready: exactly http://ADDRESS:PORT/v1, ADDRESS the one
+    # the node was enrolled with (loopback without one); anything else is refused.
+    endpoint: str
+    reason: str
 
 
 class FetchReport(TypedDict, total=False):
@@ -90,45 +103,79 @@ class FetchReport(TypedDict, total=False):
 #
 # A heartbeat every 15 s from a thousand nodes, and each replica's report repeated every
 # minute, would be a hundred Celery messages a second: Celery's own work, a few ms a
-# message, was a third of a core. So the node writes them into a Redis hash (one field
-# per node, or per replica: the latest wins) and asks for a collection only when none is
-# pending; the control plane takes the whole hash in one task a second or so. Each entry
-# still carries the node's token and is believed only for the node the token enrols.
+# message, was a third of a core. So the node writes them into Redis under its own prefix
+# (contracts/keys.py: its heartbeat, and a hash of its reports, a field per replica: the
+# latest wins) and asks for a collection only when none is pending; the control plane takes
+# every enrolled node's entries in one pipeline, a second or so later. Each entry is the
+# same signed message the task would carry, and is believed only with the node's signature.
 
-HEARTBEATS_KEY = "llmgw:heartbeats"  # field: node name; value: JSON [token, facts]
-REPORTS_KEY = "llmgw:replica-reports"  # field: replica id; value: JSON [token, id, state, endpoint, reason, seq]
 COLLECT_PENDING_KEY = "llmgw:collect-pending"
 # collect(): take every posted heartbeat and repeated report; sent by a node, delayed.
 COLLECT = "fleet.collect"
 COLLECT_DELAY_S = 1.0
 # A collection that never ran (its worker died) is asked for again after this long.
 COLLECT_PENDING_TTL_S = 30
+# Where agents before issue 33 posted [token, ...]: taken and refused, said in the log.
+OLD_HEARTBEATS_KEY = "llmgw:heartbeats"
+OLD_REPORTS_KEY = "llmgw:replica-reports"
 
 
-def post(client, send_task, key: str, field: str, value: str) -> None:
-    """Post one entry; ask for a collection unless one is already pending.
+def _posted(pipe, send_task) -> None:
+    """Ask for a collection unless one is already pending, with the post in the same round trip."""
+    pipe.set(COLLECT_PENDING_KEY, "1", nx=True, ex=COLLECT_PENDING_TTL_S)
+    if pipe.execute()[-1]:
+        send_task(COLLECT, queue=CONTROL_QUEUE, countdown=COLLECT_DELAY_S)
+
+
+def post_heartbeat(client, send_task, node: str, message: str) -> None:
+    """Post a node's signed heartbeat (JSON); it lasts no longer than its signature does.
 
     `client` is a Redis client and `send_task` Celery's: passed in, so this module
     stays free of both.
     """
     pipe = client.pipeline(transaction=False)
-    pipe.hset(key, field, value)
-    pipe.set(COLLECT_PENDING_KEY, "1", nx=True, ex=COLLECT_PENDING_TTL_S)
-    _, first = pipe.execute()
-    if first:
-        send_task(COLLECT, queue=CONTROL_QUEUE, countdown=COLLECT_DELAY_S)
+    pipe.set(keys.heartbeat_key(node), message, ex=signing.REPORT_TTL_S)
+    _posted(pipe, send_task)
 
 
-def take(client) -> tuple[dict, dict]:
-    """({node: raw heartbeat}, {replica id: raw report}) posted so far, removed as they are taken.
+def post_report(client, send_task, node: str, replica_id: int, message: str) -> None:
+    """Post a node's signed replica report (JSON), the latest of the replica's."""
+    key = keys.reports_key(node)
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(key, str(replica_id), message)
+    pipe.expire(key, signing.REPORT_TTL_S)
+    _posted(pipe, send_task)
+
+
+def take(client, nodes: list[str]) -> tuple[dict, dict, dict]:
+    """What the given nodes posted so far, removed as it is taken, in one round trip:
+    ({node: raw heartbeat}, {node: {replica id: raw report}}, {old key: {field: raw}}).
 
     The pending flag goes first, so anything posted from here on asks for the next collection.
     """
     client.delete(COLLECT_PENDING_KEY)
     pipe = client.pipeline(transaction=True)
-    pipe.hgetall(HEARTBEATS_KEY)
-    pipe.delete(HEARTBEATS_KEY)
-    pipe.hgetall(REPORTS_KEY)
-    pipe.delete(REPORTS_KEY)
-    heartbeats, _, reports, _ = pipe.execute()
-    return heartbeats, reports
+    for node in nodes:
+        pipe.getdel(keys.heartbeat_key(node))
+        pipe.hgetall(keys.reports_key(node))
+        pipe.delete(keys.reports_key(node))
+    for old in (OLD_HEARTBEATS_KEY, OLD_REPORTS_KEY):
+        pipe.hgetall(old)
+        pipe.delete(old)
+    replies = pipe.execute()
+    heartbeats, reports = {}, {}
+    for n, node in enumerate(nodes):
+        beat, posted = replies[3 * n], replies[3 * n + 1]
+        if beat is not None:
+            heartbeats[node] = beat
+        if posted:
+            reports[node] = {_text(field): raw for field, raw in posted.items()}
+    old = {
+        OLD_HEARTBEATS_KEY: {_text(f): raw for f, raw in replies[-4].items()},
+        OLD_REPORTS_KEY: {_text(f): raw for f, raw in replies[-2].items()},
+    }
+    return heartbeats, reports, old
+
+
+def _text(field) -> str:
+    return field.decode(errors="replace") if isinstance(field, bytes) else str(field)

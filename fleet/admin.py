@@ -14,13 +14,19 @@ from .models import Node
 class NodeForm(forms.ModelForm):
     class Meta:
         model = Node
-        fields = ["name", "draining", "labels"]
+        fields = ["name", "address", "draining", "labels"]
 
     def clean_name(self) -> str:
         name = self.cleaned_data["name"].strip()
         if problem := node_name_problem(name):
             raise forms.ValidationError(problem)
         return name
+
+    def clean_address(self) -> str:
+        address = self.cleaned_data["address"].strip()
+        if problem := enrolment.address_problem(address):
+            raise forms.ValidationError(problem)
+        return address
 
     def clean_labels(self) -> dict:
         labels = self.cleaned_data["labels"]
@@ -66,8 +72,8 @@ class NodeAdmin(admin.ModelAdmin):
 
     def get_fields(self, request, obj=None):
         if obj is None:
-            return ["name", "labels"]
-        return ["name", "draining", "labels", *self.readonly_fields]
+            return ["name", "address", "labels"]
+        return ["name", "address", "draining", "labels", *self.readonly_fields]
 
     def get_readonly_fields(self, request, obj=None):
         return self.readonly_fields if obj is None else ["name", *self.readonly_fields]

@@ -1,15 +1,20 @@
 """Enrolment tokens: what lets an agent speak for one node and no other.
 
-A worker that can reach the broker can send any task; the token is what the
-control plane believes. It is made in the admin (or by `make run` for this
-host), shown once, and stored only as its hash.
+A worker that can reach the broker can send any task; what the control plane believes
+is a message signed with the node's key, the hash of its token (contracts.signing).
+The token is made in the admin (or by `make run` for this host), shown once, and stored
+only as its hash; it never crosses the broker. Enrolment also fixes the node's address:
+where its engines may be, whatever it reports (fleet.reports.endpoint_problem).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
+import re
 import secrets
+from typing import NamedTuple
 
 from django.db import connection
 from django.utils import timezone
@@ -24,13 +29,67 @@ def hash_token(token: str) -> str:
     return signing.token_hash(token)
 
 
-def issue_token(node_name: str) -> str:
-    """A new enrolment token for this node (created if new); any earlier token stops working."""
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def address_problem(address: str) -> str | None:
+    """Why this cannot be a node's enrolled address (an IP address or a host name), or None."""
+    if not address:
+        return None
+    try:
+        ipaddress.ip_address(address)
+        return None
+    except ValueError:
+        pass
+    if len(address) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in address.split(".")):
+        return f"{address[:100]!r} is neither an IP address nor a host name"
+    return None
+
+
+def issue_token(node_name: str, address: str | None = None) -> str:
+    """A new enrolment token for this node (created if new); any earlier token stops working.
+
+    `address` is where its engines answer (None: unchanged; "": loopback only). Raises
+    ValueError with a sentence for an address that is neither an IP address nor a host name.
+    """
+    if address is not None and (problem := address_problem(address)):
+        raise ValueError(problem)
     token = "llmgw-node-" + secrets.token_urlsafe(32)
     node, _ = Node.objects.get_or_create(name=node_name)
     node.token_hash = hash_token(token)
-    node.save(update_fields=["token_hash"])
+    fields = ["token_hash"]
+    if address is not None:
+        node.address = address
+        fields.append("address")
+    node.save(update_fields=fields)
     return token
+
+
+class Enrolled(NamedTuple):
+    """What the control plane needs of a node to believe its messages."""
+
+    id: int
+    name: str
+    key: str  # the token hash: the key of its signatures
+    address: str
+
+    def as_node(self) -> Node:
+        # Enough of a Node for recording reports and fetches against it, without another query.
+        return Node(pk=self.id, name=self.name, token_hash=self.key, address=self.address)
+
+
+def enrolled() -> dict[str, Enrolled]:
+    """Every node with a token, by name: those whose posted heartbeats and reports are collected."""
+    rows = Node.objects.exclude(token_hash="").values_list("id", "name", "token_hash", "address")
+    return {row[1]: Enrolled(*row) for row in rows}
+
+
+def enrolled_node(name) -> Enrolled | None:
+    """The node of this name, when it has a token; None for anything else (a name is what a message claims)."""
+    if not isinstance(name, str) or not name:
+        return None
+    row = Node.objects.filter(name=name).exclude(token_hash="").values_list("id", "name", "token_hash", "address")
+    return Enrolled(*row[0]) if row else None
 
 
 def revoke_token(node_name: str) -> bool:
@@ -65,8 +124,8 @@ def node_for_token(token: str, claimed_name: str | None = None) -> Node | None:
 FACT_FIELDS = {"engines", "engines_unusable", "gpus", "memory_gb", "disk_free_bytes", "agent_version", "labels"}
 
 
-def record_heartbeat(token: str, facts: dict) -> str | None:
-    """Update a node from its agent's facts: the node's name, or None when the token does not enrol it.
+def record_heartbeat(name: str, facts: dict) -> str | None:
+    """Update a node from its agent's facts, checked already (fleet.messages): its name, or None when it is gone.
 
     A thousand nodes beat every 15 s. The node is read with plain SQL (through the
     ORM, building the query costs ten times what the database does), and only the
@@ -75,8 +134,8 @@ def record_heartbeat(token: str, facts: dict) -> str | None:
     with connection.cursor() as cursor:
         cursor.execute(
             f"SELECT id, name, engines, engines_unusable, gpus, memory_gb, disk_free_bytes, agent_version, labels "
-            f"FROM {Node._meta.db_table} WHERE token_hash = %s",
-            [hash_token(token)],
+            f"FROM {Node._meta.db_table} WHERE name = %s",
+            [name],
         )
         row = cursor.fetchone()
     claimed = facts.get("node")

@@ -48,6 +48,14 @@ class Node(models.Model):
     draining = models.BooleanField(default=False)
     # sha256 of the enrolment token; the token itself is shown once and never stored.
     token_hash = models.CharField(max_length=64, blank=True, db_index=True)
+    # Where the node's engines answer, as enrolled (`manage.py node_token NAME --address HOST`):
+    # a replica is routed to only at http://ADDRESS:PORT/v1, whatever its node reports.
+    # Empty: loopback only (a node on the control plane's own host, `make run`, the tests).
+    address = models.CharField(
+        max_length=253,
+        blank=True,
+        help_text="the IP address or host name the gateway reaches this node's engines at; empty: 127.0.0.1 only",
+    )
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:

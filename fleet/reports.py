@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import time
+from urllib.parse import urlsplit
 
 from celery import current_app
 from django.conf import settings
 from django.db import connection, transaction
 
-from contracts import tasks
+from contracts import signing, tasks
 
 from .live import redis_client
 from .models import Node, Replica
@@ -42,20 +43,51 @@ def said_before(row: tuple | None, state: str, endpoint: str, reason: str) -> st
     return f"{state}, as before" if same and (state != "ready" or row[3] == 0) else None
 
 
-def repeated_report(token_hash: str, replica_id: int, state: str, endpoint: str, reason: str) -> str | None:
-    """said_before for a report as it arrives: the token and the replica checked in one query.
+# Where a node enrolled without an address may have its engines: this host only.
+LOOPBACK = "127.0.0.1"
+
+
+def expected_endpoint(address: str, port: int | str) -> str:
+    """The one endpoint the control plane routes to for an engine of a node enrolled at `address`."""
+    host = address or LOOPBACK
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
+
+
+def endpoint_problem(node: Node, endpoint: str) -> str | None:
+    """Why a replica reported ready at `endpoint` must not be routed to, in a sentence; None when it may.
+
+    The control plane decides where an engine is: at the address the node was enrolled
+    with and a port, and nothing else. A node (or whoever forged its report) that says
+    another host, userinfo, a path or a query would have the gateway send a model's
+    prompts, and the replica's secret, wherever it liked.
+    """
+    try:
+        port = urlsplit(endpoint).port
+    except ValueError:
+        port = None
+    if port is not None and 1 <= port <= 65535 and endpoint == expected_endpoint(node.address, port):
+        return None
+    where = f"at {node.address}" if node.address else "without an address, so on this host only"
+    return (
+        f"Not routed to: its node reported it at {endpoint[:200]!r}, but node {node.name} is enrolled {where}, "
+        f"and the gateway routes only to {expected_endpoint(node.address, 'PORT')} "
+        "(`manage.py node_token NAME --address HOST` enrols the address; the node's LLMGW_ENGINE_ADVERTISE must name it)."
+    )
+
+
+def repeated_report(node_id: int, replica_id: int, state: str, endpoint: str, reason: str) -> str | None:
+    """said_before for a report as it arrives: the replica and its node checked in one query.
 
     Plain SQL: at a thousand nodes this runs 200 times a second, and building the
     query through the ORM costs ten times what the database does.
     """
     if state not in SAME_AGAIN_STATES:
         return None
-    replica, node = Replica._meta.db_table, Node._meta.db_table
+    replica = Replica._meta.db_table
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT r.state, r.endpoint, r.reason, r.attempts FROM {replica} r JOIN {node} n ON n.id = r.node_id "
-            "WHERE r.id = %s AND n.token_hash = %s",
-            [replica_id, token_hash],
+            f"SELECT state, endpoint, reason, attempts FROM {replica} WHERE id = %s AND node_id = %s",
+            [replica_id, node_id],
         )
         return said_before(cursor.fetchone(), state, endpoint, reason)
 
@@ -65,9 +97,13 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
 
     `seq` is the report's order on the node; one older than a report already applied
     (a `starting` delivered after a `ready`) is ignored. 0 is an unnumbered report.
+    A `ready` at an endpoint other than the one the node's enrolment allows is a failure
+    that says why (endpoint_problem): the replica is never routed there.
     """
     if state not in REPORTED_STATES:
         return f"ignored: {state!r} is not a state an agent reports"
+    if state == "ready" and (problem := endpoint_problem(node, endpoint)):
+        state, endpoint, reason = "failed", "", problem
     if state in SAME_AGAIN_STATES:
         row = Replica.objects.filter(pk=replica_id, node_id=node.pk).values_list(
             "state", "endpoint", "reason", "attempts"
@@ -109,8 +145,11 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
 
 
 # The highest report number applied for a replica, set only upward, in one step on the server.
+# One past ARGV[3] (the latest a node could have signed by now) was written before numbers
+# were bounded (issue 33: a forged 1e15 made every genuine later report look old): forgotten.
 _NEWER = """
 local last = tonumber(redis.call('get', KEYS[1]) or '0')
+if last > tonumber(ARGV[3]) then last = 0 end
 if tonumber(ARGV[1]) <= last then return 0 end
 redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
 return 1
@@ -120,8 +159,9 @@ REPORT_SEQ_KEEP_S = 30 * 24 * 3600
 
 def _newest_report(node_name: str, replica_id: int, seq: int) -> bool:
     """Whether this report is newer than every one applied for the replica (and now the newest)."""
-    key = "llmgw:applied-" + tasks.report_seq_key(node_name, replica_id).removeprefix("llmgw:")
-    return bool(redis_client().eval(_NEWER, 1, key, seq, REPORT_SEQ_KEEP_S))
+    key = f"llmgw:applied-report-seq:{node_name}:{replica_id}"
+    latest = int((time.time() + signing.CLOCK_SKEW_S) * 1_000_000)
+    return bool(redis_client().eval(_NEWER, 1, key, seq, REPORT_SEQ_KEEP_S, latest))
 
 
 # --- what nodes say they run --------------------------------------------------------------

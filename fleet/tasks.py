@@ -1,6 +1,5 @@
 """The control plane's tasks for the fleet: what nodes report, and the reconcile pass."""
 
-import json
 import logging
 
 from celery import shared_task
@@ -8,54 +7,45 @@ from celery import shared_task
 from catalog.models import Model
 from contracts import demand, tasks
 
-from . import autoscale, enrolment
+from . import autoscale, enrolment, messages
 from . import memory as measured_memory
 from . import reconcile as reconciling
 from .live import redis_client
 from .metrics import RECONCILE
 from .models import Fetch
+from .reports import endpoint_problem
 
 log = logging.getLogger(__name__)
 
 
 @shared_task(name=tasks.COLLECT, ignore_result=True)
 def collect() -> None:
-    """Every heartbeat and repeated report nodes posted since the last collection, in one task.
+    """Every heartbeat and repeated report the enrolled nodes posted since the last collection, in one task.
 
     See contracts/tasks.py: a Celery message each would cost the control worker a third
-    of a core at a thousand nodes. Each entry is checked as its own message would be.
+    of a core at a thousand nodes. Each entry is checked as its own message would be, and
+    one that is not believed is dropped with a line in the log: never the rest of the batch.
     """
-    heartbeats, reports = tasks.take(redis_client())
-    for node, raw in heartbeats.items():
-        try:
-            token, facts = json.loads(raw)
-            if not isinstance(facts, dict):
-                raise ValueError("the facts are not an object")
-        except (ValueError, TypeError) as error:
-            log.warning("heartbeat posted for %r dropped: %s", node, error)
-            continue
-        heartbeat(str(token), facts)
-    for replica, raw in reports.items():
-        try:
-            token, replica_id, state, endpoint, reason, seq = json.loads(raw)
-            replica_report(str(token), int(replica_id), state, endpoint, reason, seq=int(seq or 0))
-        except (ValueError, TypeError) as error:
-            log.warning("report posted for replica %r dropped: %s", replica, error)
+    nodes = enrolment.enrolled()
+    heartbeats, reports, old = tasks.take(redis_client(), list(nodes))
+    for name, raw in heartbeats.items():
+        _believe(nodes[name], tasks.HEARTBEAT, raw)
+    for name, posted in reports.items():
+        for raw in posted.values():
+            _believe(nodes[name], tasks.REPLICA_REPORT, raw)
+    for key, entries in old.items():
+        for field in entries:
+            log.warning(
+                "%s entry %r dropped: it is in the old form, the node's raw token first; upgrade that node's agent",
+                key,
+                field[:100],
+            )
 
 
 @shared_task(name=tasks.HEARTBEAT, ignore_result=True)
-def heartbeat(token: str, facts: tasks.Facts) -> None:
-    """A node's agent reporting its facts: from a collection, or as a message of its own (older agents)."""
-    name = enrolment.record_heartbeat(token, facts)
-    if name is None:
-        # Said once per heartbeat in the log, never acted on: a stray worker
-        # cannot enrol itself or speak for another node.
-        log.warning("heartbeat refused: the token does not enrol a node called %r", facts.get("node"))
-        return
-    if isinstance(facts.get("replicas"), list):
-        reconciling.record_running(name, facts["replicas"])
-    # What each replica's engine really holds (fleet/memory.py).
-    measured_memory.record(name, facts)
+def heartbeat(message, *older) -> None:
+    """A node's signed heartbeat as a message of its own; most are posted and collected instead."""
+    _believe(_sender(message), tasks.HEARTBEAT, message, older)
 
 
 @shared_task(name=tasks.RECONCILE, ignore_result=True)
@@ -65,34 +55,85 @@ def reconcile() -> None:
     # down their heartbeats waited in Redis; a pass that judged by the database alone
     # found every node silent for longer than it may be, took them all for lost, and
     # placed every replica again (tests/test_fleet_netns.py restarts the control plane).
-    collect()
+    try:
+        collect()
+    except Exception:
+        # Redis away, say: the pass still runs, or nothing is placed until it is back.
+        log.exception("collecting what the nodes posted failed; reconciling with what the database holds")
     with RECONCILE.time():
         reconciling.reconcile()
 
 
 @shared_task(name=tasks.REPLICA_REPORT, ignore_result=True)
-def replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "", seq: int = 0) -> None:
-    """A node's agent saying what became of a replica it runs; arrives on the control queue."""
-    state, endpoint, reason = str(state), str(endpoint or ""), str(reason or "")
-    # Most reports repeat the last one: the token and the replica in one read, and done.
-    if reconciling.repeated_report(enrolment.hash_token(token), int(replica_id), state, endpoint, reason):
-        return
-    node = enrolment.node_for_token(token)
-    if node is None:
-        log.warning("replica report refused: the token does not enrol a node (replica %s)", replica_id)
-        return
-    outcome = reconciling.record_report(node, int(replica_id), state, endpoint, reason, seq=int(seq or 0))
-    log.info("replica %s on %s reported %s: %s", replica_id, node.name, state, outcome)
+def replica_report(message, *older, **older_kwargs) -> None:
+    """A node's signed report of what became of a replica it runs; arrives on the control queue."""
+    _believe(_sender(message), tasks.REPLICA_REPORT, message, older)
 
 
 @shared_task(name=tasks.FETCH_FINISHED, ignore_result=True)
-def fetch_finished(token: str, report: tasks.FetchReport) -> None:
-    """A node's report of how a fetch ended; arrives on the control queue."""
-    node = enrolment.node_for_token(token, claimed_name=report.get("node"))
-    if node is None:
-        log.warning("fetch report refused: the token does not enrol a node called %r", report.get("node"))
+def fetch_finished(message, *older) -> None:
+    """A node's signed report of how a fetch ended; arrives on the control queue."""
+    _believe(_sender(message), tasks.FETCH_FINISHED, message, older)
+
+
+# What each kind of message is called in the log.
+_SAID = {tasks.HEARTBEAT: "heartbeat", tasks.REPLICA_REPORT: "replica report", tasks.FETCH_FINISHED: "fetch report"}
+
+
+def _sender(message) -> enrolment.Enrolled | None:
+    """The enrolled node a task's message names, or None; the signature is checked after."""
+    return enrolment.enrolled_node(message.get("node")) if isinstance(message, dict) else None
+
+
+def _believe(node: enrolment.Enrolled | None, kind: str, message, older: tuple = ()) -> None:
+    """Apply one message a node sent or posted, if its signature and every field hold; else one log line why."""
+    said = _SAID[kind]
+    if older or isinstance(message, str) and not message.lstrip().startswith(("{", "[")):
+        # A task of an agent before issue 33: (token, ...). The token is not logged.
+        log.warning("%s refused: it is in the old form, the node's raw token first; upgrade the node's agent", said)
         return
-    Fetch.objects.record(node, report)
+    who = node.name if node else _claimed(message)
+    try:
+        seq, body = messages.opened(node, kind, message)
+        if kind == tasks.HEARTBEAT:
+            _heartbeat(node, body)
+        elif kind == tasks.REPLICA_REPORT:
+            _report(node, seq, body)
+        else:
+            Fetch.objects.record(node.as_node(), messages.checked_fetch(node.name, body))
+    except messages.Refused as refused:
+        log.warning("%s of node %s refused: %s", said, who, refused)
+    except Exception:
+        # A fault of this code, not of the message: the rest of the batch is still applied.
+        log.exception("%s of node %s could not be applied", said, who)
+
+
+def _claimed(message) -> str:
+    """The node a message says it is from, for the log: whoever forged it wrote it, so cut short."""
+    name = message.get("node") if isinstance(message, dict) else None
+    return repr(name)[:60] if name is not None else "(unnamed)"
+
+
+def _heartbeat(node: enrolment.Enrolled, body: dict) -> None:
+    facts = messages.checked_facts(node.name, body)
+    if enrolment.record_heartbeat(node.name, facts) is None:
+        return  # deleted meanwhile
+    if "replicas" in facts:
+        reconciling.record_running(node.name, facts["replicas"])
+    # What each replica's engine really holds (fleet/memory.py).
+    measured_memory.record(node.name, facts)
+
+
+def _report(node: enrolment.Enrolled, seq: int, body: dict) -> None:
+    report = messages.checked_report(body)
+    replica_id, state, endpoint, reason = report["replica"], report["state"], report["endpoint"], report["reason"]
+    # Most reports repeat the last one: the replica in one read, and done. A ready one only
+    # when its endpoint is one the node may have (record_report says why not, otherwise).
+    allowed = state != "ready" or endpoint_problem(node.as_node(), endpoint) is None
+    if allowed and reconciling.repeated_report(node.id, replica_id, state, endpoint, reason):
+        return
+    outcome = reconciling.record_report(node.as_node(), replica_id, state, endpoint, reason, seq=seq)
+    log.info("replica %s on %s reported %s: %s", replica_id, node.name, state, outcome)
 
 
 @shared_task(name=demand.WAKE, ignore_result=True)

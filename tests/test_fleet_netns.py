@@ -76,7 +76,9 @@ def fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported abo
         settle(mirror)  # copied in a while ago: whole, not still being written
         control = ControlPlane(network, mirror, log_dir)
         for name in ("n1", "n2"):
-            node = Node(name, network.add_host(name), issue_token(name), control, log_dir)
+            host = network.add_host(name)
+            # Enrolled at its bridge address: the only place its engines are routed to.
+            node = Node(name, host, issue_token(name, address=host.address), control, log_dir)
             node.start_agent()
             nodes.append(node)
         yield control, nodes

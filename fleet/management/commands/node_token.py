@@ -7,6 +7,7 @@ from fleet import enrolment
 class Command(BaseCommand):
     help = (
         "Print a fresh enrolment token for a node (created if new); its earlier token stops working. "
+        "With --address, enrol where its engines answer (the gateway routes to nothing else). "
         "With --revoke, turn the node's token off and print nothing."
     )
 
@@ -18,7 +19,16 @@ class Command(BaseCommand):
             help="turn the token off: the node's reports are ignored and the byte listener refuses it",
         )
 
-    def handle(self, *args, name, revoke=False, **options):
+        parser.add_argument(
+            "--address",
+            help=(
+                "the IP address or host name the gateway reaches this node's engines at (its LLMGW_ENGINE_ADVERTISE); "
+                "a replica reported anywhere else is refused. Left as it was when not given; a node never given "
+                "one may have engines on 127.0.0.1 only"
+            ),
+        )
+
+    def handle(self, *args, name, revoke=False, address=None, **options):
         if problem := node_name_problem(name.strip()):
             raise CommandError(problem)
         if revoke:
@@ -26,4 +36,7 @@ class Command(BaseCommand):
                 raise CommandError(f"there is no node called {name.strip()!r}")
             self.stderr.write(f"The token of node {name.strip()} is revoked.")
             return
-        self.stdout.write(enrolment.issue_token(name.strip()))
+        if address is not None and (problem := enrolment.address_problem(address.strip())):
+            raise CommandError(f"--address: {problem}")
+        token = enrolment.issue_token(name.strip(), address=None if address is None else address.strip())
+        self.stdout.write(token)

@@ -101,8 +101,10 @@ class Command(BaseCommand):
                 str(settings.VAR_DIR / "celerybeat-schedule"),
             ],
         )
-        # This host enrols itself: a fresh token each start, handed straight to its agent.
-        processes.start("agent", [py, "manage.py", "agent", "--node", node], env=self.node_env(node, issue_token(node)))
+        # This host enrols itself: a fresh token each start, handed straight to its agent, and
+        # its engines on loopback (the agent's default LLMGW_ENGINE_HOST), where they are routed to.
+        token = issue_token(node, address="127.0.0.1")
+        processes.start("agent", [py, "manage.py", "agent", "--node", node], env=self.node_env(node, token))
 
         self.stdout.write("")
         self.stdout.write("llmgw is up. Ctrl-C stops everything it started.")
