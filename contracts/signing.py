@@ -94,16 +94,17 @@ def with_proof(key: str, task: str, node: str, args: list, kwargs: dict | None =
     return {**kwargs, PROOF: sign(key, task, node, args, kwargs)}
 
 
-def sign_message(key: str, kind: str, node: str, body, now: float | None = None) -> dict:
+def sign_message(key: str, kind: str, node: str, body, now: float | None = None, seq: int | None = None) -> dict:
     """A node's message to the control plane, signed with its key (the token hash): sent or posted as is.
 
     `kind` is the task name it goes by (contracts/tasks.py); `seq` is when it was signed, in
-    microseconds, and rises within a process even when two messages share a microsecond.
+    microseconds, and rises within a process even when two messages share a microsecond
+    (given, it is a test playing a node that numbers its messages as it likes).
     """
     global _last_seq
     now = time.time() if now is None else now
-    seq = max(int(now * 1_000_000), _last_seq + 1)
-    _last_seq = seq
+    if seq is None:
+        seq = _last_seq = max(int(now * 1_000_000), _last_seq + 1)
     expires = int(now) + REPORT_TTL_S
     return {
         "node": node,

@@ -88,8 +88,9 @@ def enrolled_node(name) -> Enrolled | None:
     """The node of this name, when it has a token; None for anything else (a name is what a message claims)."""
     if not isinstance(name, str) or not name:
         return None
-    row = Node.objects.filter(name=name).exclude(token_hash="").values_list("id", "name", "token_hash", "address")
-    return Enrolled(*row[0]) if row else None
+    rows = Node.objects.filter(name=name).exclude(token_hash="").values_list("id", "name", "token_hash", "address")
+    row = rows.first()
+    return Enrolled(*row) if row else None
 
 
 def revoke_token(node_name: str) -> bool:

@@ -136,18 +136,26 @@ def test_staff_cancel_a_fetch_and_the_node_finds_the_flag(admin_client, redis_cl
         live.begin(bytes_total=10, files_total=1)
 
 
-def test_a_report_from_a_node_is_recorded_only_with_its_token(node):
+def test_a_report_from_a_node_is_recorded_only_with_its_signature(node):
+    from contracts import signing
     from fleet.enrolment import issue_token
     from fleet.tasks import fetch_finished
 
     token = issue_token("n1")
+    issue_token("n2")
     report = {"node": "n1", "source": SOURCE, "state": "complete", "path": "/c/m/v1", "bytes_total": 10}
-    fetch_finished("llmgw-node-wrong", report)
+
+    def signed(body, name="n1", key=signing.token_hash(token)):
+        return signing.sign_message(key, "agent.fetch_finished", name, body)
+
+    fetch_finished(signed(report, key=signing.token_hash("llmgw-node-wrong")))
     assert not Fetch.objects.exists()
-    fetch_finished(token, dict(report, node="n2"))
+    fetch_finished(signed(dict(report, node="n2")))
+    fetch_finished(signed(dict(report, node="n2"), name="n2"))  # n1's key on a message naming n2
+    fetch_finished(token, report)  # the old form: the raw token first
     assert not Fetch.objects.exists()
-    fetch_finished(token, report)
+    fetch_finished(signed(report))
     fetch = Fetch.objects.get()
     assert (fetch.state, fetch.path, fetch.bytes_total) == ("complete", "/c/m/v1", 10)
-    fetch_finished(token, report)  # delivered twice: still one record
+    fetch_finished(signed(report))  # delivered twice: still one record
     assert Fetch.objects.count() == 1

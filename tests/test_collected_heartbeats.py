@@ -1,4 +1,4 @@
-"""Heartbeats and repeated reports posted in Redis and taken in batches, each still checked by its token."""
+"""Heartbeats and repeated reports posted in Redis and taken in batches, each still checked by its node's signature."""
 
 import json
 
@@ -7,20 +7,25 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from contracts import tasks
+from contracts import keys, tasks
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from fleet.tasks import collect
 
+from .support import node_messages as node
+
 pytestmark = pytest.mark.django_db(transaction=True)
+
+NAMES = ("a", "b", "c", "x")
 
 
 @pytest.fixture
 def broker():
     client = redis.Redis.from_url(settings.REDIS_URL)
-    client.delete(tasks.HEARTBEATS_KEY, tasks.REPORTS_KEY, tasks.COLLECT_PENDING_KEY, tasks.CONTROL_QUEUE)
+    shared = (tasks.COLLECT_PENDING_KEY, tasks.CONTROL_QUEUE, tasks.OLD_HEARTBEATS_KEY, tasks.OLD_REPORTS_KEY)
+    client.delete(*shared, *node.node_keys(client, *NAMES))
     yield client
-    client.delete(tasks.HEARTBEATS_KEY, tasks.REPORTS_KEY, tasks.COLLECT_PENDING_KEY, tasks.CONTROL_QUEUE)
+    client.delete(*shared, *node.node_keys(client, *NAMES))
 
 
 def queued(broker) -> list[str]:
@@ -28,38 +33,44 @@ def queued(broker) -> list[str]:
 
 
 def test_many_posts_ask_for_one_collection_and_it_takes_them_all(broker):
-    from celery import current_app
-
-    tokens = {name: issue_token(name) for name in ("a", "b", "c")}
-    for name, token in tokens.items():
-        facts = {"node": name, "engines": ["llamacpp"], "memory_gb": 8}
-        tasks.post(broker, current_app.send_task, tasks.HEARTBEATS_KEY, name, json.dumps([token, facts]))
-    # A forged heartbeat: a token that enrols no node, and one that is not JSON.
-    tasks.post(broker, current_app.send_task, tasks.HEARTBEATS_KEY, "x", json.dumps(["llmgw-node-forged", {}]))
-    broker.hset(tasks.HEARTBEATS_KEY, "y", "{not json")
+    for name in ("a", "b", "c"):
+        issue_token(name)
+        node.post_heartbeat(broker, name, node.heartbeat(name, {"engines": ["llamacpp"], "memory_gb": 8}))
+    issue_token("x")
+    # Forged: x's heartbeat signed with a token that is not x's, and one that is not JSON.
+    node.post_heartbeat(broker, "x", node.heartbeat("x", {"memory_gb": 99}, token="llmgw-node-forged"))
     assert queued(broker) == ["fleet.collect"]
 
     collect()
     nodes = {n.name: n for n in Node.objects.all()}
-    assert sorted(nodes) == ["a", "b", "c"]
-    assert all(n.last_heartbeat is not None and n.memory_gb == 8 for n in nodes.values())
-    assert broker.hlen(tasks.HEARTBEATS_KEY) == 0
+    assert all(nodes[n].last_heartbeat is not None and nodes[n].memory_gb == 8 for n in ("a", "b", "c"))
+    assert nodes["x"].last_heartbeat is None and nodes["x"].memory_gb == 0
+    assert not broker.exists(*(keys.heartbeat_key(n) for n in NAMES))
     # Taken: the next post asks for the next collection.
-    tasks.post(broker, current_app.send_task, tasks.HEARTBEATS_KEY, "a", json.dumps([tokens["a"], {"node": "a"}]))
+    node.post_heartbeat(broker, "a", node.heartbeat("a", {}))
     assert queued(broker) == ["fleet.collect", "fleet.collect"]
 
 
 def test_a_repeated_report_is_collected_and_a_lost_state_made_good(broker):
-    from celery import current_app
-
-    token = issue_token("a")
-    node = Node.objects.get(name="a")
-    Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now())
-    replica = Replica.objects.create(model_name="m", profile_name="cpu", node=node, state="starting")
-    entry = json.dumps([token, replica.pk, "ready", "http://127.0.0.1:9/v1", "", 5])
-    tasks.post(broker, current_app.send_task, tasks.REPORTS_KEY, str(replica.pk), entry)
-    forged = json.dumps(["llmgw-node-forged", replica.pk, "failed", "", "forged", 6])
-    broker.hset(tasks.REPORTS_KEY, "other", forged)
+    issue_token("a")
+    issue_token("b")
+    a = Node.objects.get(name="a")
+    Node.objects.filter(pk=a.pk).update(last_heartbeat=timezone.now())
+    replica = Replica.objects.create(model_name="m", profile_name="cpu", node=a, state="starting")
+    node.post_report(broker, "a", replica.pk, node.report("a", replica.pk, "ready", "http://127.0.0.1:9/v1"))
+    # b, another node, posts a report of a's replica into its own hash; and one forged in a's.
+    node.post_report(broker, "b", replica.pk, node.report("b", replica.pk, "failed", reason="forged by b"))
+    forged = node.report("a", replica.pk, "failed", reason="forged", token="llmgw-node-forged")
+    broker.hset(keys.reports_key("a"), "other", json.dumps(forged))
     collect()
     replica.refresh_from_db()
-    assert (replica.state, replica.endpoint) == ("ready", "http://127.0.0.1:9/v1")
+    assert (replica.state, replica.endpoint, replica.attempts) == ("ready", "http://127.0.0.1:9/v1", 0)
+
+
+def test_an_entry_in_the_old_token_form_is_taken_and_refused_saying_why(broker, caplog):
+    token = issue_token("a")
+    broker.hset(tasks.OLD_HEARTBEATS_KEY, "a", json.dumps([token, {"node": "a", "memory_gb": 8}]))
+    collect()
+    assert Node.objects.get(name="a").last_heartbeat is None
+    assert not broker.exists(tasks.OLD_HEARTBEATS_KEY)
+    assert "old form" in caplog.text and token not in caplog.text

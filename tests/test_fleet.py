@@ -11,6 +11,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.utils import timezone
 
+from contracts import signing
 from fleet.enrolment import node_for_token
 from fleet.models import Node
 
@@ -65,14 +66,16 @@ FACTS = {
 }
 
 
-def heartbeat(token: str, facts: dict) -> None:
-    current_app.send_task("fleet.heartbeat", args=[token, facts], queue="control")
+def heartbeat(name: str, token: str, facts: dict) -> None:
+    """A heartbeat as a message of its own, signed as an agent signs it with the key of `token`."""
+    message = signing.sign_message(signing.token_hash(token), "fleet.heartbeat", name, facts)
+    current_app.send_task("fleet.heartbeat", args=[message], queue="control")
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_heartbeat_with_the_nodes_token_upserts_it_through_the_control_queue(control_worker):
+def test_a_heartbeat_signed_with_the_nodes_token_upserts_it_through_the_control_queue(control_worker):
     token = node_token("gpu-01")
-    heartbeat(token, FACTS)
+    heartbeat("gpu-01", token, FACTS)
     node = wait_until(
         lambda: Node.objects.filter(name="gpu-01", last_heartbeat__isnull=False).first(), what="the heartbeat"
     )
@@ -88,9 +91,9 @@ def test_a_heartbeat_with_the_nodes_token_upserts_it_through_the_control_queue(c
 @pytest.mark.django_db(transaction=True)
 def test_a_stray_worker_cannot_enrol_itself_or_speak_for_another_node(control_worker):
     other = node_token("cpu-01")
-    heartbeat("llmgw-node-made-up", {**FACTS, "node": "stray"})
-    heartbeat(other, FACTS)  # cpu-01's token, claiming to be gpu-01
-    wait_until(lambda: control_worker.output().count("heartbeat refused") >= 2, what="both to be refused")
+    heartbeat("stray", "llmgw-node-made-up", {**FACTS, "node": "stray"})
+    heartbeat("gpu-01", other, FACTS)  # signed with cpu-01's token, claiming to be gpu-01
+    wait_until(lambda: control_worker.output().count("heartbeat of node") >= 2, what="both to be refused")
     assert list(Node.objects.values_list("name", "last_heartbeat")) == [("cpu-01", None)]
 
 

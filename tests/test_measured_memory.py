@@ -8,6 +8,7 @@ import pytest
 
 from catalog.memory import GB
 from catalog.models import Model, Profile
+from contracts import signing
 from fleet import autoscale, reconcile, room
 from fleet import memory as measured_memory
 from fleet.live import redis_client
@@ -38,7 +39,7 @@ def beat(node_name: str, replica_memory: dict, available: int = 10 * GB) -> None
         "replica_memory": {str(i): m for i, m in replica_memory.items()},
         "memory_available_bytes": available,
     }
-    heartbeat(f"token-of-{node_name}", facts)
+    heartbeat(signing.sign_message(signing.token_hash(f"token-of-{node_name}"), "fleet.heartbeat", node_name, facts))
 
 
 def test_placement_refuses_a_node_that_fits_the_estimate_but_not_the_measured_figure():

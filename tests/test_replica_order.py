@@ -12,12 +12,14 @@ from django.utils import timezone
 
 from agent import engine_state, replica_reports, runtime, supervisor
 from agent import tasks as agent_tasks
-from contracts import tasks
+from contracts import keys, signing, tasks
 from fleet import reconcile
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from fleet.placement import ModelView, ProfileView
 from fleet.tasks import heartbeat, replica_report
+
+from .support import node_messages as node
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -40,17 +42,18 @@ def tasks_on(broker, queue: str) -> list[tuple[str, list]]:
 
 
 def beat(token: str, replicas: list[int]) -> None:
-    heartbeat(token, {"node": "a", "engines": ["llamacpp"], "memory_gb": 8, "replicas": replicas})
+    heartbeat(node.heartbeat("a", {"engines": ["llamacpp"], "memory_gb": 8, "replicas": replicas}))
 
 
 def test_a_report_older_than_one_already_applied_is_ignored(broker, token):
     replica = Replica.objects.create(model_name="tiny", profile_name="cpu", node=Node.objects.get(name="a"))
-    replica_report(token, replica.pk, "ready", "http://127.0.0.1:9000/v1", "", seq=5)
-    # The `starting` the node sent before its `ready`, delivered late.
-    replica_report(token, replica.pk, "starting", "", "", seq=4)
+    # The `starting` the node signed before its `ready`, delivered after it.
+    starting = node.report("a", replica.pk, "starting", "", "")
+    replica_report(node.report("a", replica.pk, "ready", "http://127.0.0.1:9000/v1", ""))
+    replica_report(starting)
     replica.refresh_from_db()
     assert (replica.state, replica.endpoint) == ("ready", "http://127.0.0.1:9000/v1")
-    replica_report(token, replica.pk, "failed", "", "the engine exited", seq=6)
+    replica_report(node.report("a", replica.pk, "failed", "", "the engine exited"))
     replica.refresh_from_db()
     assert replica.state == "failed"
 
@@ -87,22 +90,26 @@ def test_a_replica_a_node_runs_that_is_not_placed_there_is_told_to_stop_once_a_w
     assert tasks_on(broker, "node.a") == []
 
 
-def test_the_agent_numbers_its_reports_and_heartbeats_what_it_runs(broker, tmp_path, monkeypatch):
+def test_the_agent_numbers_and_signs_its_reports_and_heartbeats_what_it_runs(broker, tmp_path, monkeypatch):
     sent = []
     fake_app = SimpleNamespace(send_task=lambda name, args=None, kwargs=None, **o: sent.append((name, args, kwargs)))
     monkeypatch.setattr(replica_reports, "current_app", fake_app)
     monkeypatch.setattr(agent_tasks, "current_app", fake_app)
     monkeypatch.setenv(runtime.NODE_NAME, "a")
     monkeypatch.setenv(runtime.AGENT_CACHE, str(tmp_path))
-    report = supervisor.celery_report("tok")
+    monkeypatch.setenv(runtime.NODE_TOKEN, "tok")
+    report = supervisor.celery_report(runtime.key())
     report(7, "starting", "", "")
     report(7, "ready", "http://x/v1", "")
-    assert [kwargs["seq"] for _, _, kwargs in sent] == [1, 2]
+    messages = [args[0] for _, args, _ in sent]
+    assert messages[0]["seq"] < messages[1]["seq"]
+    assert all(not signing.message_problem(runtime.key(), tasks.REPLICA_REPORT, "a", m) for m in messages)
+    assert "tok" not in json.dumps(sent)
 
     engine_state.want(tmp_path, 7, "llamacpp", "http://m/t/v1/", tmp_path, [], "t")
     engine_state.want(tmp_path, 8, "llamacpp", "http://m/t/v1/", tmp_path, [], "t")
     engine_state.unwant(tmp_path, 8)
-    broker.delete(tasks.HEARTBEATS_KEY, tasks.COLLECT_PENDING_KEY)
+    broker.delete(keys.heartbeat_key("a"), tasks.COLLECT_PENDING_KEY)
     agent_tasks.send_heartbeat({"engines": [], "gpus": []})
-    assert json.loads(broker.hget(tasks.HEARTBEATS_KEY, "a"))[1]["replicas"] == [7]
+    assert json.loads(broker.get(keys.heartbeat_key("a")))["body"]["replicas"] == [7]
     assert sent[-1][0] == "fleet.collect"

@@ -1,4 +1,4 @@
-"""What an agent says about a replica, as the control plane takes it: token, node, state."""
+"""What an agent says about a replica, as the control plane takes it: signature, node, state."""
 
 import json
 
@@ -8,6 +8,8 @@ from django.utils import timezone
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from fleet.tasks import replica_report
+
+from .support import node_messages as node
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -32,7 +34,7 @@ def a_replica(node_name: str = "a", state: str = Replica.State.PENDING) -> Repli
 
 def test_ready_with_the_endpoint_is_recorded(nodes, broker):
     replica = a_replica()
-    replica_report(nodes["a"], replica.pk, "ready", "http://127.0.0.1:9000/v1", "")
+    replica_report(node.report("a", replica.pk, "ready", "http://127.0.0.1:9000/v1", ""))
     replica.refresh_from_db()
     assert replica.state == "ready"
     assert replica.endpoint == "http://127.0.0.1:9000/v1"
@@ -40,7 +42,7 @@ def test_ready_with_the_endpoint_is_recorded(nodes, broker):
 
 def test_a_failure_keeps_its_sentence_and_counts(nodes, broker):
     replica = a_replica()
-    replica_report(nodes["a"], replica.pk, "failed", "", "the engine exited with code 1: out of memory")
+    replica_report(node.report("a", replica.pk, "failed", "", "the engine exited with code 1: out of memory"))
     replica.refresh_from_db()
     assert (replica.state, replica.reason, replica.attempts) == (
         "failed",
@@ -49,18 +51,18 @@ def test_a_failure_keeps_its_sentence_and_counts(nodes, broker):
     )
 
 
-def test_a_token_of_another_node_cannot_report_for_this_one(nodes, broker):
+def test_another_node_cannot_report_for_this_one(nodes, broker):
     replica = a_replica("a")
-    replica_report(nodes["b"], replica.pk, "ready", "http://evil/v1", "")
+    replica_report(node.report("b", replica.pk, "ready", "http://127.0.0.1:9000/v1", ""))
     replica.refresh_from_db()
     assert replica.state == "pending" and replica.endpoint == ""
     # And b is told to stop whatever it runs under that id.
     assert queued(broker, "node.b") == [("agent.stop_replica", [replica.pk])]
 
 
-def test_an_unknown_token_changes_nothing(nodes, broker):
+def test_a_report_signed_with_another_key_changes_nothing(nodes, broker):
     replica = a_replica()
-    replica_report("llmgw-node-forged", replica.pk, "ready", "http://evil/v1", "")
+    replica_report(node.report("a", replica.pk, "ready", "http://127.0.0.1:9000/v1", "", token="llmgw-node-forged"))
     replica.refresh_from_db()
     assert replica.state == "pending"
     assert broker.keys("node.*") == []
@@ -68,12 +70,12 @@ def test_an_unknown_token_changes_nothing(nodes, broker):
 
 def test_a_late_ready_does_not_undo_a_stop_and_stopped_deletes_the_row(nodes, broker):
     replica = a_replica(state=Replica.State.STOPPING)
-    replica_report(nodes["a"], replica.pk, "ready", "http://127.0.0.1:9000/v1", "")
+    replica_report(node.report("a", replica.pk, "ready", "http://127.0.0.1:9000/v1", ""))
     assert Replica.objects.get(pk=replica.pk).state == "stopping"
-    replica_report(nodes["a"], replica.pk, "stopped", "", "")
+    replica_report(node.report("a", replica.pk, "stopped", "", ""))
     assert not Replica.objects.filter(pk=replica.pk).exists()
 
 
 def test_an_engine_reported_for_a_deleted_replica_is_told_to_stop(nodes, broker):
-    replica_report(nodes["a"], 9999, "ready", "http://127.0.0.1:9000/v1", "")
+    replica_report(node.report("a", 9999, "ready", "http://127.0.0.1:9000/v1", ""))
     assert queued(broker, "node.a") == [("agent.stop_replica", [9999])]
