@@ -380,6 +380,8 @@ def build_fleet(n_nodes: int = 1000, per_node: int = 3):
         Node(
             name=f"node-{i:04}",
             token_hash=hash_token(f"token-{i}"),
+            # Where its replicas' endpoints are (below): the only host the control plane routes to for it.
+            address=f"node-{i:04}",
             engines=["llamacpp"],
             memory_gb=64,
             labels={"zone": "eu" if i % 2 else "us"},
@@ -420,7 +422,15 @@ def build_fleet(n_nodes: int = 1000, per_node: int = 3):
     return nodes, replicas, endpoints, facts
 
 
+def signed(i: int, name: str, kind: str, body: dict) -> dict:
+    """A message of node `name` (token-i) as its agent signs it."""
+    from contracts import signing
+
+    return signing.sign_message(signing.token_hash(f"token-{i}"), kind, name, body)
+
+
 def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
+    from contracts import tasks as contract
     from fleet import tasks
 
     nodes, replicas, endpoints, facts = build_fleet(n_nodes, per_node)
@@ -436,16 +446,30 @@ def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
                     beat = dict(beat, disk_free_bytes=beat["disk_free_bytes"] - rng.randrange(1 << 20))
                     if i % 100 == 0:
                         beat["labels"] = dict(beat["labels"], rack=str(rng.randrange(10)))
-                heartbeat(f"token-{i}", beat)
+                heartbeat(i, node.name, beat)
                 if i % REPORTS_SPREAD == 0:
                     for replica_id in replicas[node.pk]:
-                        report(f"token-{i}", replica_id, "ready", endpoints[replica_id], "")
+                        report(i, node.name, replica_id, "ready", endpoints[replica_id], "")
 
         return run
 
-    new_beat, new_report = tasks.heartbeat.run, tasks.replica_report.run
+    def old_beat(i, name, facts):
+        old_heartbeat(f"token-{i}", facts)
+
+    def old_report(i, name, *report):
+        old_replica_report(f"token-{i}", *report)
+
+    # The new ones are signed here, as the node signs them: the node's HMAC is counted with the control
+    # plane's check of it (about as dear), so the figure is an upper bound.
+    def new_beat(i, name, facts):
+        tasks.heartbeat.run(signed(i, name, contract.HEARTBEAT, facts))
+
+    def new_report(i, name, replica_id, state, endpoint, reason):
+        body = {"replica": replica_id, "state": state, "endpoint": endpoint, "reason": reason}
+        tasks.replica_report.run(signed(i, name, contract.REPLICA_REPORT, body))
+
     for case, changing in (("facts the same", False), ("disk free moves", True)):
-        old = median_cpu(cycle(old_heartbeat, old_replica_report, changing), runs)
+        old = median_cpu(cycle(old_beat, old_report, changing), runs)
         new = median_cpu(cycle(new_beat, new_report, changing), runs)
         line("heartbeats", "1000", case, old, new, HEARTBEAT_EVERY_S)
     print(
@@ -486,7 +510,7 @@ def run_worker_cycles(
     from celery import current_app
     from django.utils import timezone
 
-    from contracts import tasks
+    from contracts import keys, tasks
     from fleet.models import Node
 
     rng = random.Random(17)
@@ -530,20 +554,31 @@ def run_worker_cycles(
                             for replica_id in (replicas[node.pk] if i % REPORTS_SPREAD == 0 else ())
                         ]
                         if posted:
-                            # As the agent sends them now: a heartbeat and a repeated report are posted.
-                            value = json.dumps([f"token-{i}", beat])
-                            tasks.post(broker, current_app.send_task, tasks.HEARTBEATS_KEY, node.name, value)
+                            # As the agent sends them now: a heartbeat and a repeated report are posted, signed.
+                            value = json.dumps(signed(i, node.name, tasks.HEARTBEAT, beat))
+                            tasks.post_heartbeat(broker, current_app.send_task, node.name, value)
                             for report in reports:
-                                value = json.dumps([*report, 0])
-                                tasks.post(broker, current_app.send_task, tasks.REPORTS_KEY, str(report[1]), value)
+                                body = dict(zip(("replica", "state", "endpoint", "reason"), report[1:], strict=True))
+                                value = json.dumps(signed(i, node.name, tasks.REPLICA_REPORT, body))
+                                tasks.post_report(broker, current_app.send_task, node.name, report[1], value)
                             continue
-                        current_app.send_task(tasks.HEARTBEAT, args=[f"token-{i}", beat], queue=tasks.CONTROL_QUEUE)
+                        if label == "new":
+                            # As messages of their own (BENCH_WORKER_MESSAGES), in the signed form.
+                            beat_args = [signed(i, node.name, tasks.HEARTBEAT, beat)]
+                            fields = ("replica", "state", "endpoint", "reason")
+                            reports = [
+                                [signed(i, node.name, tasks.REPLICA_REPORT, dict(zip(fields, r[1:], strict=True)))]
+                                for r in reports
+                            ]
+                        else:
+                            beat_args = [f"token-{i}", beat]  # the old code's agents: the token first
+                        current_app.send_task(tasks.HEARTBEAT, args=beat_args, queue=tasks.CONTROL_QUEUE)
                         for report in reports:
                             current_app.send_task(tasks.REPLICA_REPORT, args=report, queue=tasks.CONTROL_QUEUE)
                     deadline = time.monotonic() + 300
                     while (
                         broker.llen(tasks.CONTROL_QUEUE)
-                        or broker.exists(tasks.HEARTBEATS_KEY, tasks.REPORTS_KEY)
+                        or any(broker.exists(keys.heartbeat_key(n.name), keys.reports_key(n.name)) for n in nodes)
                         or Node.objects.filter(last_heartbeat__lt=started).exists()
                     ):
                         if time.monotonic() > deadline:
