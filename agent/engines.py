@@ -179,22 +179,45 @@ def command(
     return [vllm, "serve", target, "--host", host, "--port", str(port), *named, *args]
 
 
-# What an engine must not inherit from the agent: the node's token (an engine runs
-# code from the catalog, remote code included) and any key meant for another engine.
-WITHHELD = {
-    "LLMGW_NODE_TOKEN",
-    "API_KEY",
-    "LLAMA_ARG_API_KEY",
-    *(spec.secret_variable for spec in engine_specs.SPECS.values()),
-}
+# An engine's environment is made from this list, never from the agent's whole environment:
+# an engine runs what its weights make it run (a crafted GGUF that exploits llama-server, a
+# vLLM model's own code), and the agent's environment holds the broker's password (REDIS_URL),
+# the node's token and whatever else the host gave it. What an engine needs of the host: where
+# programs are, the language, which GPUs, its libraries, Hugging Face's offline switches, and
+# vLLM's and llama.cpp's (GGML_) own tuning. Not LLAMA_ARG_*: llama-server reads those as
+# arguments, around the catalog's allow-list. The supervisor adds, on purpose, HOME and TMPDIR
+# (the engine's scratch) and the replica's secret (engine_env); nothing else reaches it.
+ENV_PASSED = frozenset(
+    {
+        "PATH",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "LD_LIBRARY_PATH",
+        "OMP_NUM_THREADS",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+    }
+)
+ENV_PASSED_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "NCCL_", "VLLM_", "GGML_")
+# Keys are set by the supervisor alone: one left in the agent's environment is another replica's.
+SECRET_VARIABLES = frozenset(spec.secret_variable for spec in engine_specs.SPECS.values())
 
 
-def engine_env(engine: str, secret: str = "") -> dict[str, str]:
-    """The engine's environment: the agent's, less the node's token, with the replica's secret where it reads it.
+def passed(name: str) -> bool:
+    """Whether the agent's variable `name` reaches an engine (ENV_PASSED)."""
+    return name not in SECRET_VARIABLES and (name in ENV_PASSED or name.startswith(ENV_PASSED_PREFIXES))
 
-    In its environment, never argv: a command line is readable by every user of the host.
+
+def engine_env(engine: str, secret: str = "", scratch: Path | None = None) -> dict[str, str]:
+    """The engine's environment: what ENV_PASSED lets through, its scratch as HOME and TMPDIR, its secret.
+
+    The secret in its environment, never argv: a command line is readable by every user of the host.
     """
-    env = {name: value for name, value in os.environ.items() if name not in WITHHELD}
+    env = {name: value for name, value in os.environ.items() if passed(name)}
+    if scratch is not None:
+        env.update(HOME=str(scratch), TMPDIR=str(scratch))
     if secret and (spec := engine_specs.spec(engine)):
         env[spec.secret_variable] = secret
     return env
@@ -206,17 +229,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(
+    argv: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    *,
+    cwd: Path | None = None,
+    user: tuple[int, int] | None = None,
+) -> subprocess.Popen:
     """Start an engine in its own session, its output appended to `log_path`.
 
     Its own session, so that it outlives the agent that started it and a signal
     to the agent's terminal does not reach it; the supervisor stops it by group.
-    `env` is `engine_env(...)`'s; by default the agent's, less what an engine must not see.
+    `env` is `engine_env(...)`'s. `user` is (uid, gid) to run it as (agent.fence.engine_user),
+    with no other group. The log is opened here, by the agent, readable by the agent alone:
+    the engine writes its own through the descriptor it is handed and reads no other's.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
+    with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log:
         log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {argv!r}\n".encode())
         log.flush()
+        switch = {"user": user[0], "group": user[1], "extra_groups": []} if user else {}
         return subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -224,8 +257,9 @@ def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) ->
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
-            cwd=PROJECT_DIR,
+            cwd=cwd or PROJECT_DIR,
             env=env if env is not None else engine_env(""),
+            **switch,
         )
 
 

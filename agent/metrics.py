@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 
 # An engine busy generating still answers its /metrics quickly; one that does not is skipped.
 ENGINE_SCRAPE_TIMEOUT_S = 2.0
+# A scraper sends its request at once. A client that sends nothing, or trickles its request a
+# byte at a time, is cut off after this long, rather than holding one of the listener's threads
+# for as long as it likes; each read and write is held to it too.
+REQUEST_TIMEOUT_S = 10.0
 
 
 class NodeCollector(Collector):
@@ -193,10 +198,30 @@ def serve(node: str, cache: Path) -> ThreadingHTTPServer | None:
     token = settings.AGENT_METRICS_TOKEN.encode()
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S
+
+        def setup(self) -> None:
+            super().setup()
+            # The whole request, however it trickles: a read's own timeout starts again at every byte.
+            self.deadline = threading.Timer(REQUEST_TIMEOUT_S, self.cut_off)
+            self.deadline.daemon = True
+            self.deadline.start()
+
+        def cut_off(self) -> None:
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile
+
+        def finish(self) -> None:
+            self.deadline.cancel()
+            super().finish()
+
         def log_message(self, *args) -> None:
             pass
 
         def do_GET(self) -> None:
+            self.deadline.cancel()  # the request is in; answering it is held to each write's timeout
             if self.path.split("?")[0] != "/metrics":
                 return self._answer(404, b"Only /metrics is here.\n", "text/plain")
             if token:
@@ -225,5 +250,7 @@ def serve(node: str, cache: Path) -> ThreadingHTTPServer | None:
 
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
+    # A client cut off, or gone, is not the agent's error.
+    server.handle_error = lambda request, client_address: log.debug("metrics: %s went away", client_address)
     threading.Thread(target=server.serve_forever, name="agent-metrics", daemon=True).start()
     return server

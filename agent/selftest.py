@@ -181,7 +181,12 @@ def check_vllm(timeout: float = TIMEOUT_S, which=shutil.which, python: str = sys
     argv = [binary, "--version"] if binary else [python, "-c", "import vllm"]
     try:
         done = subprocess.run(
-            argv, capture_output=True, timeout=timeout, start_new_session=True, stdin=subprocess.DEVNULL
+            argv,
+            capture_output=True,
+            timeout=timeout,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            env=engines.engine_env("vllm"),  # an engine's environment, not the agent's (engines.ENV_PASSED)
         )
     except subprocess.TimeoutExpired:
         return f"vLLM did not start within {timeout:.0f} s in its self-test"

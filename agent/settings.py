@@ -64,6 +64,8 @@ LLMGW_ALLOW_REMOTE_CODE = env_bool("LLMGW_ALLOW_REMOTE_CODE", False)
 # Where engines listen, and the host the gateway reaches them by.
 LLMGW_ENGINE_HOST = env_str("LLMGW_ENGINE_HOST", "127.0.0.1")
 LLMGW_ENGINE_ADVERTISE = env_str("LLMGW_ENGINE_ADVERTISE", "")
+# Engines run as this user when set (docs/agent.md, "Engines fenced"); empty: as the agent's own.
+ENGINE_USER = env_str("LLMGW_ENGINE_USER", "")
 # The node's /metrics (docs/observability.md).
 AGENT_METRICS_ADDR = env_str("LLMGW_AGENT_METRICS_ADDR", "")
 AGENT_METRICS_TOKEN = env_str("LLMGW_AGENT_METRICS_TOKEN", "")

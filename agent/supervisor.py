@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,7 +33,7 @@ from django.conf import settings
 
 from contracts import credentials, signing
 
-from . import engine_state, engine_stats, engines, runtime
+from . import engine_state, engine_stats, engines, fence, runtime
 from .replica_reports import Report, celery_report
 
 __all__ = ["Report", "Supervisor", "celery_report", "start"]
@@ -77,8 +78,11 @@ class Supervisor:
         liveness_failures: int = LIVENESS_FAILURES,
         liveness_busy_grace: float = LIVENESS_BUSY_GRACE_S,
         token: str | None = None,
+        engine_user: str = "",
     ):
         self.cache = Path(cache)
+        # (uid, gid) engines run as (LLMGW_ENGINE_USER, agent.fence); None: the agent's own.
+        self.engine_user = fence.engine_user(engine_user)
         # The node's enrolment token keys each engine's secret (contracts.credentials);
         # only a fingerprint of its hash is written down, to find engines started under another.
         token = runtime.token() if token is None else token
@@ -106,6 +110,25 @@ class Supervisor:
 
     def log_path(self, replica_id: int) -> Path:
         return engine_state.state_dir(self.cache) / f"replica-{replica_id}.log"
+
+    def scratch(self, replica_id: int) -> Path:
+        """The engine's own writable directory: its HOME, TMPDIR and working directory."""
+        return engine_state.state_dir(self.cache) / "scratch" / f"replica-{replica_id}"
+
+    def _prepare_scratch(self, replica_id: int) -> Path:
+        """Made by the agent, writable by the engine's group alone (the engine's user's primary group).
+
+        Its group is changed rather than its owner: the agent's user may give a directory to a
+        group it is in, and needs no CAP_CHOWN for it.
+        """
+        scratch = self.scratch(replica_id)
+        scratch.mkdir(parents=True, exist_ok=True)
+        if self.engine_user is None:
+            scratch.chmod(0o700)
+        else:
+            os.chown(scratch, -1, self.engine_user[1])
+            scratch.chmod(0o770)
+        return scratch
 
     def endpoint(self, port: int) -> str:
         # The form the control plane accepts, and the only one: http://ADDRESS:PORT/v1, ADDRESS as enrolled.
@@ -289,8 +312,16 @@ class Supervisor:
                 replica_id,
             )
         # The secret goes in the engine's environment: argv is on every user's `ps`, and in the state file.
-        env = engines.engine_env(entry["engine"], self.secret(entry))
-        process = engines.spawn(argv, self.log_path(replica_id), env)
+        try:
+            scratch = self._prepare_scratch(replica_id)
+            env = engines.engine_env(entry["engine"], self.secret(entry), scratch)
+            process = engines.spawn(argv, self.log_path(replica_id), env, cwd=scratch, user=self.engine_user)
+        except PermissionError as error:
+            # The agent lost the capabilities LLMGW_ENGINE_USER needs, or the scratch is another's:
+            # the same again until an operator acts.
+            reason = f"the engine could not be started as LLMGW_ENGINE_USER ({error}); docs/agent.md says what it needs"
+            entry.update(next_start=float("inf"), reason=reason)
+            return (replica_id, "failed", "", reason)
         self.children[process.pid] = process
         entry.update(
             pid=process.pid,
@@ -341,6 +372,8 @@ class Supervisor:
                 current.pop("replace")
                 return (replica_id, "starting", "", "")
             state["replicas"].pop(str(replica_id), None)
+        # What the engine left in its scratch; a subdirectory it made unreadable to the agent stays.
+        shutil.rmtree(self.scratch(replica_id), ignore_errors=True)
         log.info("replica %s: stopped", replica_id)
         return (replica_id, "stopped", "", "")
 
@@ -396,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, default=0, help="exit when this process (the agent) is gone")
     options = parser.parse_args(argv)
 
+    # Its environment holds the node's token and the broker's password (agent.fence); and the
+    # capabilities LLMGW_ENGINE_USER needs stay in this process, passed to no engine it execs.
+    fence.not_dumpable()
+    fence.clear_ambient_capabilities()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agent.settings")
     django.setup()
     import agent.celery  # noqa: F401  (the node's app, which reports are sent with)
@@ -405,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         # Its engines' secrets are made from the token: without it they would answer anyone.
         print("LLMGW_NODE_TOKEN is not set: the supervisor needs the node's enrolment token", file=sys.stderr)
         return 1
+    if problem := fence.engine_user_problem(settings.ENGINE_USER):
+        print(problem, file=sys.stderr)
+        return 1
+    if not settings.ENGINE_USER:
+        fence.drop_capabilities()
     engine_state.state_dir(options.cache).mkdir(parents=True, exist_ok=True)
     # One supervisor per cache: a restarted agent's new one waits for the old one to notice and go.
     single = open(engine_state.state_dir(options.cache) / "supervisor.lock", "a")
@@ -438,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         advertise=settings.LLMGW_ENGINE_ADVERTISE,
         allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,
         token=token,
+        engine_user=settings.ENGINE_USER,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s supervisor: %(message)s")
     # The engines' own count of their load (slots busy, requests deferred), for the control plane.

@@ -31,6 +31,31 @@ def test_there_is_a_unit_for_each_control_plane_process_and_the_agent():
     assert "KillMode=process" in (DEPLOY / "systemd" / "llmgw-agent.service").read_text()
 
 
+def _directives(unit: Path) -> dict[str, str]:
+    return dict(
+        line.split("=", 1) for line in unit.read_text().splitlines() if "=" in line and not line.startswith("#")
+    )
+
+
+def test_every_unit_restarts_whatever_way_its_process_exits_and_keeps_its_files_to_itself():
+    for unit in UNITS:
+        said = _directives(unit)
+        # A worker told to shut down (`celery control shutdown`) exits with status 0: on-failure would leave it down.
+        assert said["Restart"] == "always", unit.name
+        # The agent's engines read their weights through its group; nothing else is for anybody else.
+        assert said["UMask"] == ("0027" if unit.name == "llmgw-agent.service" else "0077"), unit.name
+
+
+def test_the_agent_may_start_engines_as_their_own_user_and_nothing_more():
+    said = _directives(DEPLOY / "systemd" / "llmgw-agent.service")
+    wanted = {"CAP_SETUID", "CAP_SETGID", "CAP_KILL"}
+    assert set(said["AmbientCapabilities"].split()) == set(said["CapabilityBoundingSet"].split()) == wanted
+    assert said["User"] != "root" and said["NoNewPrivileges"] == "yes"
+    assert _env_file(DEPLOY / "env" / "node.env")["LLMGW_ENGINE_USER"] not in ("", "root", said["User"])
+    # node.env holds the token and the broker's password: systemd reads it as root and hands it over.
+    assert "mode 0600" in (DEPLOY / "env" / "node.env").read_text().splitlines()[1]
+
+
 def _as_installed_here(tmp_path: Path) -> list[Path]:
     """The units with /opt/llmgw and /etc/llmgw pointing at this checkout, so every program they name exists."""
     out = []
@@ -57,7 +82,7 @@ def test_the_units_pass_systemd_analyze_verify(tmp_path):
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify_would_catch_a_mistyped_unit(tmp_path):
     unit = _as_installed_here(tmp_path)[0]
-    unit.write_text(unit.read_text().replace("Restart=on-failure", "Restrat=on-failure"))
+    unit.write_text(unit.read_text().replace("Restart=always", "Restrat=always"))
     verified = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True)
     assert "Unknown key" in verified.stderr
 

@@ -87,6 +87,8 @@ def _fill(role: str) -> dict[str, str | None]:
             "LLMGW_ENGINE_ADVERTISE": "127.0.0.1",
             # Its own peer port: several nodes of one test share this host.
             "LLMGW_PEER_PORT": str(free_port()),
+            # Engines as the agent's own user, unless a test names one (tests/test_engine_fence.py).
+            "LLMGW_ENGINE_USER": None,
         }
     raise ValueError(f"no env file deploy/env/{role}.env for the tests to fill")
 

@@ -7,7 +7,7 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from agent import engine_state, engines, facts, metrics, peers, runtime, supervisor, worker
+from agent import engine_state, engines, facts, fence, metrics, peers, runtime, supervisor, worker
 from agent.celery import app
 from contracts.names import node_name_problem
 from contracts.tasks import node_queue
@@ -37,6 +37,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, node, labels, cache=None, concurrency=2, loglevel="INFO", stop_engines=False, **options):
+        fence.not_dumpable()  # its environment holds the broker's password and the node's token (agent.fence)
         if problem := node_name_problem(node):
             raise CommandError(problem)
         if stop_engines:
@@ -60,7 +61,7 @@ class Command(BaseCommand):
                 f"run `manage.py node_token {node}` on the control plane and set LLMGW_NODE_TOKEN to what it prints."
             )
         self.check_broker()
-        if problem := metrics.problem():
+        if problem := metrics.problem() or fence.engine_user_problem(settings.ENGINE_USER):
             raise CommandError(problem)
 
         # Where the tasks (and the pool's children, and the engine tasks) read who they are.
@@ -70,6 +71,7 @@ class Command(BaseCommand):
         os.environ["LLMGW_NODE_LABELS"] = json.dumps(parsed_labels)
 
         supervisor.start()
+        fence.drop_capabilities()  # the supervisor alone starts engines as LLMGW_ENGINE_USER
         # The node's one libtorrent session: fetches sets with the fleet, serves what it holds (agent/peers.py).
         if settings.FETCH_TORRENT:
             peers.start()
