@@ -134,6 +134,11 @@ def name_problem(value, what: str) -> str:
         return f"{what} is {len(value):,} characters long (llmgw keeps names of at most {MAX_NAME})"
     if any(ch < " " or ch == "\x7f" for ch in value):
         return f"{what} holds a control character ({value!r})"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate, from a JSON escape: PostgreSQL's jsonb refuses it.
+        return f"{what} is not valid Unicode ({value!r})"
     return ""
 
 

@@ -61,10 +61,6 @@ NUMBER_KEYS = tuple(header_reader.FIELD_LIMITS)
 MAX_SENTENCE = 1000
 
 
-class HeaderError(ValueError):
-    """A header that cannot be read; the message is the sentence staff see."""
-
-
 @functools.cache
 def _gguf_types() -> dict | None:
     """{ggml type: [name, elements per block, bytes per block]} from the gguf package, None where it is not installed."""
@@ -72,7 +68,11 @@ def _gguf_types() -> dict | None:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     except ImportError:
         return None
-    return {str(int(kind)): [kind.name, *GGML_QUANT_SIZES[kind]] for kind in GGMLQuantizationType}
+    return {
+        str(int(kind)): [kind.name, *GGML_QUANT_SIZES[kind]]
+        for kind in GGMLQuantizationType
+        if kind in GGML_QUANT_SIZES
+    }
 
 
 def _format_of(names) -> str:
@@ -85,6 +85,7 @@ def _format_of(names) -> str:
 def _sentence(text: str) -> str:
     """A sentence as it may be stored and shown: no control characters (PostgreSQL refuses a NUL), bounded."""
     clean = "".join(ch if ch >= " " and ch != "\x7f" else "?" for ch in str(text))
+    clean = clean.encode("utf-8", "replace").decode("utf-8")  # and no lone surrogate, which it refuses too
     return clean if len(clean) <= MAX_SENTENCE else clean[: MAX_SENTENCE - 1] + "…"
 
 
