@@ -290,7 +290,7 @@ def _kept_number(f: _File, key: str, kind: int):
     return f"{key} is a {_TYPE_NAMES.get(kind, kind)}, not a whole number"
 
 
-def read_gguf(path: str, name: str, expected, types: dict) -> dict:
+def read_gguf(path: str, name: str, expected, types: dict | None) -> dict:
     """One GGUF file's header: its architecture's shape and its tensors' types and bytes."""
     f = _File(path, name, expected)
     try:
@@ -310,7 +310,9 @@ def read_gguf(path: str, name: str, expected, types: dict) -> dict:
         f.close()
 
 
-def _gguf(f: _File, types: dict) -> dict:
+def _gguf(f: _File, types: dict | None) -> dict:
+    if types is None:
+        raise Refused("the gguf package, whose table of tensor types sizes them, is not installed here")
     if f.read(4) != b"GGUF":
         raise Refused("it does not start with GGUF")
     version = f.take("I")
@@ -513,7 +515,7 @@ def _merge_tensors(into: dict, part: dict) -> None:
     into["tensor_types"] = dict(sorted(types.items(), key=lambda kv: -kv[1]))
 
 
-def read_version(files: list, types: dict) -> dict:
+def read_version(files: list, types: dict | None) -> dict:
     """The headers of one version's files, merged into one summary.
 
     `format` is gguf or safetensors (or "" when neither is there); the shape comes

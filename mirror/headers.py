@@ -154,7 +154,7 @@ def read_many(jobs: list[dict]) -> dict[int, dict]:
 
 def _run_reader(jobs: list[dict], types: dict | None, results: dict[int, dict]) -> None:
     """Read `jobs` in one reader process, in order, until it ends; the job it died on gets the reason."""
-    order = {"types": types or {}, "cpu_s": READER_CPU_S, "jobs": jobs}
+    order = {"types": types, "cpu_s": READER_CPU_S, "jobs": jobs}
     with tempfile.TemporaryFile() as stderr:
         # -I -S: the standard library only, nothing from the environment or site-packages.
         reader = subprocess.Popen(
