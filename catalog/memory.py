@@ -20,10 +20,12 @@ The llama.cpp constants below were measured here by bench/memory.py (docs/benchm
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from contracts.engines import KIND_SWITCH_SPELLINGS
+from mirror.header_reader import FIELD_LIMITS, number_problem
 
 GB = 1 << 30
 MB = 1 << 20
@@ -93,6 +95,74 @@ class Estimate:
         return {**asdict(self), "total": self.total, "total_gb": self.total_gb}
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate reads of a header: each a whole number within its bound (0 where the header is silent)."""
+
+    weights_bytes: int
+    layers: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    key_length: int = 0
+    value_length: int = 0
+    embedding: int = 0
+    vocab: int = 0
+    trained_context: int = 0
+    # The bytes of the tensor types llama.cpp's CPU backend repacks (LLAMACPP_REPACKED_TYPES).
+    repacked_bytes: int = 0
+
+
+SHAPE_FIELDS = (
+    "weights_bytes",
+    "layers",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "key_length",
+    "value_length",
+    "embedding",
+    "vocab",
+    "trained_context",
+)
+
+
+def checked(header: Mapping | None) -> Shape | str:
+    """The header's numbers as a Shape, or the sentence saying why there is none to estimate from.
+
+    The one place a header's values become numbers: a header is JSON from a file anyone
+    copied into the mirror (or from an older reader), so a string, a float, NaN or a count
+    past any model is a sentence here, never a product of strings or an OverflowError in
+    a page or a start order (issue 34).
+    """
+    if not header:
+        return "the weights' header has not been read yet"
+    if not isinstance(header, Mapping):
+        return "the weights' header is not a table"
+    if header.get("error"):
+        return f"the weights' header could not be read ({header['error']})"
+    numbers = {}
+    for name in SHAPE_FIELDS:
+        value = header.get(name)
+        if value is None:
+            continue
+        if problem := number_problem(value, name, FIELD_LIMITS[name]):
+            return f"the weights' header cannot be estimated from: {problem}"
+        numbers[name] = value
+    if not numbers.get("weights_bytes"):
+        return "the weights' header gives nothing to estimate from"
+    types = header.get("tensor_types") or {}
+    if not isinstance(types, Mapping):
+        return "the weights' header cannot be estimated from: its tensor types are not a table"
+    repacked = 0
+    for name in LLAMACPP_REPACKED_TYPES:
+        value = types.get(name, 0)
+        if problem := number_problem(value, f"the bytes of {name}", FIELD_LIMITS["weights_bytes"]):
+            return f"the weights' header cannot be estimated from: {problem}"
+        repacked += value
+    return Shape(**numbers, repacked_bytes=repacked)
+
+
 def arg_value(args: Sequence[str], *flags: str) -> str | None:
     """The value given to any of `flags` (as the next argument or after `=`), the last one winning."""
     found = None
@@ -120,7 +190,7 @@ PROMPT_CACHE_FLAGS = ("--cache-ram", "-cram")
 NO_CONVERSATION_SWITCHES = frozenset().union(*KIND_SWITCH_SPELLINGS.values())
 
 
-def prompt_cache_args(engine: str, header: dict | None, args: Sequence[str]) -> list[str]:
+def prompt_cache_args(engine: str, header: Mapping | None, args: Sequence[str]) -> list[str]:
     """`--cache-ram N` for a llama-server start whose arguments do not bound its prompt cache, else nothing."""
     if engine != "llamacpp" or arg_value(args, *PROMPT_CACHE_FLAGS) is not None:
         return []
@@ -143,58 +213,59 @@ def _prompt_cache(args: Sequence[str], kv_cache: int) -> tuple[int, str]:
 
 
 def _number(raw: str | None, default: float) -> float:
+    """An argument's number; `default` for none, for what is not one, and for inf or nan (int() of them raises)."""
     try:
-        return float(raw) if raw is not None else default
+        value = float(raw) if raw is not None else default
     except ValueError:
         return default
+    return value if math.isfinite(value) else default
 
 
-def kv_bytes_per_token(header: dict, k_bytes: float, v_bytes: float) -> float:
+def kv_bytes_per_token(shape: Shape, k_bytes: float, v_bytes: float) -> float:
     """The KV cache one token of context holds, over every layer; 0 when the header does not say its shape."""
-    layers, kv_heads = header.get("layers"), header.get("kv_heads") or header.get("heads")
-    head_dim = header.get("head_dim")
+    layers, kv_heads, head_dim = shape.layers, shape.kv_heads or shape.heads, shape.head_dim
     if not (layers and kv_heads and head_dim):
         return 0.0
-    key = header.get("key_length") or head_dim
-    value = header.get("value_length") or head_dim
+    key = shape.key_length or head_dim
+    value = shape.value_length or head_dim
     return layers * kv_heads * (key * k_bytes + value * v_bytes)
 
 
 def estimate(
-    header: dict, engine: str, args: Sequence[str] = (), parallel: int = 1, gpu_memory_bytes: int = 0
+    header: Mapping | None, engine: str, args: Sequence[str] = (), parallel: int = 1, gpu_memory_bytes: int = 0
 ) -> Estimate | None:
     """The memory a replica of these weights needs with this engine and these arguments.
 
     `parallel` is llama.cpp's slots (they share the pool: it adds only their per-slot
     buffers); `gpu_memory_bytes` the card a vLLM replica runs on, when known. None when
-    the header says nothing to estimate from (not read, or unreadable): callers then
-    fall back on the size rule.
+    the header says nothing to estimate from (not read, unreadable, or numbers that are
+    not: `checked` says why): callers then fall back on the size rule.
     """
-    weights = int(header.get("weights_bytes") or 0)
-    if not weights or header.get("error"):
+    shape = checked(header)
+    if isinstance(shape, str):
         return None
     if engine == "llamacpp":
-        return _llamacpp(header, weights, list(args), max(int(parallel or 1), 1))
+        return _llamacpp(shape, list(args), max(int(parallel or 1), 1))
     if engine == "vllm":
-        return _vllm(header, weights, list(args), gpu_memory_bytes)
+        return _vllm(shape, list(args), gpu_memory_bytes)
     return None
 
 
-def _llamacpp(header: dict, weights: int, args: list[str], parallel: int) -> Estimate:
-    trained = int(header.get("trained_context") or 0)
+def _llamacpp(shape: Shape, args: list[str], parallel: int) -> Estimate:
+    trained = shape.trained_context
     pool = int(_number(arg_value(args, "--ctx-size", "-c", "--n_ctx"), 0))
     if pool <= 0:
         # llama.cpp's own default: its context size, never past what the model was trained for.
         pool = min(LLAMACPP_DEFAULT_POOL, trained) if trained else LLAMACPP_DEFAULT_POOL
     k_type = (arg_value(args, "--cache-type-k", "-ctk") or "f16").lower()
     v_type = (arg_value(args, "--cache-type-v", "-ctv") or "f16").lower()
-    per_token = kv_bytes_per_token(header, CACHE_TYPE_BYTES.get(k_type, 2.0), CACHE_TYPE_BYTES.get(v_type, 2.0))
+    per_token = kv_bytes_per_token(shape, CACHE_TYPE_BYTES.get(k_type, 2.0), CACHE_TYPE_BYTES.get(v_type, 2.0))
     missing = "" if per_token else "the header does not give layers, KV heads and head size: no KV cache counted"
     ubatch = int(_number(arg_value(args, "--ubatch-size", "-ub", "--n_ubatch"), LLAMACPP_UBATCH))
-    vocab = int(header.get("vocab") or 0)
+    vocab = shape.vocab
     # The vocabulary's share scales with the micro-batch (its logits are a micro-batch
     # of rows); each further slot keeps a row of logits of its own.
-    layer_width = int(header.get("layers") or 0) * int(header.get("embedding") or 0)
+    layer_width = shape.layers * shape.embedding
     compute = (
         int(
             (vocab * LLAMACPP_BYTES_PER_VOCAB_TOKEN + layer_width * LLAMACPP_BYTES_PER_LAYER_WIDTH)
@@ -203,12 +274,10 @@ def _llamacpp(header: dict, weights: int, args: list[str], parallel: int) -> Est
         )
         + (parallel - 1) * vocab * 4
     )
-    types = header.get("tensor_types") or {}
-    repacked = sum(int(types.get(name, 0)) for name in LLAMACPP_REPACKED_TYPES)
     kv_cache = int(per_token * pool)
     prompt_cache, unbounded = _prompt_cache(args, kv_cache)
     return Estimate(
-        weights=weights + repacked,
+        weights=shape.weights_bytes + shape.repacked_bytes,
         kv_cache=kv_cache,
         prompt_cache=prompt_cache,
         overhead=compute + LLAMACPP_FOOTPRINT_BYTES,
@@ -218,11 +287,11 @@ def _llamacpp(header: dict, weights: int, args: list[str], parallel: int) -> Est
     )
 
 
-def _vllm(header: dict, weights: int, args: list[str], gpu_memory_bytes: int) -> Estimate:
-    trained = int(header.get("trained_context") or 0)
+def _vllm(shape: Shape, args: list[str], gpu_memory_bytes: int) -> Estimate:
+    weights, trained = shape.weights_bytes, shape.trained_context
     pool = int(_number(arg_value(args, "--max-model-len"), trained))
     cache = VLLM_CACHE_BYTES.get((arg_value(args, "--kv-cache-dtype") or "auto").lower(), 2.0)
-    per_token = kv_bytes_per_token(header, cache, cache)
+    per_token = kv_bytes_per_token(shape, cache, cache)
     kv = int(per_token * pool)
     utilization = _number(arg_value(args, "--gpu-memory-utilization"), VLLM_DEFAULT_UTILIZATION)
     if gpu_memory_bytes:

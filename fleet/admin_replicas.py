@@ -11,7 +11,7 @@ from django.contrib import admin, messages
 from django.db import transaction
 from django.utils.html import format_html, format_html_join
 
-from catalog.memory import GB, MB
+from catalog.memory import GB, MB, checked
 from catalog.models import Model
 from common.admin import RecordAdmin
 
@@ -107,6 +107,10 @@ class ReplicaAdmin(RecordAdmin):
         headers = getattr(_page, "headers", {}).get(replica.source)
         found = memory.estimate_for(headers, replica.engine, replica.args or ())
         if found is None:
+            # Why not, where the weights' header is the reason (not read, unreadable, not numbers).
+            problem = checked(headers) if headers else ""
+            if isinstance(problem, str) and problem:
+                return format_html('<span class="memory-problem" title="{}">—</span>', problem)
             return "—"
         return format_html(
             '<span title="weights {} + KV cache {} (pool {}) + prompt cache {} + overhead {}">{}</span>',

@@ -23,7 +23,8 @@ def send_start(replica: Replica) -> None:
     # llama.cpp's --embedding): inside the signed arguments, and checked by the node's allow-list.
     kind = Model.objects.filter(name=replica.model_name).values_list("kind", flat=True).first() or "chat"
     engine_args = list(replica.args) + kind_args(replica.engine, kind, replica.args)
-    # llama-server's prompt cache, bounded to what the estimate counts for it (catalog.memory).
+    # llama-server's prompt cache, bounded to what the estimate counts for it (catalog.memory). A header
+    # that is not numbers (issue 34) gives no estimate, and the cache is off: never an exception here.
     header = memory.headers_for([replica.source]).get(replica.source)
     engine_args += prompt_cache_args(replica.engine, header, engine_args)
     args = [replica.pk, replica.source, replica.engine, engine_args]

@@ -276,7 +276,9 @@ def reconcile_unlocked(
             replica.cause = a.cause
         replica.enter(Replica.State.PENDING)
         replica.save()
-        transaction.on_commit(lambda r=replica: send_start(r))
+        # robust: a start that raises is logged, and the pass's other starts are still sent (issue 34);
+        # the one that failed is sent again once its node says it does not run it (START_RESEND_S).
+        transaction.on_commit(lambda r=replica: send_start(r), robust=True)
 
     for u in plan.unplaced:
         replica = by_id[u.replica] if u.replica is not None else Replica(model_name=u.model)
@@ -295,7 +297,7 @@ def reconcile_unlocked(
             # Same node: it may hold the weights, and a transient failure there is the likely one.
             replica.enter(Replica.State.PENDING, f"starting again after: {replica.reason}")
             replica.save()
-            transaction.on_commit(lambda r=replica: send_start(r))
+            transaction.on_commit(lambda r=replica: send_start(r), robust=True)
         elif replica.pk in draining:
             if drain.drained(replica.pk, waited.total_seconds(), in_flight.get(replica.pk, 0)):
                 replica.since = now
@@ -317,7 +319,7 @@ def reconcile_unlocked(
             log.info("replica %s: no answer to its start for %s, sent again", replica.pk, waited)
             replica.since = now
             replica.save(update_fields=["since"])
-            transaction.on_commit(lambda r=replica: send_start(r))
+            transaction.on_commit(lambda r=replica: send_start(r), robust=True)
     _stop_extras(running, by_name)
     return plan
 

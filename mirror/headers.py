@@ -3,321 +3,265 @@
 Read when a scan finds a version new or changed, and kept on the version
 (`MirrorVersion.headers`), because the memory a model needs follows from its shape
 (layers, KV heads, head size) and its tensors' bytes, not from the size of its files.
-Only headers are read: a GGUF's metadata and tensor table (the `gguf` package
-maps the file and reads no tensor data), a safetensors file's JSON header (its first
-bytes), and `config.json` where there is one. A file whose header cannot be read
-leaves the version indexed as before, with `error` saying why.
+Only headers are read: a GGUF's metadata and tensor table, a safetensors file's JSON
+header (its first bytes), and `config.json` where there is one.
+
+The weights are untrusted (the mirror is filled by hand), so they are read in a process
+of their own (`mirror/header_reader.py`) with limits on its memory, its CPU time per
+version and the wall-clock time per version, keeping only the keys the estimate and the
+pages use (issue 34). A file that breaks a bound, or kills the reader, leaves the
+version indexed as before with `error` saying why, once: it is read again only when a
+scan finds the file changed. A version is read once its files have settled (the
+readiness rule: unchanged for `LLMGW_MIRROR_SETTLE_S`), never while a copy is under way.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import mmap
 import os
-import struct
+import resource
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from django.db import DatabaseError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from . import disk
+from . import disk, header_reader, readiness
 from .models import MirrorVersion
 
 log = logging.getLogger(__name__)
 
-# A safetensors header larger than this is not one (the format caps it at 100 MB).
-SAFETENSORS_HEADER_MAX = 100 * 1000 * 1000
-# Bytes per element of safetensors' dtypes.
-SAFETENSORS_DTYPE_BYTES = {
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-    "F32": 4,
-    "I32": 4,
-    "U32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "U16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
-# config.json's names for the shape, as Hugging Face writes them (older names after).
-CONFIG_KEYS = {
-    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "heads": ("num_attention_heads", "n_head"),
-    "kv_heads": ("num_key_value_heads",),
-    "embedding": ("hidden_size", "n_embd", "d_model"),
-    "head_dim": ("head_dim",),
-    "trained_context": ("max_position_embeddings", "n_positions", "max_seq_len"),
-    "vocab": ("vocab_size",),
-}
+# The reader's limits. Memory (its address space): a header reader keeps a few hundred
+# numbers, and a safetensors header of the 16 MiB it reads at most parses in well under
+# this. CPU per version: a 256,000-token GGUF header is walked in under a second here.
+# Wall clock per version: the CPU limit plus time for a slow disk.
+READER_MEMORY_BYTES = 512 << 20
+READER_CPU_S = 30
+READER_TIMEOUT_S = 90
+# Versions per reader process. One process per batch, not per version: starting Python
+# costs ~30 ms, a thousand versions copied in at once would cost half a minute of starts.
+# A version that kills its reader costs only a new process for the ones after it.
+READER_BATCH = 200
+# A result line longer than this is not one the reader writes.
+MAX_RESULT_BYTES = 4 << 20
+READER_PATH = Path(header_reader.__file__)
+
+# What a version's `headers` may hold once read, and of what type: nothing else is stored.
+TEXT_KEYS = ("format", "architecture", "dtype", "error")
+NUMBER_KEYS = tuple(header_reader.FIELD_LIMITS)
+MAX_SENTENCE = 1000
 
 
-class HeaderError(ValueError):
-    """A header that cannot be read; the message is the sentence staff see."""
-
-
-# --- GGUF ---------------------------------------------------------------------------
-
-
-# GGUF's value types (gguf.GGUFValueType) -> struct format of one element; 8 is a string, 9 an array.
-_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-# Past these a file is not a GGUF header, whatever its first bytes say.
-_MAX_COUNT = 10_000_000
-_MAX_STRING = 64 << 20
-
-
-class _Cursor:
-    """Little-endian reads from a mapped file, each one bounds-checked by struct."""
-
-    def __init__(self, data):
-        self.data, self.at = data, 0
-
-    def take(self, fmt: str):
-        value = struct.unpack_from("<" + fmt, self.data, self.at)
-        self.at += struct.calcsize("<" + fmt)
-        return value[0] if len(value) == 1 else value
-
-    def string(self) -> str:
-        length = self.take("Q")
-        if length > _MAX_STRING:
-            raise ValueError(f"a string of {length:,} bytes")
-        raw = self.data[self.at : self.at + length]
-        if len(raw) != length:
-            raise ValueError("the file ends inside a string")
-        self.at += length
-        return raw.decode("utf-8", "replace")
-
-    def value(self, kind: int):
-        """A scalar or a string; for an array, (its length, its numbers if it holds a few, else None)."""
-        if kind in _SCALAR:
-            return self.take(_SCALAR[kind])
-        if kind == _STRING:
-            return self.string()
-        if kind != _ARRAY:
-            raise ValueError(f"value type {kind}")
-        item, count = self.take("I"), self.take("Q")
-        if count > _MAX_COUNT:
-            raise ValueError(f"an array of {count:,} values")
-        if item in _SCALAR:
-            size = struct.calcsize("<" + _SCALAR[item])
-            if self.at + size * count > len(self.data):
-                raise ValueError("the file ends inside an array")
-            numbers = (
-                list(struct.unpack_from(f"<{count}{_SCALAR[item]}", self.data, self.at)) if count <= 4096 else None
-            )
-            self.at += size * count
-            return (count, numbers)
-        for _ in range(count):
-            self.value(item)
-        return (count, None)
-
-
-def read_gguf(path: Path) -> dict:
-    """One GGUF file's header: its architecture's shape and its tensors' types and bytes.
-
-    Only the header is read, with the `gguf` package's tables of tensor types and their
-    sizes: gguf's own GGUFReader maps the whole file and makes an array of every token of
-    the vocabulary, six seconds of CPU for a header of 152,000 tokens.
-    """
+@functools.cache
+def _gguf_types() -> dict | None:
+    """{ggml type: [name, elements per block, bytes per block]} from the gguf package, None where it is not installed."""
     try:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    except ImportError as missing:
-        raise HeaderError(f"the gguf package is not installed here ({missing})") from None
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            values, tensors = _read_gguf_header(_Cursor(data))
-    except (OSError, ValueError, struct.error, OverflowError) as error:
-        raise HeaderError(f"{path.name} is not a GGUF file llmgw can read ({error})") from None
-    arch = values.get("general.architecture") or ""
-
-    def of_arch(key: str):
-        value = values.get(f"{arch}.{key}")
-        if isinstance(value, tuple):
-            # Per-layer counts are an array in some architectures: the largest is what the cache holds.
-            return max(value[1]) if value[1] else None
-        return value
-
-    types: dict[str, int] = {}
-    for kind, elements in tensors:
-        try:
-            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-        except (ValueError, KeyError):
-            raise HeaderError(
-                f"{path.name} holds a tensor of type {kind}, which the gguf package does not know"
-            ) from None
-        name = GGMLQuantizationType(kind).name
-        types[name] = types.get(name, 0) + elements // block * size
-    tokens = values.get("tokenizer.ggml.tokens")
-    header = {
-        "architecture": arch,
-        "layers": of_arch("block_count"),
-        "heads": of_arch("attention.head_count"),
-        "kv_heads": of_arch("attention.head_count_kv"),
-        "embedding": of_arch("embedding_length"),
-        "trained_context": of_arch("context_length"),
-        "key_length": of_arch("attention.key_length"),
-        "value_length": of_arch("attention.value_length"),
-        "sliding_window": of_arch("attention.sliding_window"),
-        "pooling_type": of_arch("pooling_type"),
-        "split_count": values.get("split.count"),
-        "vocab": of_arch("vocab_size") or (tokens[0] if isinstance(tokens, tuple) else None),
-        "tensors": len(tensors),
-        "tensor_types": dict(sorted(types.items(), key=lambda kv: -kv[1])),
-        "weights_bytes": sum(types.values()),
+    except ImportError:
+        return None
+    return {
+        str(int(kind)): [kind.name, *GGML_QUANT_SIZES[kind]]
+        for kind in GGMLQuantizationType
+        if kind in GGML_QUANT_SIZES
     }
-    return {key: value for key, value in header.items() if value is not None}
 
 
-def _read_gguf_header(cursor: _Cursor) -> tuple[dict, list[tuple[int, int]]]:
-    """({key: value}, [(tensor type, elements)]) from a GGUF file's header."""
-    if cursor.take("4s") != b"GGUF":
-        raise ValueError("it does not start with GGUF")
-    version = cursor.take("I")
-    if version not in (2, 3):
-        raise ValueError(f"GGUF version {version}")
-    tensor_count, kv_count = cursor.take("Q"), cursor.take("Q")
-    if tensor_count > _MAX_COUNT or kv_count > _MAX_COUNT:
-        raise ValueError(f"{tensor_count:,} tensors and {kv_count:,} keys")
-    values = {}
-    for _ in range(kv_count):
-        key = cursor.string()
-        values[key] = cursor.value(cursor.take("I"))
-    tensors = []
-    for _ in range(tensor_count):
-        cursor.string()
-        dims = cursor.take("I")
-        if dims > 8:
-            raise ValueError(f"a tensor of {dims} dimensions")
-        elements = 1
-        for _ in range(dims):
-            elements *= cursor.take("Q")
-        kind = cursor.take("I")
-        cursor.take("Q")
-        tensors.append((kind, elements))
-    return values, tensors
+def _format_of(names) -> str:
+    lower = [name.lower() for name in names]
+    if any(name.endswith(".gguf") for name in lower):
+        return "gguf"
+    return "safetensors" if any(name.endswith(".safetensors") for name in lower) else ""
 
 
-# --- safetensors ---------------------------------------------------------------------
+def _sentence(text: str) -> str:
+    """A sentence as it may be stored and shown: no control characters (PostgreSQL refuses a NUL), bounded."""
+    clean = "".join(ch if ch >= " " and ch != "\x7f" else "?" for ch in str(text))
+    clean = clean.encode("utf-8", "replace").decode("utf-8")  # and no lone surrogate, which it refuses too
+    return clean if len(clean) <= MAX_SENTENCE else clean[: MAX_SENTENCE - 1] + "…"
 
 
-def read_safetensors(path: Path) -> dict:
-    """One safetensors file's header: how many tensors, and the bytes of each dtype."""
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise HeaderError(f"{path.name} is shorter than a safetensors header")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > SAFETENSORS_HEADER_MAX or length > os.fstat(f.fileno()).st_size - 8:
-                raise HeaderError(f"{path.name} does not start with a safetensors header (it says {length:,} bytes)")
-            raw = f.read(length)
-    except OSError as error:
-        raise HeaderError(f"{path.name} cannot be read: {error.strerror or error}") from None
-    try:
-        table = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise HeaderError(f"{path.name}'s safetensors header is not JSON") from None
-    if not isinstance(table, dict):
-        raise HeaderError(f"{path.name}'s safetensors header is not a table of tensors")
-    types: dict[str, int] = {}
-    tensors = 0
-    for name, info in table.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(info, dict) or "dtype" not in info:
-            raise HeaderError(f"{path.name}'s safetensors header says nothing of {name!r}'s dtype")
-        offsets = info.get("data_offsets") or [0, 0]
-        try:
-            size = int(offsets[1]) - int(offsets[0])
-        except (TypeError, ValueError, IndexError):
-            raise HeaderError(f"{path.name}'s safetensors header has no byte range for {name!r}") from None
-        dtype = str(info["dtype"])
-        types[dtype] = types.get(dtype, 0) + size
-        tensors += 1
-    return {"tensors": tensors, "tensor_types": types, "weights_bytes": sum(types.values())}
+def stored(summary, names) -> dict:
+    """The summary a reader gave, as it is stored: only the kept keys, each of its type and within its bound.
 
-
-def read_config(path: Path) -> dict:
-    """The shape a Hugging Face `config.json` gives, in the names a GGUF header's are kept under."""
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        raise HeaderError(f"{path.name} is not a JSON file llmgw can read") from None
-    if not isinstance(config, dict):
-        raise HeaderError(f"{path.name} is not a JSON object")
-    # Multimodal configs keep the language model's shape under text_config.
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    Anything else is a reader that was not this one (or a bug in it), and becomes a sentence:
+    whatever the version's files hold, the row's JSON is one PostgreSQL takes.
+    """
+    files = sorted(names)
+    fmt = _format_of(files)
+    if not isinstance(summary, dict):
+        return {"format": fmt, "error": "the header reader gave no summary for it"}
     out: dict = {}
-    architectures = config.get("architectures")
-    if isinstance(architectures, list) and architectures:
-        out["architecture"] = str(architectures[0])
-    elif config.get("model_type"):
-        out["architecture"] = str(config["model_type"])
-    for key, names in CONFIG_KEYS.items():
-        for name in names:
-            value = text.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                out[key] = value
-                break
-    if isinstance(text.get("torch_dtype") or config.get("torch_dtype"), str):
-        out["dtype"] = text.get("torch_dtype") or config.get("torch_dtype")
+    for key in TEXT_KEYS:
+        value = summary.get(key)
+        if value is None:
+            continue
+        if key == "error":
+            out[key] = _sentence(value)
+        elif problem := header_reader.name_problem(value, key):
+            return {"format": fmt, "error": _sentence(f"the header reader gave {problem}")}
+        else:
+            out[key] = value
+    for key in NUMBER_KEYS:
+        value = summary.get(key)
+        if value is None:
+            continue
+        if problem := header_reader.number_problem(value, key, header_reader.FIELD_LIMITS[key]):
+            return {"format": fmt, "error": _sentence(f"the header says {problem}")}
+        out[key] = value
+    types = summary.get("tensor_types")
+    if types is not None:
+        known = header_reader.SAFETENSORS_DTYPES | {name for name, _, _ in (_gguf_types() or {}).values()}
+        if not isinstance(types, dict) or not all(
+            k in known and not header_reader.number_problem(v, k, header_reader.FIELD_LIMITS["weights_bytes"])
+            for k, v in types.items()
+        ):
+            return {"format": fmt, "error": "the header reader gave tensor types that are not ones"}
+        out["tensor_types"] = types
+    listed = summary.get("files")
+    if isinstance(listed, list) and all(name in files for name in listed):
+        out["files"] = listed
+    out.setdefault("format", fmt)
     return out
 
 
-# --- a version ----------------------------------------------------------------------
+# --- the reader process --------------------------------------------------------------
 
 
-def _merge_tensors(into: dict, part: dict) -> None:
-    into["tensors"] = into.get("tensors", 0) + part.get("tensors", 0)
-    into["weights_bytes"] = into.get("weights_bytes", 0) + part.get("weights_bytes", 0)
-    types = into.setdefault("tensor_types", {})
-    for name, size in part.get("tensor_types", {}).items():
-        types[name] = types.get(name, 0) + size
-    into["tensor_types"] = dict(sorted(types.items(), key=lambda kv: -kv[1]))
+def read_many(jobs: list[dict]) -> dict[int, dict]:
+    """{job id: summary} for jobs of {"id", "files": [[name, path, bytes, mtime_ns], ...]}, in bounded processes.
+
+    A job whose reading kills its process (memory, CPU, time) gets the sentence saying
+    so, and the jobs after it a new process.
+    """
+    types = _gguf_types()
+    results: dict[int, dict] = {}
+    remaining = list(jobs)
+    while remaining:
+        batch = remaining[:READER_BATCH]
+        _run_reader(batch, types, results)
+        remaining = [job for job in remaining if job["id"] not in results]
+    return results
+
+
+def _run_reader(jobs: list[dict], types: dict | None, results: dict[int, dict]) -> None:
+    """Read `jobs` in one reader process, in order, until it ends; the job it died on gets the reason."""
+    order = {"types": types, "cpu_s": READER_CPU_S, "jobs": jobs}
+    with tempfile.TemporaryFile() as stderr:
+        # -I -S: the standard library only, nothing from the environment or site-packages.
+        reader = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(READER_PATH)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            close_fds=True,
+        )
+        try:
+            # Limited before it is given any work (its start is ours, its input is not): with
+            # prlimit rather than a preexec_fn, which is not safe in a worker with threads.
+            resource.prlimit(reader.pid, resource.RLIMIT_AS, (READER_MEMORY_BYTES, READER_MEMORY_BYTES))
+            cpu = READER_CPU_S * len(jobs) + 10
+            resource.prlimit(reader.pid, resource.RLIMIT_CPU, (cpu, cpu))
+            try:
+                reader.stdin.write(json.dumps(order).encode())
+                reader.stdin.close()
+            except BrokenPipeError:
+                pass
+            lines = _Lines(reader.stdout.fileno())
+            for job in jobs:
+                line = lines.next(time.monotonic() + READER_TIMEOUT_S)
+                if line is None or line is _Lines.TOO_LONG:
+                    results[job["id"]] = _died(reader, job, lines.timed_out, stderr)
+                    return
+                try:
+                    answer = json.loads(line)
+                    summary = answer["summary"] if answer.get("id") == job["id"] else None
+                except (ValueError, AttributeError, TypeError, KeyError):
+                    summary = None
+                results[job["id"]] = stored(summary, [f[0] for f in job["files"]])
+        finally:
+            if reader.poll() is None:
+                try:
+                    reader.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    reader.kill()
+                    reader.wait()
+            reader.stdout.close()
+
+
+def _died(reader: subprocess.Popen, job: dict, timed_out: bool, stderr) -> dict:
+    """The sentence for the version a reader stopped on: which limit, in words."""
+    names = [f[0] for f in job["files"]]
+    if timed_out:
+        reader.kill()
+        reader.wait()
+        why = f"reading its headers took longer than {READER_TIMEOUT_S} s, and was stopped"
+    else:
+        try:
+            code = reader.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            reader.kill()
+            code = reader.wait()
+        stderr.seek(0)
+        said = stderr.read()[-4000:].decode("utf-8", "replace")
+        if code == -signal.SIGXCPU:
+            why = f"reading its headers took more than {READER_CPU_S} s of CPU, and was stopped"
+        elif "MemoryError" in said or code == -signal.SIGKILL:
+            why = f"reading its headers needed more than the header reader's {READER_MEMORY_BYTES >> 20} MiB"
+        else:
+            why = f"the header reader stopped while reading them (exit status {code})"
+        log.warning("mirror headers: the reader stopped on version %s (exit %s): %s", job["id"], code, said[-800:])
+    return {"format": _format_of(names), "files": sorted(names), "error": _sentence(why)}
+
+
+class _Lines:
+    """Lines from the reader's stdout, each waited for until a deadline."""
+
+    TOO_LONG = object()
+
+    def __init__(self, fd: int):
+        self.fd, self.buffer, self.timed_out = fd, b"", False
+
+    def next(self, deadline: float):
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > MAX_RESULT_BYTES:
+                return self.TOO_LONG
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.timed_out = True
+                return None
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
 
 
 def read_version(paths: Mapping[str, Path]) -> dict:
-    """The headers of one version's files, merged into one summary.
+    """The headers of one version's files (name -> path), merged into one summary, read as a scan reads them."""
+    files = []
+    for name, path in sorted(paths.items()):
+        try:
+            st = os.stat(path)
+        except OSError as error:
+            return {"format": _format_of(paths), "error": _sentence(f"{name} cannot be read: {error.strerror}")}
+        files.append([name, str(path), st.st_size, st.st_mtime_ns])
+    return read_many([{"id": 0, "files": files}])[0]
 
-    `format` is gguf or safetensors (or "" when neither is there); the shape comes
-    from the first GGUF part (the one llama.cpp opens) or from config.json; tensors
-    and bytes are summed over every part. `error` says why a header could not be read.
-    """
-    names = sorted(paths)
-    ggufs = [n for n in names if n.lower().endswith(".gguf")]
-    safetensors = [n for n in names if n.lower().endswith(".safetensors")]
-    summary: dict = {"format": ""}
-    try:
-        if ggufs:
-            summary["format"] = "gguf"
-            for i, name in enumerate(ggufs):
-                part = read_gguf(paths[name])
-                if i == 0:
-                    summary.update(
-                        {k: v for k, v in part.items() if k not in ("tensors", "tensor_types", "weights_bytes")}
-                    )
-                _merge_tensors(summary, part)
-            summary["files"] = ggufs
-        elif safetensors:
-            summary["format"] = "safetensors"
-            for name in safetensors:
-                _merge_tensors(summary, read_safetensors(paths[name]))
-            summary["files"] = safetensors
-            if "config.json" in names:
-                summary.update(read_config(paths["config.json"]))
-    except HeaderError as error:
-        summary["error"] = str(error)
-    if summary.get("heads") and summary.get("embedding") and not summary.get("head_dim"):
-        summary["head_dim"] = summary["embedding"] // summary["heads"]
-    return summary
+
+# --- a scan's versions ---------------------------------------------------------------
 
 
 def stale_versions():
@@ -329,32 +273,74 @@ def stale_versions():
 # before headers were, or read by a worker that died): once per process, so a scan of an
 # unchanged mirror stays the one query it is (docs/mirror.md).
 _looked_for_unread = False
+# Versions this process found still being copied in: looked at again at its next scan,
+# which reads them once they have settled.
+_unsettled: set[int] = set()
 
 
 def read_changed(report) -> int:
-    """Read the headers of every version the scan added or changed; how many were read.
+    """Read the headers of every version the scan added or changed, once settled; how many were read.
 
     Called by the scan after it has written the index: nothing to do, and no query, when
-    it found nothing new (after the first scan of a process, which also reads what was
-    never read). Each changed version costs its files' headers and one write.
+    it found nothing new and nothing is waiting to settle (after the first scan of a
+    process, which also reads what was never read).
     """
-    global _looked_for_unread
-    if not (report.added or report.changed) and _looked_for_unread:
+    global _looked_for_unread, _unsettled
+    if not (report.added or report.changed or _unsettled) and _looked_for_unread:
         return 0
     _looked_for_unread = True
-    read = []
+    # Before the reads: a file changed while it is read makes a later scan's scanned_at newer, and it is read again.
     now = timezone.now()
+    jobs, waiting = [], set()
     for version in stale_versions().prefetch_related("files"):
-        # Through disk.resolve, as the byte listener serves them: a link out of the root is not followed.
-        paths = {f.name: disk.resolve(version.model, version.version, f.name) for f in version.files.all()}
-        try:
-            summary = read_version({name: path for name, path in paths.items() if path is not None})
-        except Exception as error:  # whatever a header trips on, the version stays indexed and says why
-            log.exception("mirror scan: the headers of %s could not be read", version)
-            summary = {"format": "", "error": f"the headers could not be read ({type(error).__name__}: {error})"}
+        on_disk = disk.version_files(version.model, version.version)
+        if on_disk is None:
+            continue  # gone since the walk: the next scan removes it
+        if readiness.being_written(on_disk) is not None:
+            waiting.add(version.pk)
+            continue
+        listed = {f.name: f for f in on_disk}
+        files = []
+        for row in version.files.all():
+            # Through disk.resolve, as the byte listener serves them: a link out of the root is not followed.
+            path = disk.resolve(version.model, version.version, row.name)
+            found = listed.get(row.name)
+            if path is not None and found is not None:
+                files.append([row.name, str(path), found.bytes, found.mtime_ns])
+        jobs.append({"id": version.pk, "files": files, "name": str(version)})
+    _unsettled = waiting
+    if not jobs:
+        return 0
+    summaries = read_many(jobs)
+    rows = []
+    for job in jobs:
+        summary = summaries[job["id"]]
         if summary.get("error"):
-            log.warning("mirror scan: %s: %s", version, summary["error"])
-        read.append(MirrorVersion(pk=version.pk, headers=summary, headers_read=now))
-    # In one statement per batch, like the scan's own writes.
-    MirrorVersion.objects.bulk_update(read, ["headers", "headers_read"], batch_size=500)
-    return len(read)
+            log.warning("mirror scan: %s: %s", job["name"], summary["error"])
+        rows.append(MirrorVersion(pk=job["id"], headers=summary, headers_read=now))
+    _save(rows)
+    return len(rows)
+
+
+def _save(rows: list[MirrorVersion]) -> None:
+    """In one statement per batch, like the scan's own writes; row by row if the database refuses the batch.
+
+    Every summary went through `stored`, so a refusal is not expected: but one version's
+    headers must never keep another's from being written, so each row is then tried alone.
+    """
+    try:
+        with transaction.atomic():
+            MirrorVersion.objects.bulk_update(rows, ["headers", "headers_read"], batch_size=500)
+        return
+    except DatabaseError:
+        log.exception("mirror scan: the headers of %d versions could not be written together", len(rows))
+    for row in rows:
+        try:
+            with transaction.atomic():
+                MirrorVersion.objects.filter(pk=row.pk).update(headers=row.headers, headers_read=row.headers_read)
+        except DatabaseError as error:
+            fallback = {
+                "format": row.headers.get("format", ""),
+                "error": _sentence(f"the headers could not be stored ({type(error).__name__})"),
+            }
+            MirrorVersion.objects.filter(pk=row.pk).update(headers=fallback, headers_read=row.headers_read)

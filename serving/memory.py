@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from catalog.memory import MB, Estimate, estimate
+from catalog.memory import MB, Estimate, checked, estimate
 
 from .planning import WHOLE_NUMBER, ServePlan, memory_for
 
@@ -31,17 +31,14 @@ def offer(headers: Mapping | None, engine: str, bytes_total: int, ctx_size: str 
     `source` is "header" when the weights' header gives an estimate, "size" when the
     seed's rule (size × 1.5 + 2 GB) fills the field instead, with `reason` saying why.
     """
-    headers = dict(headers or {})
+    headers = dict(headers) if isinstance(headers, Mapping) else {}
     found: Estimate | None = None
     if engine:
         found = estimate(headers, engine, engine_args(engine, ctx_size), parallel=_whole(parallel) or 1)
     if found is None:
-        if headers.get("error"):
-            reason = f"the weights' header could not be read ({headers['error']})"
-        elif not headers:
-            reason = "the weights' header has not been read yet"
-        else:
-            reason = "the weights' header gives nothing to estimate from"
+        # checked's sentence: not read yet, could not be read, or numbers that are not (issue 34).
+        problem = checked(headers)
+        reason = problem if isinstance(problem, str) else "the weights' header gives nothing to estimate from"
         return {"gb": memory_for(bytes_total), "source": "size", "reason": reason, "estimate": None}
     parts = {
         "weights_mb": round(found.weights / MB),

@@ -10,6 +10,7 @@ from django.db import IntegrityError, transaction
 
 from catalog.models import Kind, Model, Profile
 from fleet.models import Node
+from mirror.headers import read_version
 from mirror.models import MirrorVersion
 from mirror.readiness import not_ready_on_disk
 
@@ -47,12 +48,8 @@ def plan_for(mirror_version: MirrorVersion) -> ServePlan:
         name: (size, mtime_ns) for name, size, mtime_ns in mirror_version.files.values_list("name", "bytes", "mtime_ns")
     }
     files = [FileFacts(name, size) for name, (size, _) in indexed.items()]
-    ggufs = sorted(name for name, _ in ((f.name, f.bytes) for f in files) if name.lower().endswith(".gguf"))
-    kind = (
-        header_kind(Path(settings.MIRROR_ROOT) / mirror_version.model / mirror_version.version / ggufs[0])
-        if ggufs
-        else ""
-    )
+    # From the header the scan read (bounded, mirror.header_reader), never from the file on this request.
+    kind = kind_of(mirror_version.headers)
     fleet, catalog = fleet_facts(), catalog_facts()
     not_ready = not_ready_on_disk(mirror_version.model, mirror_version.version, indexed) if indexed else ""
     return memory.plan_with_estimate(
@@ -75,25 +72,17 @@ def plan_for(mirror_version: MirrorVersion) -> ServePlan:
 POOLING_RANK = 4
 
 
-def header_kind(path: Path) -> str:
-    """The kind a GGUF's header says: `<arch>.pooling_type` makes it an embedding (or rerank) model.
+def kind_of(headers) -> str:
+    """The kind a GGUF's header says: `<arch>.pooling_type` makes it an embedding (or rerank) model; "" for chat."""
+    pooling = headers.get("pooling_type") if isinstance(headers, dict) else None
+    if isinstance(pooling, bool) or not isinstance(pooling, int):
+        return ""
+    return Kind.RERANK.value if pooling == POOLING_RANK else Kind.EMBEDDING.value
 
-    "" when the file is not on this disk or cannot be read: the serve page then offers chat.
-    """
-    try:
-        # Optional here: a control plane installed before requirements/control.txt had gguf has none.
-        from gguf import GGUFReader
-    except ImportError:
-        return ""
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception:  # gguf's reader fails a short or foreign file with whatever it trips on
-        return ""
-    for name, field in reader.fields.items():
-        if name.endswith(".pooling_type") and field.data:
-            value = int(field.parts[field.data[0]][0])
-            return Kind.RERANK.value if value == POOLING_RANK else Kind.EMBEDDING.value
-    return ""
+
+def header_kind(path: Path) -> str:
+    """The kind a GGUF file's header says, read as a scan reads it (bounded); "" when it cannot be read."""
+    return kind_of(read_version({path.name: path}))
 
 
 def add_model(model: Model, profiles: list[Profile], added_by: str) -> Model:

@@ -12,6 +12,7 @@ from launcher.demo_model import write_tiny_llama
 from mirror import scan
 from mirror.models import MirrorVersion
 
+from .support.mirror import settle
 from .weights import write_gqa_gguf, write_safetensors
 
 pytestmark = pytest.mark.django_db
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.django_db
 
 def test_a_gguf_s_shape_and_tensor_bytes_are_read_when_the_version_is_indexed(mirror_root):
     weights = write_gqa_gguf(mirror_root / "gqa" / "q8" / "gqa.gguf")
+    settle(mirror_root)  # copied in a while ago: a file still being written is not read (LLMGW_MIRROR_SETTLE_S)
     scan.scan_mirror()
     headers = MirrorVersion.objects.get(model="gqa").headers
     assert headers["format"] == "gguf"
@@ -33,6 +35,7 @@ def test_a_gguf_s_shape_and_tensor_bytes_are_read_when_the_version_is_indexed(mi
 
 def test_a_gguf_in_three_parts_is_read_as_one_model(mirror_root):
     parts = write_tiny_llama(mirror_root / "tiny" / "v1", files=3)
+    settle(mirror_root)
     scan.scan_mirror()
     headers = MirrorVersion.objects.get(model="tiny").headers
     assert headers["files"] == [p.name for p in parts]
@@ -66,6 +69,7 @@ def test_a_safetensors_set_is_read_with_its_config(mirror_root):
             }
         )
     )
+    settle(mirror_root)
     scan.scan_mirror()
     headers = MirrorVersion.objects.get(model="st").headers
     assert headers["format"] == "safetensors"
@@ -83,6 +87,7 @@ def test_a_file_whose_header_cannot_be_read_is_indexed_with_the_reason_shown(mir
     (mirror_root / "broken" / "v1" / "model.gguf").write_bytes(b"GGUF" + b"\xff" * 40)
     (mirror_root / "broken" / "v2").mkdir(parents=True)
     (mirror_root / "broken" / "v2" / "model.safetensors").write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    settle(mirror_root)
     report = scan.scan_mirror()
     assert sorted(report.added) == ["broken/v1", "broken/v2"]
     v1 = MirrorVersion.objects.get(version="v1")
@@ -99,12 +104,14 @@ def test_a_changed_file_is_read_again_and_an_unchanged_one_is_not(mirror_root):
     path = mirror_root / "gqa" / "q8" / "gqa.gguf"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"half a copy")
+    settle(path)
     scan.scan_mirror()
     assert "error" in MirrorVersion.objects.get().headers
     read_at = MirrorVersion.objects.get().headers_read
     scan.scan_mirror()
     assert MirrorVersion.objects.get().headers_read == read_at
     write_gqa_gguf(path)
+    settle(path)
     scan.scan_mirror()
     headers = MirrorVersion.objects.get().headers
     assert "error" not in headers and headers["kv_heads"] == 2
@@ -112,6 +119,7 @@ def test_a_changed_file_is_read_again_and_an_unchanged_one_is_not(mirror_root):
 
 def test_the_version_page_and_the_api_show_the_header(mirror_root, admin_client, admin_user):
     write_gqa_gguf(mirror_root / "gqa" / "q8" / "gqa.gguf")
+    settle(mirror_root)
     scan.scan_mirror()
     version = MirrorVersion.objects.get()
     page = admin_client.get(f"/admin/mirror/mirrorversion/{version.pk}/change/").content.decode()
