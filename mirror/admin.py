@@ -5,6 +5,7 @@ from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 
 from common.admin import RecordAdmin
+from common.permissions import forbidden_unless
 
 from . import scan, views
 from .models import MirrorFile, MirrorVersion
@@ -111,7 +112,10 @@ class MirrorVersionAdmin(RecordAdmin):
     def weights_header(self, obj) -> str:
         return header_table(obj.headers, obj.headers_read)
 
-    @admin.action(description="Scan the mirror now")
+    def has_scan_permission(self, request) -> bool:
+        return request.user.has_perm("mirror.scan_mirror")
+
+    @admin.action(description="Scan the mirror now", permissions=["scan"])
     def scan_action(self, request, queryset):
         run_scan(request, self)
 
@@ -125,5 +129,7 @@ class MirrorVersionAdmin(RecordAdmin):
 
     def scan_view(self, request: HttpRequest):
         if request.method == "POST":
+            if refusal := forbidden_unless(request, "mirror.scan_mirror"):
+                return refusal
             run_scan(request, self)
         return HttpResponseRedirect(reverse("admin:mirror_mirrorversion_changelist"))
