@@ -19,6 +19,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
+from django.views.decorators.http import require_safe
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
@@ -90,6 +91,7 @@ def address_allowed(address: str, allowed: list[str]) -> bool:
     return False
 
 
+@require_safe
 def metrics_view(request: HttpRequest) -> HttpResponse:
     if not may_scrape(request):
         response = HttpResponse(

@@ -15,7 +15,7 @@ from functools import wraps
 
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
-from rest_framework.permissions import BasePermission, DjangoModelPermissions
+from rest_framework.permissions import SAFE_METHODS, BasePermission, DjangoModelPermissions
 
 VIEWERS = "llmgw viewers"
 OPERATORS = "llmgw operators"
@@ -89,15 +89,18 @@ class ModelPermissions(DjangoModelPermissions):
         return False
 
 
-def requires(*perms: str) -> type[BasePermission]:
-    """A permission class for an API view without a model of its own: staff holding `perms`."""
+def requires(*perms: str, to_read: tuple[str, ...] | None = None) -> type[BasePermission]:
+    """A permission class for an API view without a model of its own: staff holding `perms`.
+
+    `to_read`: what GET, HEAD and OPTIONS need instead, for a view whose reads need less than its writes.
+    """
 
     class Requires(BasePermission):
-        message = refusal(perms)
-
         def has_permission(self, request, view) -> bool:
             user = request.user
-            return bool(user and user.is_authenticated and user.is_active and user.is_staff and user.has_perms(perms))
+            needed = to_read if to_read is not None and request.method in SAFE_METHODS else perms
+            self.message = refusal(needed)
+            return bool(user and user.is_authenticated and user.is_active and user.is_staff and user.has_perms(needed))
 
     Requires.__name__ = f"Requires({', '.join(perms)})"
     return Requires

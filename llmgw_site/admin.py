@@ -4,7 +4,6 @@ from django.contrib import admin
 from django.shortcuts import render
 from django.template.response import TemplateResponse
 from django.urls import path
-from django.views.decorators.cache import never_cache
 
 from common import one_time
 from common.permissions import OVERVIEW
@@ -24,9 +23,11 @@ class LlmgwAdminSite(admin.AdminSite):
     def get_urls(self):
         return [path("secrets/", self.admin_view(self.one_time_secrets), name="one-time-secrets"), *super().get_urls()]
 
-    @never_cache
     def one_time_secrets(self, request):
-        """The keys and tokens this user just made, shown once (common.one_time): never in a message or a cookie."""
+        """The keys and tokens this user just made, shown once (common.one_time): never in a message or a cookie.
+
+        admin_view sends it with never_cache: no browser or proxy keeps a copy.
+        """
         context = {**self.each_context(request), "title": "Shown this once", "secrets": one_time.take(request)}
         return TemplateResponse(request, "admin/one_time_secrets.html", context)
 

@@ -286,6 +286,8 @@ AXES_COOLOFF_TIME = LOGIN_LOCKOUT_S / 3600  # hours
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "common.login_throttle.locked_out"
+# Lifted with `manage.py axes_reset`; the admin lists no attempts (an app of its own, for superusers only anyway).
+AXES_ENABLE_ADMIN = False
 # Messages live in the session (the database), never in a cookie a browser or a proxy's log keeps.
 MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
 
@@ -343,5 +345,5 @@ CELERY_BEAT_SCHEDULE = {
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 
 LOGGING = {**LOGGING, "loggers": {"django.db.backends": {"level": "WARNING"}}}  # noqa: F405
-# django-axes says its version at every start of every command; its lockouts it still says.
-LOGGING["loggers"]["axes.apps"] = {"level": "WARNING"}  # noqa: F405
+# django-axes says its version at every start and every login; failures and lockouts it still says (WARNING).
+LOGGING["loggers"]["axes"] = {"level": "WARNING"}  # noqa: F405

@@ -1,5 +1,5 @@
 from django.contrib import admin, messages
-from django.http import HttpRequest, HttpResponseRedirect
+from django.http import HttpRequest, HttpResponseNotAllowed, HttpResponseRedirect
 from django.template.defaultfilters import filesizeformat
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
@@ -128,8 +128,9 @@ class MirrorVersionAdmin(RecordAdmin):
         ] + super().get_urls()
 
     def scan_view(self, request: HttpRequest):
-        if request.method == "POST":
-            if refusal := forbidden_unless(request, "mirror.scan_mirror"):
-                return refusal
-            run_scan(request, self)
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        if refusal := forbidden_unless(request, "mirror.scan_mirror"):
+            return refusal
+        run_scan(request, self)
         return HttpResponseRedirect(reverse("admin:mirror_mirrorversion_changelist"))

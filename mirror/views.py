@@ -13,7 +13,7 @@ from django.db import transaction
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
-from django.views.decorators.http import require_safe
+from django.views.decorators.http import require_http_methods, require_safe
 from django_htmx.http import HttpResponseClientRedirect
 
 from common.permissions import forbidden_unless, staff_with
@@ -51,6 +51,7 @@ def _context(request: HttpRequest, **extra) -> dict:
     return {**admin.site.each_context(request), "pulls": MirrorPull.objects.all()[:RECENT], **extra}
 
 
+@require_http_methods(["GET", "HEAD", "POST"])
 @staff_with("mirror.view_mirrorpull")
 def pull_page(request: HttpRequest) -> HttpResponse:
     if request.method == "POST" and (refusal := forbidden_unless(request, "mirror.pull_version")):

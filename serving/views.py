@@ -8,7 +8,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.defaultfilters import filesizeformat
 from django.urls import reverse
-from django.views.decorators.http import require_safe
+from django.views.decorators.http import require_http_methods, require_safe
 from django_htmx.http import HttpResponseClientRedirect
 
 from common.permissions import forbidden_unless, staff_with
@@ -19,6 +19,7 @@ from .forms import ServeForm
 
 
 # Reading the plan needs what it reads; serving adds a catalog model, as the catalog's own add page does.
+@require_http_methods(["GET", "HEAD", "POST"])
 @staff_with("mirror.view_mirrorversion", "catalog.view_model")
 def serve_version(request: HttpRequest, model: str, version: str) -> HttpResponse:
     if request.method == "POST" and (refusal := forbidden_unless(request, "catalog.add_model")):

@@ -57,7 +57,7 @@ class ServeView(APIView):
     """
 
     # It adds a catalog model, as POST /api/catalog/models/ does.
-    permission_classes = [requires("catalog.add_model")]
+    permission_classes = [requires("catalog.add_model", to_read=("mirror.view_mirrorversion",))]
 
     @extend_schema(
         request=inline_serializer(
