@@ -12,7 +12,6 @@ import json
 import re
 import zlib
 from dataclasses import dataclass
-from importlib import import_module
 
 import pytest
 from django.apps import apps as django_apps
@@ -35,9 +34,10 @@ from gateway.keys import create_key
 from gateway.models import ApiKey, Usage
 from mirror.models import MirrorFile, MirrorPull, MirrorVersion
 
+from .support.roles import groups
+
 pytestmark = pytest.mark.django_db
 
-staff_groups = import_module("common.migrations.0001_staff_groups")
 PASSWORD = "a long staff password"
 # Addresses every signed-in staff member uses for their own session, whatever their groups.
 EVERY_STAFF = {
@@ -78,9 +78,7 @@ def _person(username: str, group: str | None) -> Client:
 @pytest.fixture
 def people(db) -> dict[str, Client]:
     """A viewer, an operator, a staff member of no group and a superuser, each signed in."""
-    if not Group.objects.filter(name__in=[VIEWERS, OPERATORS]).count() == 2:
-        # An earlier test's flush emptied the tables the migration filled: the migration's own code again.
-        staff_groups.make_groups(django_apps)
+    groups()
     boss = get_user_model().objects.create_superuser("boss", "", PASSWORD)
     superuser = Client()
     superuser.force_login(boss)
