@@ -19,10 +19,13 @@ from pathlib import Path
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
+from django.views.decorators.http import require_safe
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 from rest_framework.authtoken.models import Token
+
+from .permissions import reads_llmgw
 
 # Collected at each scrape: what an app reads from its rows rather than keeps in memory.
 _scrape_time = CollectorRegistry(auto_describe=False)
@@ -63,7 +66,7 @@ def may_scrape(request: HttpRequest) -> bool:
             return True
         if _staff_token(given):  # as the API takes it: "Token <key>", or "Bearer <key>" as scrapers send
             return True
-    if request.user.is_authenticated and request.user.is_staff:
+    if reads_llmgw(request.user):
         return True  # a signed-in staff member looking at it in a browser
     return address_allowed(request.META.get("REMOTE_ADDR", ""), settings.METRICS_ALLOW)
 
@@ -88,6 +91,7 @@ def address_allowed(address: str, allowed: list[str]) -> bool:
     return False
 
 
+@require_safe
 def metrics_view(request: HttpRequest) -> HttpResponse:
     if not may_scrape(request):
         response = HttpResponse(

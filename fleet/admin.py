@@ -1,9 +1,11 @@
 from django import forms
-from django.contrib import admin, messages
-from django.http import HttpRequest
+from django.contrib import admin
+from django.http import HttpRequest, HttpResponseRedirect
 from django.template.defaultfilters import filesizeformat
+from django.urls import reverse
 
 from catalog.rules import labels_problem
+from common import one_time
 from contracts.names import node_name_problem
 
 from . import enrolment
@@ -109,22 +111,27 @@ class NodeAdmin(admin.ModelAdmin):
     def enrolled(self, obj: Node) -> bool:
         return bool(obj.token_hash)
 
+    # A node added here has no way to speak until it has a token, so adding one makes its token too.
+    def has_add_permission(self, request) -> bool:
+        return super().has_add_permission(request) and self.has_issue_token_permission(request)
+
+    def has_issue_token_permission(self, request) -> bool:
+        return request.user.has_perm("fleet.issue_node_token")
+
     def save_model(self, request: HttpRequest, obj: Node, form, change: bool) -> None:
         super().save_model(request, obj, form, change)
         if not change:
-            # A node added here has no way to speak until it has a token.
-            self._show_token(request, obj.name)
+            self._keep_token(request, obj.name)
 
-    @admin.action(description="Make a new enrolment token (the old one stops working)")
-    def make_token(self, request: HttpRequest, queryset) -> None:
+    def response_add(self, request, obj, post_url_continue=None):
+        return HttpResponseRedirect(reverse("admin:one-time-secrets"))
+
+    @admin.action(description="Make a new enrolment token (the old one stops working)", permissions=["issue_token"])
+    def make_token(self, request: HttpRequest, queryset):
         for node in queryset:
-            self._show_token(request, node.name)
+            self._keep_token(request, node.name)
+        return HttpResponseRedirect(reverse("admin:one-time-secrets"))
 
-    def _show_token(self, request: HttpRequest, name: str) -> None:
-        token = enrolment.issue_token(name)
-        # Shown this once: only its hash is kept, so it cannot be shown again.
-        self.message_user(
-            request,
-            f"Enrolment token for {name}, shown this once and stored only as a hash: {token}",
-            messages.WARNING,
-        )
+    def _keep_token(self, request: HttpRequest, name: str) -> None:
+        # Shown once on its own page: only its hash is kept, so it cannot be shown again.
+        one_time.keep(request, f"node {name} (LLMGW_NODE_TOKEN)", enrolment.issue_token(name))

@@ -99,13 +99,13 @@ class FetchAdmin(admin.ModelAdmin):
     def error_short(self, obj: Fetch) -> str:
         return obj.error[:120]
 
-    @admin.action(description="Fetch again onto the same node")
+    @admin.action(description="Fetch again onto the same node", permissions=["add"])
     def fetch_again(self, request, queryset):
         for fetch in queryset.select_related("node"):
             Fetch.objects.request(fetch.node, fetch.source, user=request.user)
         self.message_user(request, f"Asked again for {queryset.count()} fetch(es).", messages.SUCCESS)
 
-    @admin.action(description="Cancel")
+    @admin.action(description="Cancel", permissions=["change"])
     def cancel(self, request, queryset):
         cancelled = [f for f in queryset.select_related("node") if f.cancel()]
         skipped = queryset.count() - len(cancelled)

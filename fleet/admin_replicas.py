@@ -191,7 +191,11 @@ class ReplicaAdmin(RecordAdmin):
     # A RecordAdmin: placement writes replicas, and deleting a row would leave its
     # engine running with nobody to stop it.
 
-    @admin.action(description="Stop the selected replicas (placement starts new ones)")
+    # Stopping a replica is the one change staff make to the rows placement writes.
+    def has_replace_permission(self, request) -> bool:
+        return request.user.has_perm("fleet.change_replica")
+
+    @admin.action(description="Stop the selected replicas (placement starts new ones)", permissions=["replace"])
     def replace(self, request, queryset) -> None:
         stopped = 0
         with transaction.atomic():
@@ -253,7 +257,13 @@ class MeasuredMemoryAdmin(RecordAdmin):
     ]
     actions = ["set_target_load"]
 
-    @admin.action(description="Set each model's target load per replica from its last bench")
+    # What the action writes is the catalog's model.
+    def has_set_target_load_permission(self, request) -> bool:
+        return request.user.has_perm("catalog.change_model")
+
+    @admin.action(
+        description="Set each model's target load per replica from its last bench", permissions=["set_target_load"]
+    )
     def set_target_load(self, request, queryset) -> None:
         for record in queryset:
             suggested = (record.bench or {}).get("suggested_target_load")

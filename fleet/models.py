@@ -60,6 +60,8 @@ class Node(models.Model):
 
     class Meta:
         ordering = ["name"]
+        # Beyond changing a node: a token is the node's credential (docs/roles.md).
+        permissions = [("issue_node_token", "Can make a node's enrolment token")]
 
     def __str__(self) -> str:
         return self.name

@@ -7,10 +7,11 @@ page and its refresh can never show two different things.
 from __future__ import annotations
 
 from django.contrib import admin
-from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
+from django.views.decorators.http import require_safe
 
+from common.permissions import staff_with
 from contracts import progress
 
 from .live import redis_client
@@ -56,7 +57,8 @@ def _row(source: str, snapshot: dict | None, record: Fetch | None) -> dict:
     }
 
 
-@staff_member_required
+@require_safe
+@staff_with("fleet.view_fetch")
 def fetches(request: HttpRequest) -> HttpResponse:
     context = {"nodes": fleet_fetches()}
     if request.htmx:
@@ -66,7 +68,8 @@ def fetches(request: HttpRequest) -> HttpResponse:
     return render(request, "fleet/fetches.html", context)
 
 
-@staff_member_required
+@require_safe
+@staff_with("fleet.view_fetch")
 def source_progress(request: HttpRequest) -> HttpResponse:
     """One source's progress on every node: the fragment the mirror version page polls."""
     source = request.GET.get("source", "")

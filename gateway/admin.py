@@ -1,7 +1,9 @@
 import redis
-from django.contrib import admin, messages
-from django.http import HttpRequest
+from django.contrib import admin
+from django.http import HttpRequest, HttpResponseRedirect
+from django.urls import reverse
 
+from common import one_time
 from common.admin import RecordAdmin
 from fleet.live import redis_client
 
@@ -69,26 +71,33 @@ class ApiKeyAdmin(admin.ModelAdmin):
             secret = give_secret(obj)
         super().save_model(request, obj, form, change)
         if not change:
-            self._show(request, obj, secret)
+            self._keep(request, obj, secret)
 
-    @admin.action(description="Turn the selected keys off (their usage is kept)")
+    def response_add(self, request, obj, post_url_continue=None):
+        return HttpResponseRedirect(reverse("admin:one-time-secrets"))
+
+    @admin.action(description="Turn the selected keys off (their usage is kept)", permissions=["change"])
     def turn_off(self, request: HttpRequest, queryset) -> None:
         count = queryset.update(active=False)
         self.message_user(request, f"{count} key(s) turned off; the gateway refuses them within a second.")
 
-    @admin.action(description="Make a new secret for the selected keys (the old one stops working)")
-    def make_new_secret(self, request: HttpRequest, queryset) -> None:
+    @admin.action(
+        description="Make a new secret for the selected keys (the old one stops working)", permissions=["rotate"]
+    )
+    def make_new_secret(self, request: HttpRequest, queryset):
         for key in queryset:
             secret = give_secret(key)
             key.save(update_fields=["prefix", "key_hash"])
-            self._show(request, key, secret)
+            self._keep(request, key, secret)
+        return HttpResponseRedirect(reverse("admin:one-time-secrets"))
 
-    def _show(self, request: HttpRequest, key: ApiKey, secret: str) -> None:
-        self.message_user(
-            request,
-            f"API key {key.name!r}, shown this once and stored only as a hash: {secret}",
-            messages.WARNING,
-        )
+    # A new secret is a new credential, more than a change of the key's row (docs/roles.md).
+    def has_rotate_permission(self, request) -> bool:
+        return request.user.has_perm("gateway.rotate_api_key")
+
+    def _keep(self, request: HttpRequest, key: ApiKey, secret: str) -> None:
+        # Shown once on its own page: only its hash is kept, so it cannot be shown again.
+        one_time.keep(request, f"API key {key.name!r}", secret)
 
 
 @admin.register(Usage)

@@ -37,6 +37,8 @@ class ApiKey(models.Model):
     class Meta:
         ordering = ["name"]
         verbose_name = "API key"
+        # Beyond changing a key: a new secret is a new credential (docs/roles.md).
+        permissions = [("rotate_api_key", "Can make a new secret for an API key")]
 
     def __str__(self) -> str:
         return self.name

@@ -2,7 +2,11 @@
 
 from django.contrib import admin
 from django.shortcuts import render
+from django.template.response import TemplateResponse
+from django.urls import path
 
+from common import one_time
+from common.permissions import OVERVIEW
 from fleet import overview as fleet_overview
 from gateway import overview as usage_overview
 
@@ -16,8 +20,32 @@ class LlmgwAdminSite(admin.AdminSite):
     index_title = "Mirror, catalog, fleet and gateway"
     index_template = "overview/index.html"
 
+    def get_urls(self):
+        return [path("secrets/", self.admin_view(self.one_time_secrets), name="one-time-secrets"), *super().get_urls()]
+
+    def one_time_secrets(self, request):
+        """The keys and tokens this user just made, shown once (common.one_time): never in a message or a cookie.
+
+        admin_view sends it with never_cache: no browser or proxy keeps a copy.
+        """
+        context = {**self.each_context(request), "title": "Shown this once", "secrets": one_time.take(request)}
+        return TemplateResponse(request, "admin/one_time_secrets.html", context)
+
     def index(self, request, extra_context=None):
-        """The fleet at a glance above the apps; its fetches under way refresh themselves (htmx)."""
+        """The fleet at a glance above the apps; its fetches under way refresh themselves (htmx).
+
+        Only for staff who may read what it draws: others get the admin's own front page.
+        """
+        if not request.user.has_perms(OVERVIEW):
+            request.current_app = self.name
+            context = {
+                **self.each_context(request),
+                "title": self.index_title,
+                "subtitle": None,
+                "app_list": self.get_app_list(request),
+                **(extra_context or {}),
+            }
+            return TemplateResponse(request, "admin/index.html", context)
         fetches = fleet_overview.fetches_under_way()
         if request.htmx:
             return render(request, "overview/partials/fetches.html", {"fetches": fetches})

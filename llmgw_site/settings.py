@@ -48,6 +48,9 @@ if not SECRET_KEY:
         _key_file.write_text(SECRET_KEY)
         _key_file.chmod(0o600)
 
+# A key made here is one machine's: `check --deploy` refuses it for a fleet (llmgw_site/checks.py).
+SECRET_KEY_MADE_HERE = not env_str("DJANGO_SECRET_KEY", "")
+
 DEBUG = env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = [h.strip() for h in env_str("DJANGO_ALLOWED_HOSTS", "*").split(",") if h.strip()]
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
@@ -167,6 +170,10 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    # Swagger UI's files served from here, not from a CDN into the admin's origin.
+    "drf_spectacular_sidecar",
+    # Failed logins counted, and a username locked out from an address after LLMGW_LOGIN_FAILURES.
+    "axes",
     "django_filters",
     "django_htmx",
     "mirror",
@@ -175,6 +182,8 @@ INSTALLED_APPS = [
     "serving",
     "launcher",
     "gateway",
+    # Its migration makes the staff groups (docs/roles.md).
+    "common",
 ]
 
 MIDDLEWARE = [
@@ -187,6 +196,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes asks: it turns a locked-out login into its answer.
+    "axes.middleware.AxesMiddleware",
 ]
 ROOT_URLCONF = "llmgw_site.urls"
 
@@ -260,6 +271,26 @@ STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 
 LOGIN_URL = "admin:login"
 
+# --- staff: sign-in and what it carries -------------------------------------------
+
+# The login throttle first (docs/roles.md): it refuses a locked-out username before a password is checked.
+AUTHENTICATION_BACKENDS = [
+    "common.login_throttle.LoginThrottle",
+    "django.contrib.auth.backends.ModelBackend",
+]
+# Failed logins for one username from one address before both are locked out, and for how long.
+LOGIN_FAILURES = env_int("LLMGW_LOGIN_FAILURES", 5, minimum=1)
+LOGIN_LOCKOUT_S = env_int("LLMGW_LOGIN_LOCKOUT_S", 900, minimum=1)
+AXES_FAILURE_LIMIT = LOGIN_FAILURES
+AXES_COOLOFF_TIME = LOGIN_LOCKOUT_S / 3600  # hours
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "common.login_throttle.locked_out"
+# Lifted with `manage.py axes_reset`; the admin lists no attempts (an app of its own, for superusers only anyway).
+AXES_ENABLE_ADMIN = False
+# Messages live in the session (the database), never in a cookie a browser or a proxy's log keeps.
+MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
+
 # --- API ----------------------------------------------------------------------
 
 REST_FRAMEWORK = {
@@ -267,8 +298,8 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    # Closed unless a view says otherwise: staff only.
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    # Closed unless a view says otherwise: staff, with the model's permission for the method (docs/roles.md).
+    "DEFAULT_PERMISSION_CLASSES": ["common.permissions.ModelPermissions"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": "common.api.Pagination",
     "DEFAULT_PARSER_CLASSES": [
@@ -283,7 +314,11 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Mirror, catalog, fleet and serving of a private LLM fleet.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
-    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAdminUser"],
+    "SERVE_PERMISSIONS": ["common.permissions.ReadsLlmgw"],
+    # Swagger UI and ReDoc from this server's static files (drf-spectacular-sidecar), never a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # --- Celery -------------------------------------------------------------------
@@ -310,3 +345,5 @@ CELERY_BEAT_SCHEDULE = {
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 
 LOGGING = {**LOGGING, "loggers": {"django.db.backends": {"level": "WARNING"}}}  # noqa: F405
+# django-axes says its version at every start and every login; failures and lockouts it still says (WARNING).
+LOGGING["loggers"]["axes"] = {"level": "WARNING"}  # noqa: F405

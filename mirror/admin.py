@@ -1,10 +1,11 @@
 from django.contrib import admin, messages
-from django.http import HttpRequest, HttpResponseRedirect
+from django.http import HttpRequest, HttpResponseNotAllowed, HttpResponseRedirect
 from django.template.defaultfilters import filesizeformat
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 
 from common.admin import RecordAdmin
+from common.permissions import forbidden_unless
 
 from . import scan, views
 from .models import MirrorFile, MirrorVersion
@@ -111,7 +112,10 @@ class MirrorVersionAdmin(RecordAdmin):
     def weights_header(self, obj) -> str:
         return header_table(obj.headers, obj.headers_read)
 
-    @admin.action(description="Scan the mirror now")
+    def has_scan_permission(self, request) -> bool:
+        return request.user.has_perm("mirror.scan_mirror")
+
+    @admin.action(description="Scan the mirror now", permissions=["scan"])
     def scan_action(self, request, queryset):
         run_scan(request, self)
 
@@ -124,6 +128,9 @@ class MirrorVersionAdmin(RecordAdmin):
         ] + super().get_urls()
 
     def scan_view(self, request: HttpRequest):
-        if request.method == "POST":
-            run_scan(request, self)
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        if refusal := forbidden_unless(request, "mirror.scan_mirror"):
+            return refusal
+        run_scan(request, self)
         return HttpResponseRedirect(reverse("admin:mirror_mirrorversion_changelist"))

@@ -47,6 +47,11 @@ class MirrorVersion(models.Model):
     class Meta:
         ordering = ["model", "version"]
         constraints = [models.UniqueConstraint(fields=["model", "version"], name="mirror_version_unique")]
+        # The mirror's rows are the directory's, never staff's to write; these are what staff do to it (docs/roles.md).
+        permissions = [
+            ("scan_mirror", "Can scan the mirror now"),
+            ("pull_version", "Can pull a version from another mirror"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.model}/{self.version}"

@@ -1,6 +1,7 @@
 """The admin's "Pull a version" page: a version copied from another llmgw mirror (mirror.pull), with its progress.
 
-Staff only (wired through the mirror admin's `admin_view`). One view serves each page and
+Staff only (wired through the mirror admin's `admin_view`): reading a pull needs
+mirror.view_mirrorpull, starting one mirror.pull_version (docs/roles.md). One view serves each page and
 its fragment, switching on `request.htmx`: the pages poll their fragment every second.
 """
 
@@ -12,7 +13,10 @@ from django.db import transaction
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
+from django.views.decorators.http import require_http_methods, require_safe
 from django_htmx.http import HttpResponseClientRedirect
+
+from common.permissions import forbidden_unless, staff_with
 
 from . import pull
 from .models import MirrorPull
@@ -47,7 +51,11 @@ def _context(request: HttpRequest, **extra) -> dict:
     return {**admin.site.each_context(request), "pulls": MirrorPull.objects.all()[:RECENT], **extra}
 
 
+@require_http_methods(["GET", "HEAD", "POST"])
+@staff_with("mirror.view_mirrorpull")
 def pull_page(request: HttpRequest) -> HttpResponse:
+    if request.method == "POST" and (refusal := forbidden_unless(request, "mirror.pull_version")):
+        return refusal
     form = PullForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
@@ -67,6 +75,8 @@ def pull_page(request: HttpRequest) -> HttpResponse:
     return render(request, template, context, status=status)
 
 
+@require_safe
+@staff_with("mirror.view_mirrorpull")
 def pull_detail(request: HttpRequest, pk: int) -> HttpResponse:
     record = get_object_or_404(MirrorPull, pk=pk)
     context = _context(request, title=f"Pull of {record.model}/{record.version}", pull=record)
@@ -74,6 +84,8 @@ def pull_detail(request: HttpRequest, pk: int) -> HttpResponse:
     return render(request, template, context)
 
 
+@require_safe
+@staff_with("mirror.view_mirrorpull")
 def pull_list(request: HttpRequest) -> HttpResponse:
     """The recent pulls, for the versions' list (polled)."""
     return render(request, "mirror/partials/pulls.html", _context(request))

@@ -4,21 +4,26 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.contrib import admin, messages
-from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.defaultfilters import filesizeformat
 from django.urls import reverse
+from django.views.decorators.http import require_http_methods, require_safe
 from django_htmx.http import HttpResponseClientRedirect
 
+from common.permissions import forbidden_unless, staff_with
 from mirror.models import MirrorVersion
 
 from . import memory, services
 from .forms import ServeForm
 
 
-@staff_member_required
+# Reading the plan needs what it reads; serving adds a catalog model, as the catalog's own add page does.
+@require_http_methods(["GET", "HEAD", "POST"])
+@staff_with("mirror.view_mirrorversion", "catalog.view_model")
 def serve_version(request: HttpRequest, model: str, version: str) -> HttpResponse:
+    if request.method == "POST" and (refusal := forbidden_unless(request, "catalog.add_model")):
+        return refusal
     mirror_version = get_object_or_404(MirrorVersion, model=model, version=version)
     plan = services.plan_for(mirror_version)
     form = ServeForm.for_plan(plan, settings.BYTES_URL)
@@ -56,7 +61,8 @@ def serve_version(request: HttpRequest, model: str, version: str) -> HttpRespons
     return render(request, template, context, status=status)
 
 
-@staff_member_required
+@require_safe
+@staff_with("mirror.view_mirrorversion")
 def serve_estimate(request: HttpRequest, model: str, version: str) -> HttpResponse:
     """The memory estimate for the pool as typed: the serve page asks for it on every keystroke (htmx).
 

@@ -113,8 +113,8 @@ def _check_deploy(tmp_path: Path, **override: str) -> subprocess.CompletedProces
         LLMGW_VAR=str(tmp_path / "var"),
         LLMGW_MIRROR_ROOT=str(tmp_path / "mirror"),
         PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "metrics"),
-        **override,
     )
+    env.update(override)
     (tmp_path / "metrics").mkdir(exist_ok=True)
     environment = process_env(**env)
     environment["DATABASE_URL"] = process_env()["DATABASE_URL"]
@@ -134,6 +134,27 @@ def test_check_deploy_is_clean_with_the_production_settings_the_fleet_doc_gives(
     # and it is those settings that make it so: without the TLS proxy's, Django says what is missing.
     unsafe = _check_deploy(tmp_path, LLMGW_HTTPS="false")
     assert unsafe.returncode != 0 and "SECURE_SSL_REDIRECT" in unsafe.stderr + unsafe.stdout
+
+
+def test_check_deploy_refuses_the_example_secret_key_a_short_one_and_none(tmp_path, db):
+    """The placeholder of deploy/env/control.env passed Django's own check (long, varied); whoever reads it forges sessions."""
+    placeholder = _env_file(DEPLOY / "env" / "control.env")["DJANGO_SECRET_KEY"]
+    for key, said in ((placeholder, "llmgw.E002"), ("s3cr3t-but-short-" * 2, "llmgw.E003"), ("", "llmgw.E001")):
+        checked = _check_deploy(tmp_path, DJANGO_SECRET_KEY=key)
+        assert checked.returncode != 0 and said in checked.stdout + checked.stderr, (
+            key,
+            checked.stdout,
+            checked.stderr,
+        )
+        assert "DJANGO_SECRET_KEY" in checked.stdout + checked.stderr
+
+
+def test_every_example_environment_file_carries_a_placeholder_the_check_refuses():
+    from llmgw_site.checks import PLACEHOLDER_MARK
+
+    for path in sorted((DEPLOY / "env").glob("*.env")):
+        key = _env_file(path).get("DJANGO_SECRET_KEY")
+        assert key is None or PLACEHOLDER_MARK in key.lower(), f"{path.name} carries a key check --deploy would pass"
 
 
 def _start_nginx(work: Path, https_port: int, http_port: int, admin_port: int, gateways: list[int]) -> subprocess.Popen:

@@ -20,9 +20,10 @@ def test_adding_a_node_shows_its_enrolment_token_once(staff_page, live_server):
     page.goto(live_server.url + "/admin/fleet/node/add/")
     page.fill("#id_name", "gpu-01")
     page.click("input[name=_save]")
-    message = page.inner_text(".messagelist")
-    token = TOKEN.search(message).group(0)
-    assert "shown this once" in message
+    # Its own page (common.one_time), never a message: messages once lived in a cookie.
+    shown = page.inner_text("#content")
+    token = TOKEN.search(shown).group(0)
+    assert "shown on this page once" in shown and "node gpu-01" in shown
     assert node_for_token(token).name == "gpu-01"
     screenshot(page, "fleet-node-token")
     page.reload()
@@ -36,8 +37,9 @@ def test_the_token_action_replaces_a_nodes_token(staff_page, live_server):
     page.check(f"input[name=_selected_action][value='{node.pk}']")
     page.select_option("select[name=action]", "make_token")
     page.click("button[name=index]")
-    token = TOKEN.search(page.inner_text(".messagelist")).group(0)
+    token = TOKEN.search(page.inner_text("#one-time-secrets")).group(0)
     assert node_for_token(token, claimed_name="cpu-01") is not None
+    page.goto(live_server.url + "/admin/fleet/node/")
     assert "not ready" in page.inner_text("#result_list")
 
 

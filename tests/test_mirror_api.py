@@ -8,6 +8,7 @@ from rest_framework.test import APIClient
 from mirror import scan
 
 from .support.mirror import put
+from .support.roles import join
 
 pytestmark = pytest.mark.django_db
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.django_db
 def staff_token():
     from rest_framework.authtoken.models import Token
 
-    user = get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True)
+    user = join(get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True))
     return Token.objects.create(user=user).key
 
 
@@ -70,7 +71,7 @@ def test_the_openapi_schema_describes_the_mirror(staff_token):
 
 
 def test_api_token_prints_a_staff_user_s_token(capsys):
-    get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True)
+    join(get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True))
     call_command("api_token", "ops")
     key = capsys.readouterr().out.strip()
     client = APIClient()

@@ -3,6 +3,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from common.permissions import requires
 from contracts import progress
 
 from ..live import redis_client
@@ -11,6 +12,8 @@ from .serializers import ProgressSerializer
 
 class ProgressView(APIView):
     """Every node's progress on a source, read from Redis under the source's address."""
+
+    permission_classes = [requires("fleet.view_fetch")]
 
     @extend_schema(
         parameters=[

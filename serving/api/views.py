@@ -6,6 +6,7 @@ from rest_framework.views import APIView
 
 from catalog.api.serializers import ModelSerializer
 from catalog.models import Model
+from common.permissions import requires
 from mirror.models import MirrorVersion
 
 from .. import services
@@ -14,6 +15,8 @@ from ..forms import ServeForm
 
 class ServePlanView(APIView):
     """What serving one mirrored version would mean: the serve page's pre-filled form, as JSON."""
+
+    permission_classes = [requires("mirror.view_mirrorversion")]
 
     @extend_schema(
         parameters=[OpenApiParameter("model", str, required=True), OpenApiParameter("version", str, required=True)],
@@ -52,6 +55,9 @@ class ServeView(APIView):
 
     A refusal is `{"field", "error"}`: the first problem in the order of the form.
     """
+
+    # It adds a catalog model, as POST /api/catalog/models/ does.
+    permission_classes = [requires("catalog.add_model", to_read=("mirror.view_mirrorversion",))]
 
     @extend_schema(
         request=inline_serializer(
