@@ -15,7 +15,7 @@ from .endpoints import ANTHROPIC
 from .errors import Refusal
 from .events import sse
 from .translation import ChatStream, Translation, text_of
-from .usage import cached_of
+from .usage import cached_shown
 
 TEXT_DELTA = (
     b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": %d, '
@@ -180,7 +180,7 @@ def anthropic_usage(usage: dict | None) -> dict:
     are the prompt's tokens not read from the cache and cache_read_input_tokens those that were (the engine's
     prompt cache: nothing is written to a cache on request, so cache_creation_input_tokens is 0)."""
     usage = usage or {}
-    cached = cached_of(usage)
+    cached = cached_shown(usage)
     return {
         "input_tokens": max(usage.get("prompt_tokens", 0) - cached, 0),
         "output_tokens": usage.get("completion_tokens", 0),

@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import aiohttp
@@ -35,14 +36,15 @@ from .anthropic_messages import Messages
 from .demand import Demand
 from .errors import ClientGone, Refusal
 from .forward import Forwarding
-from .intake import check_kind, check_limits, parse_request, read_body
+from .intake import check_engine_keys, check_kind, check_limits, parse_request, read_body
 from .keys import hash_key
 from .limits import Limiter
 from .openai_responses import Responses
 from .relay import timing
 from .request import HangUp, Request
+from .translation import Translation
 from .upstream import IDLE_S, upstream_socket
-from .usage import Recorder, one_line
+from .usage import Recorder, one_line, prompt_estimate
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -51,6 +53,23 @@ TRANSLATIONS = {endpoints.ANTHROPIC: Messages, endpoints.RESPONSES: Responses}
 # A key the table does not know makes the gateway re-read the table, at most this often.
 KEY_MISS_REFRESH_S = 0.25
 JSON_TYPE = (b"content-type", b"application/json")
+
+
+# A body larger than this is parsed and translated in a thread rather than on the event loop.
+PARSE_INLINE_BYTES = 64 * 1024
+
+
+@dataclass
+class Taken:
+    """A request's body as the gateway took it in: what Gateway.take() makes of it."""
+
+    endpoint: endpoints.Endpoint
+    request: dict  # as a chat (or completion, embedding, rerank) request
+    translation: Translation | None
+    route: routes.Route
+    output: int  # the most tokens its answer may have (intake.check_limits), 0 for other kinds
+    body: bytes  # what the engine is sent
+    client_wants_usage: bool
 
 
 class Gateway(Forwarding):
@@ -68,6 +87,8 @@ class Gateway(Forwarding):
         self._reader = routes.TableReader()
         self.refresh_s = settings.GATEWAY_REFRESH_MS / 1000
         self._db = ThreadPoolExecutor(1, thread_name_prefix="gateway-db")
+        self._parsers = ThreadPoolExecutor(2, thread_name_prefix="gateway-parse")
+        self.key_flights: dict[int, int] = {}  # each key's requests in this process, from its admission
         self._session: aiohttp.ClientSession | None = None
         self._fresh_session: aiohttp.ClientSession | None = None
         self._refresher: asyncio.Task | None = None
@@ -76,7 +97,9 @@ class Gateway(Forwarding):
         self._turn = 0
         self.observer = metrics.Observer()
         self.demand = Demand(self.in_flight)
-        self.holding = hold.Holding(self.demand, settings.HOLD_S, settings.HOLD_QUEUE, lambda: self.table)
+        self.holding = hold.Holding(
+            self.demand, settings.HOLD_S, settings.HOLD_QUEUE, lambda: self.table, settings.HOLD_QUEUE_PER_KEY
+        )
 
     # --- life -----------------------------------------------------------------
 
@@ -301,8 +324,50 @@ class Gateway(Forwarding):
         if method != "POST":
             raise Refusal(405, f"{path} answers POST only.", code="method_not_allowed")
         key = await self.authorize(scope)
-        body = await read_body(receive, settings.GATEWAY_MAX_BODY)
+        # What a key may be refused for before its body is read is checked here (its concurrency,
+        # its request and in-flight limits): reading, parsing and translating a large body is the
+        # costly part of a request. The model it names is known once the body is parsed.
+        flying = self.key_flights.get(key.id, 0)
+        if flying >= settings.GATEWAY_KEY_CONCURRENCY:
+            raise Refusal(
+                429,
+                f"This API key has {flying} requests in this gateway process already, as many as it takes from "
+                "one key at once (LLMGW_GATEWAY_KEY_CONCURRENCY).",
+                kind="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers=[(b"retry-after", b"1")],
+            )
+        self.key_flights[key.id] = flying + 1
+        ticket = None
+        tokens = 0
+        try:
+            # One Redis round trip for a key with limits, none for a key without (gateway/limits.py).
+            ticket = await self.limiter.admit(key.tag, key.limits) if key.limits else None
+            body = await read_body(receive, settings.GATEWAY_MAX_BODY)
+            if len(body) > PARSE_INLINE_BYTES:
+                # Parsed in a thread, so the event loop's other requests go on between its steps;
+                # intake.MOST_CONTAINERS bounds the steps that hold the interpreter's lock.
+                taken = await asyncio.get_running_loop().run_in_executor(self._parsers, self.take, path, key, body)
+            else:
+                taken = self.take(path, key, body)
+            if ticket is not None and any(key.limits.tokens):
+                await self.limiter.reserve(ticket, key.limits, prompt_estimate(len(taken.body)) + taken.output)
+            tokens = await self.routed(scope, receive, send, started, key, taken)
+        finally:
+            self.key_flights[key.id] -= 1
+            if not self.key_flights[key.id]:
+                del self.key_flights[key.id]
+            if ticket is not None:
+                self.limiter.settle(ticket, tokens)
+
+    def take(self, path: str, key: routes.Key, body: bytes) -> Taken:
+        """A body read: parsed, translated, checked against its model, and encoded again for the engine.
+
+        Runs in a thread for a large body: it touches nothing of the event loop's but the table it reads.
+        """
+        endpoint = endpoints.ENDPOINTS[path]
         request = parse_request(body)
+        check_engine_keys(request, settings.GATEWAY_ENGINE_KEYS)
         translation = None
         if endpoint.translated:
             translation = TRANSLATIONS[endpoint.dialect](request)
@@ -326,9 +391,9 @@ class Gateway(Forwarding):
         # A translated request is a chat completion from here on, and is checked as one.
         checked_as = path if translation is None else endpoints.CHAT
         check_kind(checked_as, route)
-        check_limits(checked_as, request, route, len(body))
-        self.observer.routed(scope, route.name, request, key.name)
-        changed = translation is not None
+        sent_max = request.get("max_tokens")
+        output = check_limits(checked_as, request, route, len(body))
+        changed = translation is not None or request.get("max_tokens") != sent_max
         if name != route.name:
             # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
             request["model"], changed = route.name, True
@@ -340,15 +405,18 @@ class Gateway(Forwarding):
                 request["stream_options"], changed = dict(options or {}, include_usage=True), True
         if changed:
             body = json.dumps(request).encode()
+        return Taken(endpoint, request, translation, route, output, body, client_wants_usage)
+
+    async def routed(self, scope, receive, send, started: float, key: routes.Key, taken: Taken) -> int:
+        """Pass on a request that is admitted, read and checked; the tokens of its answer."""
+        endpoint, request, route, translation = taken.endpoint, taken.request, taken.route, taken.translation
+        self.observer.routed(scope, route.name, request, key.name)
         self.demand.arrived(route.name)
         if not route.upstreams:
-            # Refused before the key's limits count it when no replica will come (gateway/hold.py).
+            # Refused at once when no replica will come (gateway/hold.py).
             prospect = await self.holding.prospect(route.name)
             if prospect.state == prospects.CANNOT or not settings.HOLD_S:
                 raise hold.unavailable(prospect.reason + ".")
-        # One Redis round trip for a key with limits, none for a key without (gateway/limits.py).
-        ticket = await self.limiter.admit(key.tag, key.limits) if key.limits else None
-        tokens = 0
         streamed = request.get("stream") is True and route.kind == "chat"
         held = hold.HeldStream(send, endpoint.dialect) if streamed else None
         # From here the request's `receive` is read by its hang-up watcher alone.
@@ -362,22 +430,21 @@ class Gateway(Forwarding):
             route=route,
             endpoint=endpoint,
             payload=request,
-            body=body,
+            body=taken.body,
             translation=translation,
-            client_wants_usage=client_wants_usage,
+            client_wants_usage=taken.client_wants_usage,
             started=started,
         )
         try:
-            tokens = await self.answer(routed)
+            return await self.answer(routed)
         except Refusal as refusal:
             if held is None or not held.started:
                 raise
             # The client has a 200 and comments already: the refusal goes in the stream.
             await held.fail(refusal.status, refusal.message, refusal.kind, refusal.code)
+            return 0
         finally:
             hang_up.close()
-            if ticket is not None:
-                self.limiter.settle(ticket, tokens)
 
     async def authorize(self, scope) -> routes.Key:
         if self.table_read_at is None:  # no key can be told from another without a table

@@ -58,7 +58,9 @@ class Forwarding:
                 if deadline is None:
                     deadline = time.monotonic() + settings.HOLD_S
                 also = f"The last try: {unreachable.message}" if unreachable is not None else ""
-                await self.holding.wait(route.name, request.hang_up.gone, request.held, deadline, prospect, also)
+                await self.holding.wait(
+                    route.name, request.hang_up.gone, request.held, deadline, prospect, also, request.key.id
+                )
                 waited = True
                 continue
             self.demand.started(route.name)
@@ -200,7 +202,7 @@ class Forwarding:
                     response.close()
                     # Counted however the answer ended: a stream cut short, by either side, is billed for
                     # what was relayed, since its usage chunk (the last) never came.
-                    prompt, completion = answer.tokens(request.payload)
+                    prompt, completion = answer.tokens(len(request.body))
                     self.usage.add(request.key.id, route.name, prompt, completion)
                     self.observer.answered(scope, replica, gateway_s, prompt, completion, answer.cached(), why)
                 return prompt + completion

@@ -127,12 +127,14 @@ class Waiter:
 class Holding:
     """The waiting requests of one gateway process, a FIFO queue per model."""
 
-    def __init__(self, demand: Demand, hold_s: float, size: int, table) -> None:
+    def __init__(self, demand: Demand, hold_s: float, size: int, table, per_key: int | None = None) -> None:
         self.demand = demand
         self.table = table  # the gateway's current routing table, when called
         self.hold_s = hold_s
         self.size = size
+        self.per_key = per_key or size
         self.queues: dict[str, collections.deque[Waiter]] = {}
+        self.by_key: dict[tuple[str, int], int] = {}  # (model, key id): its requests waiting
         self.waiting = 0
         self.status: dict[str, prospects.Prospect] = {}
         self.began_waiting = asyncio.Event()  # the table refresher reads faster from here on
@@ -172,7 +174,14 @@ class Holding:
     # --- waiting ------------------------------------------------------------------
 
     async def wait(
-        self, name: str, gone: asyncio.Future, stream: HeldStream | None, deadline: float, prospect, also: str = ""
+        self,
+        name: str,
+        gone: asyncio.Future,
+        stream: HeldStream | None,
+        deadline: float,
+        prospect,
+        also: str = "",
+        key_id: int = 0,
     ) -> None:
         """Until the model has a usable replica (release); raises Refusal (503) or ClientGone instead.
 
@@ -185,6 +194,16 @@ class Holding:
                 f"holds for one model (LLMGW_HOLD_QUEUE); try again shortly. {prospect.reason}.",
                 code="hold_queue_full",
             )
+        # One key cannot take the whole queue from the others.
+        mine = (name, key_id)
+        if self.by_key.get(mine, 0) >= self.per_key:
+            raise unavailable(
+                f"This API key has {self.by_key[mine]} requests waiting for a replica of {name} already, as many "
+                f"as one key may have waiting for one model (LLMGW_HOLD_QUEUE_PER_KEY); try again shortly. "
+                f"{prospect.reason}.",
+                code="hold_queue_full",
+            )
+        self.by_key[mine] = self.by_key.get(mine, 0) + 1
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future())
         queue.append(waiter)
@@ -223,6 +242,9 @@ class Holding:
                 queue.remove(waiter)
             if not queue and self.queues.get(name) is queue:
                 del self.queues[name]
+            self.by_key[mine] -= 1
+            if not self.by_key[mine]:
+                del self.by_key[mine]
             self.waiting -= 1
             self.demand.wait_changed(name, -1)
 

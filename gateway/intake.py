@@ -6,7 +6,7 @@ Each refusal is a Refusal with the sentence the client sees in OpenAI's error sh
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable
 
 from . import routes
 from .endpoints import ENDPOINTS, answered_by
@@ -15,6 +15,8 @@ from .errors import ClientGone, Refusal
 # The longest a token of any model's vocabulary is, in characters: the bound a prompt's
 # length is checked against. docs/gateway.md says where the figure comes from.
 LONGEST_TOKEN_CHARS = 256
+# The most answers one request may ask for (OpenAI's `n`): each is reserved against its key's windows.
+MOST_CHOICES = 16
 
 
 def sentence_of(error: BaseException) -> str:
@@ -37,7 +39,42 @@ async def read_body(receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
+# The most JSON objects and arrays a body may hold, counted by their opening brackets (those in
+# strings too, so a generous figure): a 32 MiB `[{},{},...]` is eleven million objects, a gigabyte
+# of Python and seconds of a parser that holds the GIL (so no thread makes it cheap). A long
+# conversation with tools is a few thousand. docs/gateway.md says more.
+MOST_CONTAINERS = 100_000
+
+# Keys of an engine's own (llama-server's) that reach around what the gateway bounds: the
+# output limit (n_predict outranks max_tokens in llama-server), the prompt cache and its slots
+# (an oracle of other keys' prompts), grammars compiled unchecked, the context shift, time
+# limits, adapters, several completions at once. Refused unless LLMGW_GATEWAY_ENGINE_KEYS names
+# them; OpenAI's own keys and samplers pass. docs/gateway.md says why each.
+ENGINE_KEYS = {
+    "n_predict": 'the output limit: send "max_tokens"',
+    "id_slot": "a slot of the engine's prompt cache, shared by every key",
+    "slot_id": "a slot of the engine's prompt cache, shared by every key",
+    "cache_prompt": "the engine's prompt cache, shared by every key",
+    "n_cache_reuse": "the engine's prompt cache, shared by every key",
+    "grammar": 'a grammar the engine compiles unchecked: send "response_format"',
+    "json_schema": 'a grammar the engine compiles unchecked: send "response_format"',
+    "n_keep": "the engine's context shift",
+    "n_discard": "the engine's context shift",
+    "t_max_predict_ms": "the engine's time limits",
+    "t_max_prompt_ms": "the engine's time limits",
+    "n_cmpl": "several completions at once",
+    "lora": "the engine's adapters",
+}
+
+
 def parse_request(body: bytes) -> dict:
+    containers = body.count(b"{") + body.count(b"[")
+    if containers > MOST_CONTAINERS:
+        raise Refusal(
+            413,
+            f"The request body holds {containers} JSON objects and arrays (counted by their brackets), more than "
+            f"the gateway reads in one request ({MOST_CONTAINERS}).",
+        )
     try:
         request = json.loads(body)
     except ValueError as error:
@@ -57,6 +94,20 @@ def parse_request(body: bytes) -> dict:
     return request
 
 
+def check_engine_keys(request: dict, allowed: Iterable[str]) -> None:
+    """Refuse an engine's own key that would reach around a bound (ENGINE_KEYS), unless the operator allows it."""
+    for key in request.keys() & ENGINE_KEYS.keys():
+        if key in allowed:
+            continue
+        raise Refusal(
+            400,
+            f'"{key}" is an engine\'s own key, which this gateway does not pass on: it reaches around '
+            f"{ENGINE_KEYS[key]}.",
+            param=key,
+            code="engine_key_refused",
+        )
+
+
 def check_kind(path: str, route: routes.Route) -> None:
     """Refuse an address the model's kind does not answer: its engine was not started for it."""
     endpoint = ENDPOINTS.get(path)
@@ -72,34 +123,34 @@ def check_kind(path: str, route: routes.Route) -> None:
     )
 
 
-def prompt_texts(path: str, request: dict) -> Iterator[str]:
-    """The text a request asks the model to read: chat messages' contents, a completion's prompt.
+def text_length(value) -> int:
+    """The characters of every string in a request, keys aside: what an engine may be made to read.
 
-    Whatever is not text in the expected shape is skipped; the engine refuses it with its own sentence.
+    The template puts tools, response formats and grammars into the prompt as much as
+    messages, so all of it counts. The walk is bounded by MOST_CONTAINERS.
     """
-    if path == "/v1/chat/completions":
-        messages = request.get("messages")
-        for message in messages if isinstance(messages, list) else ():
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, str):
-                yield content
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        yield part["text"]
-            calls = message.get("tool_calls")
-            for call in calls if isinstance(calls, list) else ():
-                function = call.get("function") if isinstance(call, dict) else None
-                if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                    yield function["arguments"]
-    elif path == "/v1/completions":
-        prompt = request.get("prompt")
-        if isinstance(prompt, str):
-            yield prompt
-        elif isinstance(prompt, list):
-            yield from (item for item in prompt if isinstance(item, str))
+    length, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            length += len(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return length
+
+
+def too_long(length: int, route: routes.Route, param: str, what: str = "The prompt") -> Refusal:
+    most = route.context_length * LONGEST_TOKEN_CHARS
+    return Refusal(
+        400,
+        f"{what} is {length} characters long; the context of {route.name} is {route.context_length} "
+        f"tokens, which hold at most {most} characters (no token is longer than {LONGEST_TOKEN_CHARS}), "
+        "so it cannot fit.",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def check_prompt_length(path: str, request: dict, route: routes.Route, body_bytes: int) -> None:
@@ -109,46 +160,55 @@ def check_prompt_length(path: str, request: dict, route: routes.Route, body_byte
     megabyte took llama.cpp over 30 s. No token is longer than LONGEST_TOKEN_CHARS
     characters, so a prompt longer than the context times that cannot fit. A body
     no longer than that bound cannot hold such a prompt (a character takes at least
-    a byte of JSON), so ordinary requests are not counted at all.
+    a byte of JSON), so ordinary requests are not counted at all. A chat's prompt is
+    every string of the request (messages, tools, formats); an embedding's or a
+    rerank's is each input, document and query on its own, as the engine reads them.
     """
     most = route.context_length * LONGEST_TOKEN_CHARS
     if body_bytes <= most or not most:  # a model without a context length is the engine's to judge
         return
-    length = sum(len(text) for text in prompt_texts(path, request))
-    if length > most:
-        raise Refusal(
-            400,
-            f"The prompt is {length} characters long; the context of {route.name} is {route.context_length} "
-            f"tokens, which hold at most {most} characters (no token is longer than {LONGEST_TOKEN_CHARS}), "
-            "so it cannot fit.",
-            param="messages" if path == "/v1/chat/completions" else "prompt",
-            code="context_length_exceeded",
-        )
-
-
-def check_limits(path: str, request: dict, route: routes.Route, body_bytes: int) -> None:
-    """Refuse what the model cannot do, before a replica spends time on it.
-
-    A prompt that may fit by its length but not in tokens is refused by the engine
-    itself, the one that knows its tokenizer; its 400 is passed on as it is.
-    """
-    if route.kind != "chat":
+    if route.kind == "chat":
+        length = text_length({k: v for k, v in request.items() if k != "model"})
+        if length > most:
+            raise too_long(length, route, "messages" if path == "/v1/chat/completions" else "prompt")
         return
+    for field in ("input", "query", "documents"):
+        value = request.get(field)
+        for item in value if isinstance(value, list) else [value]:
+            length = text_length(item)
+            if length > most:
+                raise too_long(length, route, field, f"An item of {field!r}")
+
+
+def check_limits(path: str, request: dict, route: routes.Route, body_bytes: int) -> int:
+    """Refuse what the model cannot do, before a replica spends time on it; the answer's most tokens.
+
+    A chat request without max_tokens is given the model's output limit (sent to the
+    engine, so no answer runs past it): what it may cost is known before it goes, and
+    reserved against its key's token windows (limits.py). A model without an output
+    limit is bounded by its context. A prompt that may fit by its length but not in
+    tokens is refused by the engine itself, the one that knows its tokenizer; its 400
+    is passed on as it is.
+    """
     check_prompt_length(path, request, route, body_bytes)
+    if route.kind != "chat":
+        return 0
     field = "max_completion_tokens" if request.get("max_completion_tokens") is not None else "max_tokens"
     wanted = request.get(field)
     if wanted is None:
-        return
-    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+        if route.max_output:
+            request["max_tokens"] = route.max_output
+        wanted = route.max_output or route.context_length
+    elif isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
         raise Refusal(400, f'"{field}" must be a whole number of at least 1.', param=field)
-    if route.max_output and wanted > route.max_output:
+    elif route.max_output and wanted > route.max_output:
         raise Refusal(
             400,
             f"{field} is {wanted}, above the output limit of {route.name}, which is {route.max_output} tokens.",
             param=field,
             code="max_tokens_too_large",
         )
-    if wanted >= route.context_length:
+    elif wanted >= route.context_length:
         raise Refusal(
             400,
             f"{field} is {wanted}, which leaves no room for the prompt in the context length of "
@@ -156,3 +216,10 @@ def check_limits(path: str, request: dict, route: routes.Route, body_bytes: int)
             param=field,
             code="context_length_exceeded",
         )
+    # Several answers (OpenAI's n) may each be as long; what is not a count is the engine's to refuse.
+    choices = request.get("n")
+    if isinstance(choices, bool) or not isinstance(choices, int) or choices < 1:
+        return wanted
+    if choices > MOST_CHOICES:
+        raise Refusal(400, f'"n" is {choices}; this gateway gives at most {MOST_CHOICES} answers a request.', param="n")
+    return wanted * choices

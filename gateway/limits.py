@@ -12,9 +12,17 @@ see Limiter), which is what makes a limited request cost little more than one
 without limits.
 
 Windows are fixed: the minute, the UTC day and the UTC month, each a counter
-under its own Redis key that expires after the window. Tokens are known only
-after an answer, so a token limit refuses the request after the one that
-crossed it: a window can end above its limit by at most one answer per process.
+under its own Redis key that expires after the window.
+
+Admission comes in two steps, so that a request the key may not make costs
+nothing. Before its body is read, ADMIT counts the request and marks it in
+flight (and refuses a key whose token windows are full already). Once the body
+is read, a key with token limits has RESERVE add to its token windows what the
+request may cost at most: its prompt by the body's size and the most tokens its
+answer may have (the max_tokens the gateway sends, intake.check_limits), refused
+when that does not fit. Settling replaces the reservation with the answer's
+tokens. So concurrent requests cannot together go past a token window: each
+holds its share of it while it runs.
 """
 
 from __future__ import annotations
@@ -83,15 +91,46 @@ return answers
 """
 
 # After the answers of one key. KEYS: tokens this minute, today, this month, the in-flight set.
-# ARGV: the answers' tokens together, each window's expiry (set when its counter is made), then each request's id.
+# ARGV: the answers' tokens together less what they had reserved (below 0 when they reserved
+# more), each window's expiry (set when its counter is made), then each request's id.
 SETTLE = """
 local tokens = tonumber(ARGV[1])
-if tokens > 0 then
+if tokens ~= 0 then
   for i = 1, 3 do
     if redis.call('INCRBY', KEYS[i], tokens) == tokens then redis.call('EXPIRE', KEYS[i], tonumber(ARGV[i + 1])) end
   end
 end
 return redis.call('ZREM', KEYS[4], unpack(ARGV, 5))
+"""
+
+# Reserves the most each request of one key may cost in its token windows, in the order they came.
+# KEYS: tokens this minute, today, this month. ARGV: the three limits (0: none), each window's
+# expiry, then each request's reservation. Answers four numbers a request: which window refused
+# it (2-4, as ADMIT numbers them; 0: none), then the three windows' tokens used and reserved.
+RESERVE = """
+local used, added = {}, 0
+for i = 1, 3 do used[i] = tonumber(redis.call('GET', KEYS[i]) or '0') end
+local answers = {}
+for r = 7, #ARGV do
+  local want = tonumber(ARGV[r])
+  local which = 0
+  for i = 1, 3 do
+    local limit = tonumber(ARGV[i])
+    if limit > 0 and used[i] + want > limit then which = i + 1 break end
+  end
+  if which == 0 then
+    added = added + want
+    for i = 1, 3 do used[i] = used[i] + want end
+  end
+  local n = #answers
+  answers[n + 1], answers[n + 2], answers[n + 3], answers[n + 4] = which, used[1], used[2], used[3]
+end
+if added > 0 then
+  for i = 1, 3 do
+    if redis.call('INCRBY', KEYS[i], added) == added then redis.call('EXPIRE', KEYS[i], tonumber(ARGV[i + 3])) end
+  end
+end
+return answers
 """
 
 # Each window's counter outlives its window a little, then goes.
@@ -119,6 +158,10 @@ class Limits:
 
     def values(self) -> tuple[int, int, int, int, int]:
         return astuple(self)
+
+    @property
+    def tokens(self) -> tuple[int, int, int]:
+        return self.values()[1:4]
 
 
 LIMIT_FIELDS = tuple(f.name for f in fields(Limits))
@@ -171,6 +214,7 @@ def tag_of(key_hash: str) -> str:
 class Ticket:
     windows: Windows
     request_id: str
+    reserved: int = 0  # tokens held in its windows until it settles
 
 
 def duration(seconds: float) -> str:
@@ -185,8 +229,11 @@ def duration(seconds: float) -> str:
     return f"{secs}s"
 
 
-def refusal(limits: Limits, which: int, used: list[int], windows: Windows) -> Refusal:
-    """The 429 for the limit `which` (1-5, as the script answers), with OpenAI's x-ratelimit headers."""
+def refusal(limits: Limits, which: int, used: list[int], windows: Windows, wanted: int = 0) -> Refusal:
+    """The 429 for the limit `which` (1-5, as the scripts answer), with OpenAI's x-ratelimit headers.
+
+    `wanted`: the tokens a request would have reserved (RESERVE), when that is what did not fit.
+    """
     name, unit = WHAT[which]
     limit = limits.values()[which - 1]
     resets = windows.resets()
@@ -194,10 +241,18 @@ def refusal(limits: Limits, which: int, used: list[int], windows: Windows) -> Re
         retry, sentence = 1.0, f"This API key may have {limit} requests in flight at once, and has {used[5]}."
     else:
         retry = resets[{1: 0, 2: 0, 3: 1, 4: 2}[which]]
-        sentence = (
-            f"This API key is over its limit of {limit} {name}: {used[which]} {unit} used in this window, "
-            f"which resets in {duration(retry)}."
-        )
+        if wanted:
+            beyond = " more than the whole window" if wanted > limit else ""
+            sentence = (
+                f"This API key is over its limit of {limit} {name}: {used[which]} {unit} used or reserved in this "
+                f"window, and this request may use {wanted}{beyond} (its prompt by its size, and its max_tokens); "
+                f"the window resets in {duration(retry)}."
+            )
+        else:
+            sentence = (
+                f"This API key is over its limit of {limit} {name}: {used[which]} {unit} used in this window, "
+                f"which resets in {duration(retry)}."
+            )
     headers = [(b"retry-after", str(max(1, int(retry + 0.999))).encode())]
     if limits.requests_per_minute:
         headers += [
@@ -342,6 +397,7 @@ class Limiter:
         # Waiting for the next send: admissions by key and limits, settlings by key.
         self._admitting: dict[tuple[Windows, Limits], list[tuple[str, asyncio.Future]]] = {}
         self._settling: dict[Windows, list] = {}
+        self._reserving: dict[tuple[Windows, Limits], list[tuple[int, asyncio.Future]]] = {}
         self._send_soon = False
         self._windows: dict[str, Windows] = {}
         self._ids = itertools.count()
@@ -367,12 +423,31 @@ class Limiter:
             raise refusal(limits, which, [0, *used], windows)
         return Ticket(windows, request_id)
 
+    async def reserve(self, ticket: Ticket, limits: Limits, tokens: int) -> None:
+        """Hold `tokens` in the key's token windows until the ticket settles, or raise the 429 (and end its flight).
+
+        Unchecked (nothing reserved) when Redis cannot be asked, as admit() is.
+        """
+        future = asyncio.get_running_loop().create_future()
+        self._reserving.setdefault((ticket.windows, limits), []).append((tokens, future))
+        self._send_later()
+        try:
+            which, *used = await future
+        except (RedisError, OSError, TimeoutError) as error:
+            self._warn(error)
+            return
+        if which:
+            self.settle(ticket, 0)
+            raise refusal(limits, which, [0, 0, *used, 0], ticket.windows, wanted=tokens)
+        ticket.reserved = tokens
+
     def settle(self, ticket: Ticket, tokens: int) -> None:
-        """Count an answer's tokens and end its flight; sent with the next batch, not waited for."""
+        """Count an answer's tokens in place of its reservation and end its flight; sent with the next batch."""
         batch = self._settling.get(ticket.windows)
         if batch is None:
             batch = self._settling[ticket.windows] = [0]
-        batch[0] += tokens
+        batch[0] += tokens - ticket.reserved
+        ticket.reserved = 0
         batch.append(ticket.request_id)
         self._send_later()
 
@@ -412,7 +487,13 @@ class Limiter:
                 ids = [request_id for request_id, _ in some]
                 futures = [future for _, future in some]
                 args = (*limits.values(), now, STALE_IN_FLIGHT_S, *ids)
-                self._call(pipe, ADMIT, windows.keys, args, functools.partial(_admitted, futures))
+                self._call(pipe, ADMIT, windows.keys, args, functools.partial(_admitted, futures, 6))
+        reserving, self._reserving = self._reserving, {}
+        for (windows, limits), requests in reserving.items():
+            for some in _chunks(requests):
+                args = (*limits.tokens, *EXPIRES.values(), *(tokens for tokens, _ in some))
+                futures = [future for _, future in some]
+                self._call(pipe, RESERVE, windows.keys[1:4], args, functools.partial(_admitted, futures, 4))
         pipe.flush()  # written now, not a turn of the loop later
 
     def _call(self, pipe: Pipe, script: str, keys, args, then: Callable[[object], None]) -> None:
@@ -434,10 +515,11 @@ class Limiter:
             self._pipe = await self._connect()
         except (RedisError, OSError, TimeoutError) as error:
             failure = error if isinstance(error, RedisError) else RedisError(f"Redis cannot be reached: {error!r}")
-            for requests in self._admitting.values():
+            for requests in (*self._admitting.values(), *self._reserving.values()):
                 for _, future in requests:
                     _resolve(future, failure)
             self._admitting.clear()
+            self._reserving.clear()
             if self._settling:
                 self._settling.clear()
                 self._warn(failure)
@@ -463,7 +545,7 @@ class Limiter:
                     await pipe.ask("AUTH", *auth)
                 if self._address.get("db"):
                     await pipe.ask("SELECT", self._address["db"])
-                for script in (ADMIT, SETTLE):
+                for script in (ADMIT, RESERVE, SETTLE):
                     self._shas[script] = await pipe.ask("SCRIPT", "LOAD", script)
             except BaseException:
                 transport.close()
@@ -479,7 +561,7 @@ class Limiter:
         """Send what is waiting and wait for its replies (a while at most), then close."""
         if self._connecting is not None:
             await asyncio.gather(self._connecting, return_exceptions=True)
-        if self._settling or self._admitting:
+        if self._settling or self._admitting or self._reserving:
             self._send()
             if self._connecting is not None:
                 await asyncio.gather(self._connecting, return_exceptions=True)
@@ -503,14 +585,14 @@ def _chunks(items: list) -> list[list]:
     return [items] if len(items) <= BATCH else [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
 
 
-def _admitted(futures: list[asyncio.Future], reply) -> None:
-    """Hand each request of a batch its six numbers of the ADMIT script's answer."""
+def _admitted(futures: list[asyncio.Future], size: int, reply) -> None:
+    """Hand each request of a batch its `size` numbers of the ADMIT (or RESERVE) script's answer."""
     if isinstance(reply, Exception):
         for future in futures:
             _resolve(future, reply)
         return
     for i, future in enumerate(futures):
-        _resolve(future, reply[6 * i : 6 * i + 6])
+        _resolve(future, reply[size * i : size * i + size])
 
 
 def used_now(client: redis.Redis, key_hash: str) -> dict[str, int]:

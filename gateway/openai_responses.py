@@ -16,7 +16,7 @@ from .endpoints import RESPONSES
 from .errors import Refusal, error_event
 from .events import sse
 from .translation import ChatStream, Translation, text_of
-from .usage import cached_of
+from .usage import cached_shown
 
 TEXT_DELTA = (
     b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "sequence_number": %d, '
@@ -200,7 +200,7 @@ def responses_usage(usage: dict | None) -> dict:
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached_of(usage)},
+        "input_tokens_details": {"cached_tokens": cached_shown(usage)},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.get("total_tokens", prompt + completion),

@@ -73,11 +73,12 @@ def _text(content) -> str:
     if isinstance(content, list):
         parts, size = [], 0
         for part in content:
+            # Never str() of a whole object: a part may be megabytes, and the key must cost microseconds.
             if isinstance(part, dict):
-                text = part.get("text")
-                text = text if isinstance(text, str) else f"<{part.get('type')}>"
+                text, kind = part.get("text"), part.get("type")
+                text = text if isinstance(text, str) else f"<{kind[:KEY_CHARS] if isinstance(kind, str) else ''}>"
             else:
-                text = str(part)[:KEY_CHARS]
+                text = part if isinstance(part, str) else f"<{type(part).__name__}>"
             parts.append(text[: KEY_CHARS - size])
             size += len(parts[-1])
             if size >= KEY_CHARS:
@@ -96,6 +97,7 @@ def key_of(request: dict) -> bytes | None:
         if not isinstance(message, dict):
             break
         role = message.get("role")
+        role = role[:KEY_CHARS] if isinstance(role, str) else ""
         pieces.append(f"{role}\x00{_text(message.get('content'))}\x01")
         if role == "user":
             break

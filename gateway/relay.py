@@ -19,9 +19,10 @@ import time
 from typing import TYPE_CHECKING
 
 import aiohttp
+from django.conf import settings
 
 from .errors import ClientGone, Refusal, error_body, replica_error_body
-from .events import EventFilter
+from .events import EventFilter, without_cache_counts
 from .intake import sentence_of
 
 if TYPE_CHECKING:
@@ -49,7 +50,11 @@ async def relay(request: Request, response: aiohttp.ClientResponse, replica: int
         events = translation.stream()
         headers = [(b"content-type", b"text/event-stream"), *STREAM_HEADERS]
     else:
-        events = EventFilter(drop_usage=not request.client_wants_usage) if event_stream else None
+        hide_cache = not settings.GATEWAY_SHOW_CACHED_TOKENS
+        events = EventFilter(not request.client_wants_usage, hide_cache) if event_stream else None
+        # A whole answer is passed on whole when what it says of the cache is taken out: a count split
+        # between two chunks would be missed. Its length stays (without_cache_counts).
+        whole = [] if events is None and hide_cache else None
         headers = [(b"content-type", content_type.encode("latin-1"))]
         if event_stream:
             headers += STREAM_HEADERS
@@ -68,14 +73,21 @@ async def relay(request: Request, response: aiohttp.ClientResponse, replica: int
                 chunk = events.feed(chunk)
                 if not chunk:
                     continue
+            elif whole is not None:
+                whole.append(chunk)
+                continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        last = events.rest() if events is not None else b""
+        if events is not None:
+            last = events.rest()
+        else:
+            last = without_cache_counts(b"".join(whole)) if whole is not None else b""
         hang_up.unguard()
         await send({"type": "http.response.body", "body": last})
     except asyncio.CancelledError:
         if not hang_up.client_left():
             raise
         # The client went away: the answer so far is counted, the replica's connection closed.
+        answer.client_left = True
         return
     except aiohttp.ClientError as error:
         # The replica broke off or fell silent mid-answer: too late for another replica.
@@ -101,6 +113,7 @@ async def _relay_whole_translated(request: Request, response, replica: int, gate
     except asyncio.CancelledError:
         if not request.hang_up.client_left():
             raise
+        answer.client_left = True
         return
     except aiohttp.ClientError as error:
         log.warning("replica %s broke off its answer: %s", replica, sentence_of(error))

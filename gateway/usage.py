@@ -24,12 +24,12 @@ import uuid
 from datetime import date, timedelta
 from pathlib import Path
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
 from .endpoints import ENDPOINTS
-from .intake import prompt_texts
 from .models import ApiKey, Usage, UsageBatch
 
 log = logging.getLogger("llmgw.gateway")
@@ -74,8 +74,14 @@ def cached_in(tail: bytes) -> int:
     return int(counted.group(1)) if counted else 0
 
 
-def cached_of(usage: dict | None) -> int:
-    """The cached prompt tokens of a chat completion's usage, as a translation writes them in its client's shape."""
+def cached_shown(usage: dict | None) -> int:
+    """The cached prompt tokens of a chat completion's usage, as a translation shows them to its client.
+
+    0 unless the operator shows them (LLMGW_GATEWAY_SHOW_CACHED_TOKENS): the engine's cache is
+    shared by every key, and its count tells one key what another sent (docs/gateway.md).
+    """
+    if not settings.GATEWAY_SHOW_CACHED_TOKENS:
+        return 0
     details = (usage or {}).get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return cached if isinstance(cached, int) and cached > 0 else 0
@@ -95,6 +101,7 @@ class Answer:
         self.path = path
         self.tail = b""
         self.event_stream = False
+        self.client_left = False
         self.generated = 0
         endpoint = ENDPOINTS.get(path)
         self._pattern = endpoint.generated if endpoint else None
@@ -112,17 +119,26 @@ class Answer:
         """The prompt tokens the engine had in its cache, as it said; 0 when it did not say."""
         return cached_in(self.tail)
 
-    def tokens(self, request: dict) -> tuple[int, int]:
-        """(prompt, completion): the engine's own count, or what was relayed of a stream cut short."""
+    def tokens(self, body_bytes: int) -> tuple[int, int]:
+        """(prompt, completion): the engine's own count, or an estimate for an answer cut short.
+
+        The usage comes last and never came (a stream cut short, a client that left before
+        a whole answer): the engine's count is gone with the connection, and asking it again
+        would cost a request to an engine for each hang-up. The prompt is billed by the size
+        of the body the engine was sent (BYTES_PER_TOKEN a token: whatever a client hides in
+        tools or formats is read by the engine too), the answer by the text chunks relayed.
+        """
         counted = tokens_in(self.tail)
         if counted is not None:
             return counted
-        if not self.event_stream:
-            return 0, 0
-        # The usage chunk comes last and never came. The engine's count is gone with the
-        # connection; asking it again would cost a request to an engine for each hang-up.
-        size = sum(len(text.encode("utf-8", "replace")) for text in prompt_texts(self.path, request))
-        return -(-size // BYTES_PER_TOKEN), self.generated
+        if not (self.event_stream or self.client_left):
+            return 0, 0  # an engine's error, whole: nothing was made
+        return prompt_estimate(body_bytes), self.generated
+
+
+def prompt_estimate(body_bytes: int) -> int:
+    """A prompt's tokens by the size of the body that carries it, rounded up."""
+    return -(-body_bytes // BYTES_PER_TOKEN)
 
 
 # Batches written in one transaction at most: a long outage's backlog goes in a few steps.

@@ -135,11 +135,22 @@ GATEWAY_UPSTREAM_TIMEOUT_S = env_int("LLMGW_GATEWAY_UPSTREAM_TIMEOUT_S", 600, mi
 GATEWAY_UPSTREAM_LOST_S = env_int("LLMGW_GATEWAY_UPSTREAM_LOST_S", 15, minimum=1)
 # The largest request body the gateway reads, in bytes.
 GATEWAY_MAX_BODY = env_int("LLMGW_GATEWAY_MAX_BODY", 32 * 1024 * 1024, minimum=1024)
+# Requests (and connections) one gateway process takes at once; uvicorn answers 503 past it.
+GATEWAY_CONCURRENCY = env_int("LLMGW_GATEWAY_CONCURRENCY", 4096, minimum=1)
+# Requests one key may have in one gateway process at once, whatever its own limits (docs/gateway.md).
+GATEWAY_KEY_CONCURRENCY = env_int("LLMGW_GATEWAY_KEY_CONCURRENCY", 256, minimum=1)
+# Whether clients see how many of their prompt's tokens the engine had cached (cached_tokens): only where
+# every key is one tenant, since the cache is shared and its count tells one key what another sent.
+GATEWAY_SHOW_CACHED_TOKENS = env_bool("LLMGW_GATEWAY_SHOW_CACHED_TOKENS", False)
+# Engines' own body keys the gateway passes on (gateway/intake.py ENGINE_KEYS), comma-separated; none by default.
+GATEWAY_ENGINE_KEYS = frozenset(k.strip() for k in env_str("LLMGW_GATEWAY_ENGINE_KEYS", "").split(",") if k.strip())
 # Holding (docs/gateway.md): a request for a model with no ready replica, but one on its way,
 # waits this many seconds for it (0: refused at once, as before), in a queue of at most
 # LLMGW_HOLD_QUEUE requests per model and gateway process.
 HOLD_S = env_int("LLMGW_HOLD_S", 300, minimum=0)
 HOLD_QUEUE = env_int("LLMGW_HOLD_QUEUE", 256, minimum=1)
+# Of those, how many one key may have waiting for one model: a queue shared between keys.
+HOLD_QUEUE_PER_KEY = env_int("LLMGW_HOLD_QUEUE_PER_KEY", 64, minimum=1)
 # Prefix routing's bound (gateway/prefix.py): a replica takes a conversation's request while its requests
 # in flight stay within this many times the model's average per replica; past it, the next on the ring does.
 # 1 would be no slack at all; below 1 no replica could ever take the request.

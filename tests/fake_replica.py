@@ -65,6 +65,8 @@ class FakeReplica:
             return web.json_response({"error": error}, status=self.status)
         if self.tool_call is not None:
             return await self._call_tool(request, body)
+        if not body.get("stream") and body.get("hold"):
+            return await self._held_whole(request, body)
         if not body.get("stream"):
             return web.json_response(
                 {
@@ -89,6 +91,8 @@ class FakeReplica:
             for i in range(self.chunks):
                 chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": f"c{i}"}}]}
                 await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if body.get("gap"):
+                    await asyncio.sleep(body["gap"])  # an engine's pace: a chunk every `gap` seconds
                 if i == (0 if body.get("hold") or self.hold else body.get("hold_after")):
                     # Wait here, with this chunk sent (the first, or the one asked for), until the test lets go.
                     while not self.release.is_set():
@@ -105,6 +109,24 @@ class FakeReplica:
             raise
         finally:
             self.open_streams -= 1
+        return response
+
+    async def _held_whole(self, request: web.Request, body: dict) -> web.StreamResponse:
+        """A whole (not streamed) answer begun and held until released, as a slow engine's answer is in transit."""
+        whole = json.dumps({"object": "chat.completion", "model": body.get("model"), "usage": self.usage}).encode()
+        response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": str(len(whole))})
+        await response.prepare(request)
+        await response.write(whole[:10])
+        try:
+            while not self.release.is_set():
+                await asyncio.sleep(0.02)
+                if request.transport is None or request.transport.is_closing():
+                    raise ConnectionResetError
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.hung_up += 1
+            raise
+        await response.write(whole[10:])
+        await response.write_eof()
         return response
 
     async def _call_tool(self, request: web.Request, body: dict) -> web.StreamResponse:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -100,25 +101,31 @@ def test_a_key_over_its_tokens_per_minute_is_refused_once_the_answers_usage_is_c
     replica = replicas()
     replica.usage = {"prompt_tokens": 11, "completion_tokens": 3}  # 14 tokens an answer
     add_replica("chat", replica.base)
-    key, secret = create_key("twenty-tokens", limits={"tokens_per_minute": 20})
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    # What a request reserves while it runs: its prompt by its body's size (4 bytes a token), and its max_tokens.
+    reserved = -(-len(json.dumps(body)) // 4) + 3
+    key, secret = create_key("tight", limits={"tokens_per_minute": 14 + reserved})
     session = client(secret)
     until_routed(session, gateway.url)
     clear_of_minute_boundary(10)
-    assert chat(session, gateway.url).status_code == 200
+    assert chat(session, gateway.url, max_tokens=3).status_code == 200
     wait_until(lambda: used_now(redis_client, key.key_hash)["tokens_per_minute"] == 14, timeout=5, what="14 tokens")
-    # 14 of 20 used: this one may go, and its 14 take the minute to 28.
-    assert chat(session, gateway.url).status_code == 200
+    # 14 used: this one's reservation fits, and its 14 take the minute to 28.
+    assert chat(session, gateway.url, max_tokens=3).status_code == 200
     wait_until(lambda: used_now(redis_client, key.key_hash)["tokens_per_minute"] == 28, timeout=5, what="28 tokens")
-    refused = chat(session, gateway.url)
+    refused = chat(session, gateway.url, max_tokens=3)
     assert refused.status_code == 429
     assert error_of(refused)["message"].startswith(
-        "This API key is over its limit of 20 tokens per minute: 28 tokens used in this window"
+        f"This API key is over its limit of {14 + reserved} tokens per minute: 28 tokens used or reserved in this "
+        f"window, and this request may use {reserved} (its prompt by its size, and its max_tokens)"
     )
-    assert refused.headers["x-ratelimit-limit-tokens"] == "20"
-    assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert refused.headers["x-ratelimit-limit-tokens"] == str(14 + reserved)
+    assert refused.headers["x-ratelimit-remaining-tokens"] == str(reserved - 14)
     assert "x-ratelimit-limit-requests" not in refused.headers
+    # The refused request's flight ended with it, and it reserved nothing.
+    wait_until(lambda: used_now(redis_client, key.key_hash)["max_in_flight"] == 0, timeout=5, what="no flight")
     used = used_now(redis_client, key.key_hash)
-    assert used["tokens_per_day"] == used["tokens_per_month"] == 28 and used["requests_per_minute"] == 2
+    assert used["tokens_per_day"] == used["tokens_per_month"] == 28 and used["requests_per_minute"] == 3
 
 
 def test_a_key_without_limits_costs_redis_nothing(gateway, replicas, redis_client):

@@ -97,8 +97,13 @@ class Fleet:
 
     def start_gateway(self, name: str) -> str:
         log = self.tmp_path / f"{name}-access.log"
+        # One tenant: its clients are shown the cached tokens (docs/gateway.md), which the tests read.
         process, url = start_gateway(
-            self.tmp_path, name=name, LLMGW_GATEWAY_ACCESS_LOG=log, LLMGW_METRICS_TOKEN=METRICS_TOKEN
+            self.tmp_path,
+            name=name,
+            LLMGW_GATEWAY_ACCESS_LOG=log,
+            LLMGW_METRICS_TOKEN=METRICS_TOKEN,
+            LLMGW_GATEWAY_SHOW_CACHED_TOKENS="true",
         )
         self.gateways.append((process, url, log))
         session = requests.Session()

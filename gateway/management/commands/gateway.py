@@ -24,7 +24,7 @@ class Command(BaseCommand):
         argv = [sys.executable, "-m", "uvicorn", "llmgw_site.asgi_gateway:application"]
         argv += ["--host", host, "--port", str(port), "--loop", "uvloop", "--http", "httptools"]
         argv += ["--lifespan", "on", "--no-access-log", "--backlog", "4096", "--timeout-keep-alive", "75"]
-        argv += ["--log-level", "info"]
+        argv += ["--log-level", "info", "--limit-concurrency", str(settings.GATEWAY_CONCURRENCY)]
         if workers > 1:
             # uvicorn binds the port once and hands it to each worker process.
             argv += ["--workers", str(workers)]
