@@ -314,3 +314,19 @@ def test_reconcile_runs_when_collection_itself_fails(broker, monkeypatch, caplog
     fleet_tasks.reconcile()
     assert "collecting what the nodes posted failed" in caplog.text
     assert Replica.objects.filter(model_name="tiny", node__name="good-a").exists()
+
+
+def test_node_token_enrols_an_address_keeps_it_when_not_given_and_refuses_one_that_is_not_an_address():
+    from io import StringIO
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    call_command("node_token", "gpu-01", "--address", "10.0.0.21", stdout=StringIO())
+    call_command("node_token", "gpu-01", stdout=StringIO())  # a new token, the address as it was
+    assert Node.objects.get(name="gpu-01").address == "10.0.0.21"
+    call_command("node_token", "gpu-01", "--address", "gpu-01.fleet.example", stdout=StringIO())
+    assert Node.objects.get(name="gpu-01").address == "gpu-01.fleet.example"
+    with pytest.raises(CommandError, match="--address: 'http://x/' is neither an IP address nor a host name"):
+        call_command("node_token", "gpu-01", "--address", "http://x/", stdout=StringIO())
+    assert Node.objects.get(name="gpu-01").address == "gpu-01.fleet.example"
