@@ -72,7 +72,8 @@ def test_a_heartbeat_with_a_wrong_token_changes_nothing(enrolled_node, control_w
     name, _ = enrolled_node
     agent = start_agent(name, "llmgw-node-not-the-token", agent_cache, tmp_path)
     try:
-        wait_until(lambda: "heartbeat refused" in control_worker.output(), timeout=30, what="the refusal")
+        refused = f"heartbeat of node {name} refused: its signature does not match"
+        wait_until(lambda: refused in control_worker.output(), timeout=30, what="the refusal")
         assert Node.objects.get(name=name).last_heartbeat is None
     finally:
         agent.stop()

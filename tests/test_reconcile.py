@@ -197,7 +197,7 @@ def test_an_edited_profile_is_rolled_out_the_old_replica_stopping_once_the_new_o
     node("a", memory_gb=64)
     reconcile.reconcile(models=tiny())
     old = Replica.objects.get()
-    reconcile.record_report(old.node, old.pk, "ready", "http://a:9000/v1", "")
+    reconcile.record_report(old.node, old.pk, "ready", "http://127.0.0.1:9000/v1", "")
     sent(broker, "node.a")
 
     edited = [
@@ -209,7 +209,7 @@ def test_an_edited_profile_is_rolled_out_the_old_replica_stopping_once_the_new_o
     assert Replica.objects.get(pk=old.pk).state == "ready"  # still serving meanwhile
     assert sent(broker, "node.a") == [start_of(new.pk, ["--ctx-size", "4096"])]
 
-    reconcile.record_report(new.node, new.pk, "ready", "http://a:9001/v1", "")
+    reconcile.record_report(new.node, new.pk, "ready", "http://127.0.0.1:9001/v1", "")
     # A gateway's load: the model answers a request, on the new replica, none on the old.
     snapshot = {"at": time.time(), "models": {"tiny": {"in_flight": 1, "waiting": 0, "last_request": time.time()}}}
     redis.Redis.from_url(settings.REDIS_URL).hset(

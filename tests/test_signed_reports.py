@@ -16,10 +16,12 @@ import logging
 import re
 import subprocess
 import time
+from datetime import timedelta
 
 import pytest
 from celery import current_app
 from django.conf import settings
+from django.utils import timezone
 
 from agent import engine_state, engines
 from contracts import keys, signing, tasks
@@ -33,7 +35,7 @@ from launcher.demo_model import write_tiny_llama
 from .support import node_messages as as_node
 from .support.factories import add_served_model
 from .support.mirror import put
-from .support.processes import start_agent
+from .support.processes import start_agent, start_celery_worker
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -53,11 +55,25 @@ def old_form(task: str, *args, **kwargs) -> None:
 # --- a Redis client that is not the node -----------------------------------------------------
 
 
-def test_a_redis_client_that_is_not_the_node_cannot_make_a_heartbeat_report_or_fetch_report_accepted(
-    control_worker, broker
-):
+@pytest.fixture
+def n1_heard_and_a_worker(broker, mirror_root, tmp_path):
+    """n1 enrolled and heard 10 s ago, its replica starting; then a real control worker, started after
+    the passes that enrolling n1 asked for are taken off its queue (they would stop a replica of no
+    catalog model, which is not what these tests are about)."""
     issue_token("n1")
+    heard = timezone.now() - timedelta(seconds=10)
+    Node.objects.filter(name="n1").update(last_heartbeat=heard, engines=["llamacpp"], memory_gb=8)
     replica = a_replica()
+    broker.delete(tasks.CONTROL_QUEUE)
+    worker = start_celery_worker("control", "control", tmp_path, LLMGW_MIRROR_ROOT=mirror_root)
+    yield worker, replica, heard
+    worker.stop()
+
+
+def test_a_redis_client_that_is_not_the_node_cannot_make_a_heartbeat_report_or_fetch_report_accepted(
+    n1_heard_and_a_worker, broker
+):
+    control_worker, replica, heard = n1_heard_and_a_worker
     endpoint = "http://127.0.0.1:9000/v1"
     made_up = "llmgw-node-made-up"  # knowing the name only, the forger signs with a key of its own
     fetch = {"node": "n1", "source": "http://127.0.0.1:1/m/v1/", "state": "complete", "path": "/x", "bytes_total": 1}
@@ -86,13 +102,13 @@ def test_a_redis_client_that_is_not_the_node_cannot_make_a_heartbeat_report_or_f
 
     wait_until(refused, timeout=60, what=f"every forgery to be refused\n{control_worker.output()[-3000:]}")
     node = Node.objects.get(name="n1")
-    assert (node.last_heartbeat, node.memory_gb) == (None, 0)
+    assert (node.last_heartbeat, node.memory_gb) == (heard, 8)
     replica.refresh_from_db()
     assert (replica.state, replica.endpoint, replica.attempts) == ("starting", "", 0)
     assert not Fetch.objects.exists()
     # And what n1 itself signs is taken: the refusals above are not of everything.
-    as_node.post_heartbeat(broker, "n1", as_node.heartbeat("n1", FACTS))
-    wait_until(lambda: Node.objects.get(name="n1").last_heartbeat, timeout=30, what="n1's own heartbeat")
+    as_node.post_heartbeat(broker, "n1", as_node.heartbeat("n1", dict(FACTS, memory_gb=9)))
+    wait_until(lambda: Node.objects.get(name="n1").memory_gb == 9, timeout=30, what="n1's own heartbeat")
 
 
 def _secrets_in(text: str, secrets: list[str]) -> list[str]:
@@ -298,3 +314,19 @@ def test_reconcile_runs_when_collection_itself_fails(broker, monkeypatch, caplog
     fleet_tasks.reconcile()
     assert "collecting what the nodes posted failed" in caplog.text
     assert Replica.objects.filter(model_name="tiny", node__name="good-a").exists()
+
+
+def test_node_token_enrols_an_address_keeps_it_when_not_given_and_refuses_one_that_is_not_an_address():
+    from io import StringIO
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    call_command("node_token", "gpu-01", "--address", "10.0.0.21", stdout=StringIO())
+    call_command("node_token", "gpu-01", stdout=StringIO())  # a new token, the address as it was
+    assert Node.objects.get(name="gpu-01").address == "10.0.0.21"
+    call_command("node_token", "gpu-01", "--address", "gpu-01.fleet.example", stdout=StringIO())
+    assert Node.objects.get(name="gpu-01").address == "gpu-01.fleet.example"
+    with pytest.raises(CommandError, match="--address: 'http://x/' is neither an IP address nor a host name"):
+        call_command("node_token", "gpu-01", "--address", "http://x/", stdout=StringIO())
+    assert Node.objects.get(name="gpu-01").address == "gpu-01.fleet.example"
