@@ -29,7 +29,7 @@ def issue_token(node_name: str) -> str:
     token = "llmgw-node-" + secrets.token_urlsafe(32)
     node, _ = Node.objects.get_or_create(name=node_name)
     node.token_hash = hash_token(token)
-    node.save(update_fields=["token_hash"])
+    node.save(update_fields=["token_hash"])  # and its replica key with it (Node.save)
     return token
 
 
@@ -38,7 +38,7 @@ def revoke_token(node_name: str) -> bool:
 
     False when there is no such node.
     """
-    return Node.objects.filter(name=node_name).update(token_hash="") == 1
+    return Node.objects.filter(name=node_name).update(token_hash="", replica_key="") == 1
 
 
 def token_hash_of(node_name: str) -> str | None:
