@@ -171,3 +171,9 @@ def test_the_roles_privileges_read_back_from_postgresql_are_exactly_the_list(gat
 def test_gateway_grants_refuses_a_role_name_it_would_have_to_quote():
     with pytest.raises(CommandError, match="is not a role name"):
         call_command("gateway_grants", "gw; DROP TABLE auth_user")
+
+
+def test_docs_fleet_shows_the_statements_the_command_prints(capsys):
+    call_command("gateway_grants", "llmgw_gateway")
+    printed = capsys.readouterr().out.strip()
+    assert printed in (processes.BASE_DIR / "docs" / "fleet.md").read_text()
