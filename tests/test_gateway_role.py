@@ -10,8 +10,11 @@ the same role is refused every one of those reads.
 
 from __future__ import annotations
 
+import io
+
 import psycopg
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.db import connection
@@ -61,8 +64,9 @@ def gateway_role():
     with connection.cursor() as cursor:
         cursor.execute(f"CREATE ROLE {ROLE} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE")
     try:
-        call_command("gateway_grants", ROLE, "--apply", stdout=open("/dev/null", "w"))
-        yield processes.test_database_url().replace("://llmgw@", f"://{ROLE}@", 1)
+        call_command("gateway_grants", ROLE, "--apply", stdout=io.StringIO())
+        db = settings.DATABASES["default"]  # the tests' PostgreSQL lets any role in without a password
+        yield f"postgres://{ROLE}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
     finally:
         with connection.cursor() as cursor:
             cursor.execute(f"DROP OWNED BY {ROLE}")
