@@ -84,10 +84,11 @@ class Supervisor:
         # (uid, gid) engines run as (LLMGW_ENGINE_USER, agent.fence); None: the agent's own.
         self.engine_user = fence.engine_user(engine_user)
         # The node's enrolment token keys each engine's secret (contracts.credentials);
-        # only a fingerprint of its hash is written down, to find engines started under another.
+        # only a fingerprint of the key of those secrets is written down, to find engines
+        # started under another token (or under the token hash itself, before replica keys).
         token = runtime.token() if token is None else token
         self.key = signing.token_hash(token) if token else ""
-        self.key_id = hashlib.sha256(self.key.encode()).hexdigest()[:16] if self.key else ""
+        self.key_id = hashlib.sha256(credentials.replica_key(self.key).encode()).hexdigest()[:16] if self.key else ""
         self.report = report
         # The same report, repeated so a lost one is made good: batched where the reporter can.
         self.report_again = getattr(report, "again", report)

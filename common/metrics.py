@@ -23,7 +23,8 @@ from django.views.decorators.http import require_safe
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
-from rest_framework.authtoken.models import Token
+
+from accounts import tokens
 
 from .permissions import reads_llmgw
 
@@ -72,7 +73,8 @@ def may_scrape(request: HttpRequest) -> bool:
 
 
 def _staff_token(given: str) -> bool:
-    return Token.objects.filter(key=given, user__is_staff=True, user__is_active=True).exists()
+    token, _ = tokens.check(given)
+    return token is not None and token.user.is_staff
 
 
 def address_allowed(address: str, allowed: list[str]) -> bool:

@@ -1,16 +1,20 @@
 """The two credentials a node never receives but derives: its engines' secrets and its byte-listener pass.
 
-Both are HMAC-SHA256 keyed by the sha256 of the node's enrolment token, the key that
-already signs the tasks sent to the node (`contracts.signing`): the control plane
-stores exactly that hash (`fleet.Node.token_hash`) and the node computes it from
-`LLMGW_NODE_TOKEN`. So neither credential ever crosses the broker, which every node
-can read, and re-enrolling a node (a new token) changes both.
+Both come from the sha256 of the node's enrolment token, the key that already signs
+the tasks sent to the node (`contracts.signing`): the control plane stores exactly
+that hash (`fleet.Node.token_hash`) and the node computes it from `LLMGW_NODE_TOKEN`.
+So neither credential ever crosses the broker, which every node can read, and
+re-enrolling a node (a new token) changes both.
 
 - A replica's engine secret: what the gateway presents to the engine as
   `Authorization: Bearer …`, and what the engine is started with (in its
   environment, never its argv). It names the replica and a nonce the control plane
   sends in the start (the replica's creation time), so a replaced replica, even one
-  that got a reused id, has a different secret.
+  that got a reused id, has a different secret. It is keyed by the node's replica
+  key, an HMAC of the token hash (`fleet.Node.replica_key`), not by the token hash
+  itself: the gateway, the host that parses untrusted clients' input, holds the
+  replica keys and never a token hash, so a gateway taken over can call engines but
+  cannot sign an order, a pass or a report for any node.
 - A node's byte pass: `NODE:EXPIRES:MAC`, sent to the byte listener on every request.
   The listener finds the node's token hash by name and checks the MAC; a node whose
   token was revoked or re-issued fails at its next request. It expires, so a pass
@@ -43,8 +47,21 @@ def replica_nonce(created: datetime) -> str:
     return str((created - EPOCH) // timedelta(microseconds=1))
 
 
+def replica_key(key: str) -> str:
+    """The key of a node's engine secrets, from its token hash `key`; what the gateway holds. Empty without a key.
+
+    One way: the token hash, which signs the node's orders, cannot be found from it.
+    """
+    return _mac(key, "replicas") if key else ""
+
+
 def replica_secret(key: str, replica_id: int, nonce: str) -> str:
-    """The engine secret of one replica; `key` is its node's token hash. Empty without a key."""
+    """The engine secret of one replica, as its node makes it: `key` is the node's token hash. Empty without a key."""
+    return replica_secret_from_replica_key(replica_key(key), replica_id, nonce)
+
+
+def replica_secret_from_replica_key(key: str, replica_id: int, nonce: str) -> str:
+    """The same secret, as the gateway makes it: `key` is the node's replica key. Empty without a key."""
     if not key:
         return ""
     return "llmgw-replica-" + _mac(key, f"replica:{int(replica_id)}:{nonce}")

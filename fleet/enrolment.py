@@ -61,7 +61,7 @@ def issue_token(node_name: str, address: str | None = None) -> str:
     if address is not None:
         node.address = address
         fields.append("address")
-    node.save(update_fields=fields)
+    node.save(update_fields=fields)  # and its replica key with it (Node.save)
     return token
 
 
@@ -98,7 +98,7 @@ def revoke_token(node_name: str) -> bool:
 
     False when there is no such node.
     """
-    return Node.objects.filter(name=node_name).update(token_hash="") == 1
+    return Node.objects.filter(name=node_name).update(token_hash="", replica_key="") == 1
 
 
 def token_hash_of(node_name: str) -> str | None:

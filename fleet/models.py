@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db import models, transaction
 from django.utils import timezone
 
-from contracts import progress, signing, tasks
+from contracts import credentials, progress, signing, tasks
 from contracts.sources import cache_parts
 
 from .live import redis_client
@@ -56,6 +56,10 @@ class Node(models.Model):
         blank=True,
         help_text="the IP address or host name the gateway reaches this node's engines at; empty: 127.0.0.1 only",
     )
+    # The key of its engines' secrets, made from token_hash and kept with it by save()
+    # (contracts.credentials): the gateway reads this column and never token_hash, which
+    # signs the node's orders (docs/fleet.md's grants).
+    replica_key = models.CharField(max_length=64, blank=True, editable=False)
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -65,6 +69,13 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args, **kwargs):
+        self.replica_key = credentials.replica_key(self.token_hash)
+        fields = kwargs.get("update_fields")
+        if fields is not None and "token_hash" in fields:
+            kwargs["update_fields"] = {*fields, "replica_key"}
+        super().save(*args, **kwargs)
 
     @property
     def gpu_total(self) -> int:

@@ -14,6 +14,7 @@ from django.db import connection
 
 from catalog.models import Model, Profile, RoutingProfile
 from contracts import credentials
+from contracts.credentials import replica_nonce as nonce
 from fleet.models import Replica
 
 from . import prefix
@@ -27,8 +28,8 @@ class Upstream:
     replica_id: int
     base: str  # the engine's OpenAI base URL, ending in /v1
     weight: int
-    # What the engine answers to (`Authorization: Bearer …`), made from its node's token hash
-    # (contracts.credentials); empty for a node with no token. Never in a repr, so never in a log.
+    # What the engine answers to (`Authorization: Bearer …`), made from its node's replica key,
+    # never its token hash (contracts.credentials); empty for a node with no token. Never in a repr, so never in a log.
     secret: str = field(default="", repr=False)
 
 
@@ -249,9 +250,9 @@ def _profile_rows(queryset) -> list[tuple]:
 
 def _replica_rows(queryset) -> list[tuple]:
     ready = queryset.filter(state=Replica.State.READY).exclude(endpoint="")
-    rows = ready.order_by().values_list("pk", "model_name", "profile_name", "endpoint", "created", "node__token_hash")
+    rows = ready.order_by().values_list("pk", "model_name", "profile_name", "endpoint", "created", "node__replica_key")
     return [
-        (pk, model, profile, endpoint, credentials.replica_secret(key or "", pk, credentials.replica_nonce(created)))
+        (pk, model, profile, endpoint, credentials.replica_secret_from_replica_key(key or "", pk, nonce(created)))
         for pk, model, profile, endpoint, created, key in rows
     ]
 

@@ -63,13 +63,13 @@ class LlmgwAdminSite(admin.AdminSite):
     def get_app_list(self, request, app_label=None):
         apps = super().get_app_list(request)
         by_label = {app["app_label"]: app for app in apps}
-        # DRF's tokens are how staff and automation sign in to the API: they sit with
-        # the users they belong to, not in an app of their own called "Auth Token".
-        tokens = by_label.pop("authtoken", None)
+        # API tokens are how staff and automation sign in to the API: they sit with
+        # the users they belong to, not in an app of their own.
+        tokens = by_label.pop("accounts", None)
         if tokens is not None and "auth" in by_label:
             by_label["auth"]["models"] = sorted(by_label["auth"]["models"] + tokens["models"], key=lambda m: m["name"])
         elif tokens is not None:
-            by_label["authtoken"] = tokens
+            by_label["accounts"] = tokens
         if app_label is not None:
             # An app's own page: the tokens' page stays reachable by its address.
             return [by_label[app_label]] if app_label in by_label else super().get_app_list(request, app_label)

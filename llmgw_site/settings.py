@@ -179,7 +179,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django.contrib.humanize",
     "rest_framework",
-    "rest_framework.authtoken",
+    # Staff's API tokens, hashed and with an expiry (DRF's rest_framework.authtoken kept them in plain).
+    "accounts",
     "drf_spectacular",
     # Swagger UI's files served from here, not from a CDN into the admin's origin.
     "drf_spectacular_sidecar",
@@ -304,9 +305,12 @@ MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
 
 # --- API ----------------------------------------------------------------------
 
+# How long a staff user's API token (`manage.py api_token`) works after it is made.
+API_TOKEN_DAYS = env_int("LLMGW_API_TOKEN_DAYS", 30, minimum=1)
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "accounts.authentication.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     # Closed unless a view says otherwise: staff, with the model's permission for the method (docs/roles.md).

@@ -6,7 +6,8 @@ import requests
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.test import Client
-from rest_framework.authtoken.models import Token
+
+from accounts import tokens
 
 
 def staff_session(username: str = "ann", staff: bool = True) -> requests.Session:
@@ -27,7 +28,6 @@ def token_session(username: str = "robot") -> requests.Session:
     user = User.objects.filter(username=username).first() or User.objects.create_user(
         username, is_staff=True, is_superuser=True
     )
-    token, _ = Token.objects.get_or_create(user=user)
     session = requests.Session()
-    session.headers["Authorization"] = f"Token {token.key}"
+    session.headers["Authorization"] = f"Token {tokens.issue(user)}"
     return session

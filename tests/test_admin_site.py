@@ -19,5 +19,5 @@ def test_fetches_are_called_fetches_and_tokens_sit_with_users(admin_client):
     html = admin_client.get("/admin/").content.decode()
     assert ">Fetches<" in html and "Fetchs" not in html
     auth = admin_client.get("/admin/auth/").content.decode()
-    assert "/admin/authtoken/tokenproxy/" in auth
-    assert "/admin/authtoken/" not in re.findall(r"<caption>.*?</caption>", html, re.S)[-1]
+    assert "/admin/accounts/apitoken/" in auth
+    assert "/admin/accounts/" not in re.findall(r"<caption>.*?</caption>", html, re.S)[-1]

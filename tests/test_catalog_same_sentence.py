@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import yaml
 from django.contrib.auth import get_user_model
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from accounts import tokens
 from catalog import config
 from catalog.models import Model
 
@@ -27,7 +27,7 @@ def api(settings):
     settings.BYTES_URL = "http://127.0.0.1:8001/"
     user = get_user_model().objects.create_user("robot", is_staff=True, is_superuser=True)
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION="Token " + Token.objects.create(user=user).key)
+    client.credentials(HTTP_AUTHORIZATION="Token " + tokens.issue(user))
     return client
 
 

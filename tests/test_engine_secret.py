@@ -18,6 +18,7 @@ from django.db import transaction
 from agent import engine_state, engines, supervisor
 from contracts import credentials, signing
 from fleet import reconcile
+from fleet.enrolment import issue_token, revoke_token
 from fleet.models import Node, Replica
 from gateway.keys import create_key
 from launcher.demo_model import EOS_TOKEN_ID
@@ -191,6 +192,51 @@ def test_the_gateway_and_the_node_compute_the_same_secret_and_a_new_replica_of_a
     )
     ((_, _, _, _, again_secret),) = _replica_rows(Replica.objects.filter(pk=again.pk))
     assert again_secret != gateway_secret
+
+
+def test_the_gateway_makes_a_replicas_secret_from_the_replica_key_alone_and_a_revoked_node_has_none():
+    """The gateway never reads token_hash, which signs the node's orders: its secrets come from replica_key."""
+    from gateway.routes import _replica_rows
+
+    token = issue_token("n8")
+    node = Node.objects.get(name="n8")
+    assert node.replica_key == credentials.replica_key(signing.token_hash(token)) != ""
+    assert node.replica_key != node.token_hash
+    replica = Replica.objects.create(model_name="m", profile_name="p", node=node, state="ready", endpoint="http://x/v1")
+    node_secret = supervisor.Supervisor("/nonexistent", Reports(), token=token).secret(
+        {"replica": replica.pk, "nonce": credentials.replica_nonce(replica.created)}
+    )
+    # Made from the token hash as the old secret was, the gateway's would be another: it is not.
+    old_style = "llmgw-replica-" + credentials._mac(node.token_hash, f"replica:{replica.pk}:")
+    ((_, _, _, _, gateway_secret),) = _replica_rows(Replica.objects.filter(pk=replica.pk))
+    assert gateway_secret == node_secret != old_style
+
+    # Re-issued: a new replica key with the new token; revoked: none, so no secret to present.
+    issue_token("n8")
+    ((_, _, _, _, reissued_secret),) = _replica_rows(Replica.objects.filter(pk=replica.pk))
+    assert reissued_secret not in ("", gateway_secret)
+    assert revoke_token("n8")
+    assert Node.objects.get(name="n8").replica_key == ""
+    assert _replica_rows(Replica.objects.filter(pk=replica.pk))[0][4] == ""
+
+
+def test_the_migration_gives_each_enrolled_node_the_replica_key_its_agent_derives():
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    token = issue_token("n7")
+    Node.objects.create(name="never-enrolled")
+    executor = MigrationExecutor(connection)
+    graph = executor.loader.graph
+    mine = next(key for key in graph.nodes if key[0] == "fleet" and key[1].endswith("_node_replica_key"))
+    (before,) = [parent.key for parent in graph.node_map[mine].parents]
+    executor.migrate([before])
+    executor.loader.build_graph()
+    executor.migrate([mine])
+    executor.loader.build_graph()
+    executor.migrate(executor.loader.graph.leaf_nodes())
+    keys = dict(Node.objects.values_list("name", "replica_key"))
+    assert keys == {"n7": credentials.replica_key(signing.token_hash(token)), "never-enrolled": ""}
 
 
 # --- the gateway's side ------------------------------------------------------------------------

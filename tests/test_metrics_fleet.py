@@ -10,8 +10,8 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client, RequestFactory
 from django.utils import timezone
-from rest_framework.authtoken.models import Token
 
+from accounts import tokens
 from contracts import progress
 from fleet import tasks
 from fleet.metrics import reason_kind
@@ -41,7 +41,7 @@ def scraper(settings):
 
 def staff_token(staff: bool) -> str:
     user = get_user_model().objects.create_user("staff" if staff else "someone", is_staff=staff)
-    return Token.objects.create(user=user).key
+    return tokens.issue(user)
 
 
 def test_only_the_metrics_token_a_staff_token_or_an_allowed_address_may_scrape(settings):

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def staff_token():
-    from rest_framework.authtoken.models import Token
+    from accounts import tokens
 
     user = join(get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True))
-    return Token.objects.create(user=user).key
+    return tokens.issue(user)
 
 
 @pytest.fixture
@@ -35,11 +35,11 @@ def test_anonymous_callers_are_refused(path, indexed):
 
 
 def test_a_user_who_is_not_staff_is_refused(indexed):
-    from rest_framework.authtoken.models import Token
+    from accounts import tokens
 
     user = get_user_model().objects.create_user("someone", password="pw-someone-1")
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION="Token " + Token.objects.create(user=user).key)
+    client.credentials(HTTP_AUTHORIZATION="Token " + tokens.issue(user))
     assert client.get("/api/mirror/versions/").status_code == 403
 
 

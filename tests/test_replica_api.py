@@ -2,9 +2,9 @@
 
 import pytest
 from django.contrib.auth.models import User
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from accounts import tokens
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 
@@ -28,7 +28,7 @@ def replica_rows():
 def staff():
     user = User.objects.create_user("staff", password="pw", is_staff=True, is_superuser=True)
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION="Token " + Token.objects.create(user=user).key)
+    client.credentials(HTTP_AUTHORIZATION="Token " + tokens.issue(user))
     return client
 
 

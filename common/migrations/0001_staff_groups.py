@@ -36,7 +36,7 @@ class Migration(migrations.Migration):
         ("contenttypes", "0002_remove_content_type_name"),
         ("mirror", "0006_permissions_to_scan_and_pull"),
         ("catalog", "0006_routing_profile"),
-        ("fleet", "0007_permission_to_issue_node_tokens"),
+        ("fleet", "0009_permission_to_issue_node_tokens"),
         ("gateway", "0005_permission_to_rotate_api_keys"),
     ]
 

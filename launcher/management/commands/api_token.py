@@ -1,10 +1,14 @@
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
-from rest_framework.authtoken.models import Token
+
+from accounts import tokens
 
 
 class Command(BaseCommand):
-    help = "Print the API token of a staff user, creating it if needed."
+    help = (
+        "Print a new API token for a staff user: shown this once (only its hash is kept), "
+        "good for LLMGW_API_TOKEN_DAYS days; the user's earlier tokens work until they expire."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("username")
@@ -15,5 +19,4 @@ class Command(BaseCommand):
             raise CommandError(f"there is no user called {username}")
         if not user.is_staff:
             raise CommandError(f"{username} is not staff, and the API is for staff only")
-        token, _ = Token.objects.get_or_create(user=user)
-        self.stdout.write(token.key)
+        self.stdout.write(tokens.issue(user))

@@ -5,7 +5,7 @@ from django.db import migrations
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("fleet", "0006_measured_memory"),
+        ("fleet", "0008_node_replica_key"),
     ]
 
     operations = [
