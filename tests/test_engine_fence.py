@@ -417,3 +417,34 @@ def test_the_agents_metrics_cut_off_clients_that_send_nothing_or_trickle_and_a_s
     finally:
         stop.set()
         agent.stop()
+
+
+@pytest.mark.engine
+def test_an_engine_its_user_cannot_run_is_reported_failed_with_a_sentence_and_not_tried_again(
+    tmp_path, engine_user, monkeypatch
+):
+    from agent import supervisor
+
+    from .support.engines import Reports
+
+    user, _ = engine_user
+    # pytest's directory is root's alone (0700): the engine's user cannot reach a `vllm` in it.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "vllm").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cache = tmp_path / "cache"
+    reports = Reports()
+    sup = supervisor.Supervisor(cache, reports, token=TOKEN, engine_user=user)
+    engine_state.want(cache, 5, "vllm", "http://mirror/m/v1/", weights, [], "m", nonce="n5")
+    sup.step()
+    replica, state, _, reason = reports.last(5)
+    assert state == "failed", reports
+    assert reason.startswith(f"the engine could not be started as {user} (LLMGW_ENGINE_USER): ")
+    assert "Permission denied" in reason and "Traceback" not in reason
+    sup.step()
+    assert reports.states(5) == ["failed"], "tried again"
+    assert engine_state.read_state(cache)["replicas"]["5"]["pid"] is None
