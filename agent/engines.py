@@ -315,6 +315,11 @@ def stop_group(pid: int, grace: float = 10.0) -> None:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
+    except PermissionError:
+        raise EngineError(
+            f"the engine's process group {pid} is another user's (LLMGW_ENGINE_USER): stopping it takes "
+            "CAP_KILL, which the agent's unit gives, or root"
+        ) from None
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if not group_alive(pid):

@@ -83,6 +83,7 @@ class Supervisor:
         self.cache = Path(cache)
         # (uid, gid) engines run as (LLMGW_ENGINE_USER, agent.fence); None: the agent's own.
         self.engine_user = fence.engine_user(engine_user)
+        self.engine_user_name = engine_user
         # The node's enrolment token keys each engine's secret (contracts.credentials);
         # only a fingerprint of the key of those secrets is written down, to find engines
         # started under another token (or under the token hash itself, before replica keys).
@@ -318,9 +319,10 @@ class Supervisor:
             env = engines.engine_env(entry["engine"], self.secret(entry), scratch)
             process = engines.spawn(argv, self.log_path(replica_id), env, cwd=scratch, user=self.engine_user)
         except PermissionError as error:
-            # The agent lost the capabilities LLMGW_ENGINE_USER needs, or the scratch is another's:
-            # the same again until an operator acts.
-            reason = f"the engine could not be started as LLMGW_ENGINE_USER ({error}); docs/agent.md says what it needs"
+            # The agent lacks what LLMGW_ENGINE_USER needs, or the engine's user cannot run the
+            # engine or enter its scratch: the same again until an operator acts.
+            who = f"as {self.engine_user_name} (LLMGW_ENGINE_USER)" if self.engine_user else "as the agent's user"
+            reason = f"the engine could not be started {who}: {error} (docs/agent.md, Engines fenced)"
             entry.update(next_start=float("inf"), reason=reason)
             return (replica_id, "failed", "", reason)
         self.children[process.pid] = process

@@ -46,6 +46,9 @@ ENGINE_USER = "llmgw-engine-test"
 TOKEN = "llmgw-node-fence-test-token"
 # Whatever else the host gave the agent: not the engine's.
 CANARY = "ANOTHER_SERVICES_PASSWORD"
+# This user with no capability at all: what a node's agent (llmgw) and its engines are. Root keeps
+# its uid, and so still owns what it owns, but reads another process's memory only as its user would.
+WITHOUT_CAPABILITIES = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
 
 # The engine that was taken over. In the system's Python, which the engine's user can run
 # (the venv's interpreter is under root's home); the paths it tries are written in by the test.
@@ -251,15 +254,18 @@ def test_an_engine_run_as_the_engine_user_reads_no_secret_of_the_node_and_writes
         # The supervisor's checks reach it with its secret, and stop it, though it is another user's.
         entry = ready_entry(cache, 7, agent)
         assert psutil.Process(entry["pid"]).uids().real == uid
+        # Whoever lacks the agent's capabilities cannot, and is told so in a sentence.
+        argv = [*WITHOUT_CAPABILITIES, sys.executable, "manage.py", "agent", "--node", "fence", "--stop-engines"]
+        refused = subprocess.run(
+            [*argv, "--cache", str(cache)], cwd=BASE_DIR, env=node_env(), capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr
+        assert "is another user's (LLMGW_ENGINE_USER): stopping it takes CAP_KILL" in refused.stderr
+        assert engines.group_alive(entry["pid"])
         stopped(cache, 7, entry["pid"], agent)
         assert not scratch.exists()
     finally:
         agent.stop()
-
-
-# This user with no capability at all: what a node's agent (llmgw) and its engines are. Root keeps
-# its uid, and so still owns what it owns, but reads another process's memory only as its user would.
-WITHOUT_CAPABILITIES = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
 
 
 def read_environ_without_capabilities(pid: int) -> subprocess.CompletedProcess:
@@ -411,3 +417,34 @@ def test_the_agents_metrics_cut_off_clients_that_send_nothing_or_trickle_and_a_s
     finally:
         stop.set()
         agent.stop()
+
+
+@pytest.mark.engine
+def test_an_engine_its_user_cannot_run_is_reported_failed_with_a_sentence_and_not_tried_again(
+    tmp_path, engine_user, monkeypatch
+):
+    from agent import supervisor
+
+    from .support.engines import Reports
+
+    user, _ = engine_user
+    # pytest's directory is root's alone (0700): the engine's user cannot reach a `vllm` in it.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "vllm").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cache = tmp_path / "cache"
+    reports = Reports()
+    sup = supervisor.Supervisor(cache, reports, token=TOKEN, engine_user=user)
+    engine_state.want(cache, 5, "vllm", "http://mirror/m/v1/", weights, [], "m", nonce="n5")
+    sup.step()
+    replica, state, _, reason = reports.last(5)
+    assert state == "failed", reports
+    assert reason.startswith(f"the engine could not be started as {user} (LLMGW_ENGINE_USER): ")
+    assert "Permission denied" in reason and "Traceback" not in reason
+    sup.step()
+    assert reports.states(5) == ["failed"], "tried again"
+    assert engine_state.read_state(cache)["replicas"]["5"]["pid"] is None

@@ -58,6 +58,9 @@ def deployed_agent(tmp_path, settings, byte_listener):
         "LLMGW_ENGINE_HOST": "127.0.0.1",
         "LLMGW_ENGINE_ADVERTISE": "127.0.0.1",
         "LLMGW_PEER_PORT": str(free_port()),
+        # Engines as the agent's own user here, whose pytest directories no other user enters;
+        # tests/test_engine_fence.py runs them as a user of their own.
+        "LLMGW_ENGINE_USER": "",
     }
     names = set(env_file("node"))
     assert names == set(values), f"deploy/env/node.env now sets {sorted(names ^ set(values))}: fill it in here"

@@ -108,7 +108,10 @@ class Command(BaseCommand):
         for replica_id, pid in engine_state.running_engines(cache):
             self.stdout.write(f"Stopping the engine of replica {replica_id} (pid {pid}).")
             self.stdout.flush()
-            engines.stop_group(pid, grace=10)
+            try:
+                engines.stop_group(pid, grace=10)
+            except engines.EngineError as error:
+                raise CommandError(str(error)) from None
 
     def check_broker(self) -> None:
         """The broker answers, or a CommandError; a broker not reachable yet is waited for, BROKER_WAIT_S at most.
