@@ -18,13 +18,18 @@ import socket
 import stat
 import time
 from email.utils import formatdate
+from pathlib import Path
 
+import gevent
 import redis
 from django.conf import settings
+from django.db import connections
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.utils.cache import get_conditional_response
 from django.utils.crypto import constant_time_compare, salted_hmac
+from gevent import monkey
 
+from contracts.names import plain_name_problem
 from contracts.redis_client import redis_client
 
 from . import disk, readiness, torrent
@@ -91,7 +96,7 @@ def manifest(request: HttpRequest, model: str, version: str) -> JsonResponse:
     files = disk.version_files(model, version)
     if files is None:
         return not_found(request)
-    status = readiness.prepare(model, version, files)
+    status = _off_the_event_loop(readiness.prepare, model, version, files)
     entries = []
     for f in files:
         entry = {"name": f.name, "bytes": f.bytes}
@@ -112,6 +117,25 @@ def manifest(request: HttpRequest, model: str, version: str) -> JsonResponse:
     response = JsonResponse({**body, "ready": False, "error": status.problem}, status=503)
     response["Retry-After"] = str(status.retry_after)
     return response
+
+
+def _off_the_event_loop(function, *args):
+    """function(*args) in a thread of gevent's pool where the byte listener runs under gevent, else here.
+
+    A manifest may hash up to LLMGW_MIRROR_HASH_INLINE_BYTES and make a torrent: on the event
+    loop, every connection of the worker (downloads, other nodes' pass checks) would wait
+    for it. The thread's database connection is closed when it is done: nothing closes it else.
+    """
+    if not monkey.is_module_patched("socket"):
+        return function(*args)
+
+    def run():
+        try:
+            return function(*args)
+        finally:
+            connections.close_all()
+
+    return gevent.get_hub().threadpool.apply(run)
 
 
 def _torrent(model: str, version: str, files: list[disk.DiskFile], status: readiness.Readiness) -> HttpResponse:
@@ -232,19 +256,52 @@ def _if_range_allows(request: HttpRequest, etag: str, last_modified: str) -> boo
     return value == last_modified
 
 
+def _open_servable(model: str, version: str, name: str):
+    """The file at model/version/name, open, with its fstat, when it is a regular file inside the mirror; else None.
+
+    Opened by the real path that was checked, one name at a time from the real root with
+    O_NOFOLLOW: a link swapped in for any of them after the check (one to a file outside the
+    mirror) is refused, not followed. Non-blocking, and fstat-ed before anything is read: a
+    FIFO put in the mirror is answered 404 at once, where opening it would block the worker
+    (and, under gevent, every connection it holds) until something wrote to it.
+    """
+    try:
+        # realpath raises where a link is swapped for a file while it reads it.
+        path = disk.resolve(model, version, name)
+        if path is None:
+            return None
+        real_root = os.path.realpath(disk.root())
+        parts = Path(os.path.realpath(path)).relative_to(real_root).parts
+    except (OSError, ValueError):
+        return None
+    if len(parts) != 3 or any(plain_name_problem(part) is not None for part in parts):
+        return None
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    directories: list[int] = []
+    try:
+        directories.append(os.open(real_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        for part in parts[:-1]:
+            directories.append(os.open(part, flags | os.O_DIRECTORY, dir_fd=directories[-1]))
+        fd = os.open(parts[-1], flags, dir_fd=directories[-1])
+    except OSError:
+        return None
+    finally:
+        for directory in directories:
+            os.close(directory)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb"), st
+
+
 @_only_get_and_head
 def file(request: HttpRequest, model: str, version: str, name: str) -> HttpResponse:
-    path = disk.resolve(model, version, name)
-    if path is None:
+    opened = _open_servable(model, version, name)
+    if opened is None:
         return not_found(request)
-    try:
-        fh = open(os.path.realpath(path), "rb")
-    except OSError:
-        return not_found(request)
-    st = os.fstat(fh.fileno())
-    if not stat.S_ISREG(st.st_mode):
-        fh.close()
-        return not_found(request)
+    fh, st = opened
 
     size = st.st_size
     etag = _etag(st)
