@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from .support.mirror import put
-from .support.processes import as_node
+from .support.processes import as_node, start_byte_listener
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -70,47 +70,51 @@ def test_a_file_swapped_for_a_link_to_a_secret_outside_the_mirror_is_never_serve
     finally:
         stop.set()
         swapper.join()
+    leaked = [r for r in answers if b"the key to everything" in r.content]
+    assert not leaked, f"{len(leaked)} of {len(answers)} answers were the file outside the mirror"
     statuses = {r.status_code for r in answers}
     assert statuses <= {200, 404}, statuses
     assert 200 in statuses, "the swap never left the mirror's own file in place: nothing was tested"
-    leaked = [r for r in answers if b"the key to everything" in r.content]
-    assert not leaked, f"{len(leaked)} of {len(answers)} answers were the file outside the mirror"
     assert all(r.content == WEIGHTS for r in answers if r.status_code == 200)
 
 
 def read_bytes_of(pid: int) -> int:
+    """Bytes the process has read so far, page cache and all (/proc/PID/io's rchar)."""
     for line in open(f"/proc/{pid}/io"):
         if line.startswith("rchar:"):
             return int(line.split()[1])
     return 0
 
 
-def worker_pid(byte_listener_process) -> int:
-    process, _ = byte_listener_process
-    children = open(f"/proc/{process.popen.pid}/task/{process.popen.pid}/children").read().split()
-    assert len(children) == 1, children  # LLMGW_BYTES_WORKERS=1 in the tests
-    return int(children[0])
-
-
-def test_a_manifest_hashing_hundreds_of_mib_does_not_hold_up_another_download(
-    byte_listener, byte_listener_process, mirror_root, settings
-):
-    put(mirror_root, "m", "v1", {"a.bin": WEIGHTS})
-    big = bytes(range(256)) * (1 << 20)  # 256 MiB, the most a manifest hashes itself
-    put(mirror_root, "big", "v1", {"weights.bin": big[: settings.MIRROR_HASH_INLINE_BYTES]})
-    pid = worker_pid(byte_listener_process)
-    with ThreadPoolExecutor(1) as pool:
-        before = read_bytes_of(pid)
-        manifest = pool.submit(as_node.get, byte_listener + "big/v1/", timeout=300)
-        wait_until(
-            lambda: read_bytes_of(pid) - before > 32 << 20 or manifest.done(),
-            timeout=60,
-            what="the byte listener to start hashing big/v1",
-        )
-        assert not manifest.done(), "the manifest was answered before a download could be asked beside it"
-        # Asked while the worker hashes: answered before the manifest is.
-        assert as_node.get(byte_listener + "m/v1/a.bin", timeout=60).content == WEIGHTS
-        assert not manifest.done(), "the download waited for the hashing to end"
-        answer = manifest.result(timeout=300)
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["files"][0]["sha256"]
+def test_a_manifest_hashing_gigabytes_does_not_hold_up_another_download(mirror_root, tmp_path, fleet_node):
+    # A listener that hashes up to 4 GiB inside a manifest request, so that the hashing lasts (3 GiB, sparse).
+    process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_MIRROR_HASH_INLINE_BYTES=str(4 << 30))
+    try:
+        put(mirror_root, "m", "v1", {"a.bin": WEIGHTS})
+        big = mirror_root / "big" / "v1" / "weights.bin"
+        big.parent.mkdir(parents=True)
+        size = 3 << 30
+        with open(big, "wb") as f:
+            f.truncate(size)
+        then = time.time_ns() - 60 * 10**9
+        os.utime(big, ns=(then, then))
+        children = open(f"/proc/{process.popen.pid}/task/{process.popen.pid}/children").read().split()
+        assert len(children) == 1, children  # LLMGW_BYTES_WORKERS=1 in the tests
+        worker = int(children[0])
+        with ThreadPoolExecutor(1) as pool:
+            before = read_bytes_of(worker)
+            manifest = pool.submit(as_node.get, url + "big/v1/", timeout=600)
+            wait_until(
+                lambda: read_bytes_of(worker) - before > 64 << 20 or manifest.done(),
+                timeout=60,
+                what="the byte listener to start hashing big/v1",
+            )
+            # Asked while the worker hashes, and answered while it still does: the hashing is not on the event loop.
+            assert as_node.get(url + "m/v1/a.bin", timeout=120).content == WEIGHTS
+            read = read_bytes_of(worker) - before
+            assert read < size, f"the download was answered once all {read:,} bytes were hashed, not before"
+            answer = manifest.result(timeout=600)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["files"][0]["sha256"]
+    finally:
+        process.stop()
