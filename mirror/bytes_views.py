@@ -448,7 +448,7 @@ def announce(request: HttpRequest, nodes) -> JsonResponse:
     if not port.isdigit() or not 0 < int(port) < 65536:
         return _error(400, "port must be the node's peer port, 1 to 65535")
     port = int(port)
-    host = nodes.many([node])[node][1] or peer_address(request)
+    host = nodes.many([node]).get(node, ("", ""))[1] or peer_address(request)
     if not host:
         return _error(400, "the tracker cannot tell this node's address from its request")
     now = time.time()
