@@ -36,6 +36,9 @@ def announce(byte_listener: str, node: str, token: str, hashes: list[str], port:
 
 @pytest.fixture
 def two_nodes(byte_listener, redis_client):
+    """Nodes a and b, enrolled, and a tracker that has heard from nobody (earlier tests' nodes announced too)."""
+    for key in redis_client.scan_iter("llmgw:swarm*"):
+        redis_client.delete(key)
     return {"a": issue_token("a"), "b": issue_token("b")}
 
 
