@@ -59,6 +59,8 @@ ANNOUNCE_FETCHING_S = 1.0
 # A connection to the mirror for every this many pieces of the set, up to LLMGW_FETCH_CONNECTIONS: one with
 # fewer pieces of its own to ask would ask for the others' (libtorrent's end-game), and the mirror send them twice.
 PIECES_PER_CONNECTION = 4
+# The tracker's cap on the torrents one announce names (mirror.bytes_views.MAX_INFO_HASHES).
+ANNOUNCE_MAX_TORRENTS = 100
 # A web seed's pass is made anew this often; a pass is good for an hour (contracts.credentials).
 RENEW_PASS_S = 600.0
 
@@ -78,10 +80,6 @@ def resume_path(cache: Path, info_hash: str) -> Path:
 def _authkey() -> bytes:
     # Whoever may talk to the session is whoever has the node's token: the agent's processes.
     return hashlib.sha256(b"llmgw-swarm:" + runtime.token().encode()).digest()
-
-
-def advertised_host() -> str:
-    return getattr(settings, "LLMGW_ENGINE_ADVERTISE", "")
 
 
 def web_seeds(source: str, single_file: bool, connections: int | None = None) -> list[str]:
@@ -141,15 +139,16 @@ class NodeSwarm:
             self._announce()
 
     def _announce(self) -> None:
-        held = set(self.swarm.held()) | self.fetching
+        # What it fetches first, then what it seeds, up to the tracker's cap: past it the tracker refuses the announce.
+        fetching = sorted(self.fetching)
+        held = (fetching + sorted(set(self.swarm.held()) - self.fetching))[:ANNOUNCE_MAX_TORRENTS]
         node, token = runtime.node_name(), runtime.token()
         if not (node and token):
             return
         url = settings.BYTES_URL + "announce"
-        params = [("info_hash", h) for h in sorted(held)] or [("info_hash", "0" * 64)]
+        params = [("info_hash", h) for h in held] or [("info_hash", "0" * 64)]
+        # No address: the tracker takes the one this request comes from (or the node's enrolled one).
         params.append(("port", str(self.swarm.listen_port)))
-        if host := advertised_host():
-            params.append(("host", host))
         secret = credentials.bytes_pass(signing.token_hash(token), node)
         try:
             response = self._http.get(url, params=params, headers=credentials.bearer(secret), timeout=TIMEOUT)

@@ -14,6 +14,8 @@ import ipaddress
 import json
 import re
 import secrets
+import threading
+import time
 from typing import NamedTuple
 
 from django.db import connection
@@ -168,3 +170,93 @@ def record_heartbeat(name: str, facts: dict) -> str | None:
     changed = {field: value for field, value in reported.items() if known[field] != value}
     Node.objects.filter(pk=node_id).update(last_heartbeat=timezone.now(), **changed)
     return name
+
+
+# --- the byte listener's view of the nodes: cached, so a pass check costs no query per client ---
+
+
+class EnrolledNodes:
+    """Nodes' token hashes (and addresses fixed at enrolment), read at most once per `ttl` seconds per name.
+
+    The byte listener checks a pass on every request, and a connection per client to the
+    database is what ran PostgreSQL out of connections (issue 33). So:
+    - a node's hash is read once and believed for `ttl` seconds: a revoked token is refused
+      within `ttl` seconds, not at once;
+    - a pass that does not match the cached hash may be one of a token issued anew: the node
+      is read again, but at most `rechecks` times a second per name, so wrong passes cost at
+      most that many queries a second per node name, however many clients send them;
+    - an unknown name is remembered as unknown for `ttl` too; the table holds at most `size`
+      names, the oldest dropped first;
+    - the tracker asks for every node it names at once: one query for those not cached.
+    """
+
+    def __init__(
+        self, ttl: float, rechecks: int = 5, size: int = 10_000, readers: int = 4, close_after_read: bool = False
+    ):
+        self.ttl = ttl
+        self.rechecks = rechecks
+        self.size = size
+        # name -> (token hash or "", address fixed at enrolment or "", monotonic time read)
+        self._known: dict[str, tuple[str, str, float]] = {}
+        # name -> (the second, whole seconds of the monotonic clock, and the re-reads asked in it)
+        self._rechecked: dict[str, tuple[int, int]] = {}
+        # At most this many reads at once (greenlets, under the byte listener's gevent), each on a
+        # connection closed as soon as it is read when `close_after_read`: the database sees at
+        # most `readers` connections from the pass check of one process, whatever the clients do.
+        self._readers = threading.BoundedSemaphore(readers)
+        self.close_after_read = close_after_read
+
+    def _read(self, names: list[str]) -> None:
+        with self._readers:
+            # Another reader may have read them while this one waited.
+            now = time.monotonic()
+            names = [n for n in names if n not in self._known or now - self._known[n][2] >= self.ttl]
+            if not names:
+                return
+            # Node.address is fixed at enrolment (`node_token --address`); empty where it was not given.
+            fields = ["name", "token_hash", "address"]
+            try:
+                rows = {row[0]: row for row in Node.objects.filter(name__in=names).values_list(*fields)}
+            finally:
+                if self.close_after_read and not connection.in_atomic_block:
+                    connection.close()
+            now = time.monotonic()
+            for name in names:
+                row = rows.get(name)
+                self._known.pop(name, None)  # put back last: the oldest are first in the dict
+                self._known[name] = (row[1] or "", row[2] or "", now) if row else ("", "", now)
+            while len(self._known) > self.size:
+                self._known.pop(next(iter(self._known)))
+
+    def many(self, names) -> dict[str, tuple[str, str]]:
+        """{name: (token hash or "", enrolled address or "")} for these names; one query for those not fresh."""
+        names = list(dict.fromkeys(names))
+        now = time.monotonic()
+        stale = [n for n in names if n not in self._known or now - self._known[n][2] >= self.ttl]
+        if stale:
+            self._read(stale)
+        return {n: self._known[n][:2] for n in names if n in self._known}
+
+    def token_hash_of(self, name: str) -> str | None:
+        return self.many([name]).get(name, ("", ""))[0] or None
+
+    def address_of(self, name: str) -> str:
+        return self.many([name]).get(name, ("", ""))[1]
+
+    def read_again(self, name: str) -> bool:
+        """Forget `name` (a pass that did not match), unless it was re-read `rechecks` times this second; whether it did."""
+        second = int(time.monotonic())
+        then, count = self._rechecked.get(name, (second, 0))
+        count = count + 1 if then == second else 1
+        self._rechecked.pop(name, None)
+        self._rechecked[name] = (second, count)
+        while len(self._rechecked) > self.size:
+            self._rechecked.pop(next(iter(self._rechecked)))
+        if count > self.rechecks:
+            return False
+        self._known.pop(name, None)
+        return True
+
+    def clear(self) -> None:
+        self._known.clear()
+        self._rechecked.clear()

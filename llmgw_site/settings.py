@@ -11,6 +11,7 @@ A node's agent does not run these settings at all: `manage.py agent` and `fetch`
 with the node's own, agent.settings (no database, nothing of the control plane).
 """
 
+import ipaddress
 from pathlib import Path
 
 import dj_database_url
@@ -105,6 +106,20 @@ BYTES_HEADER_TIMEOUT_S = env_int("LLMGW_BYTES_HEADER_TIMEOUT_S", 10, minimum=1)
 # gunicorn's worker heartbeat timeout; it bounds a stuck worker, not a long download (the hub beats between sends).
 BYTES_WORKER_TIMEOUT_S = env_int("LLMGW_BYTES_WORKER_TIMEOUT_S", 120, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
+# How long a byte-listener process believes a node's token hash once read (fleet.enrolment.EnrolledNodes):
+# a revoked token is refused within this many seconds. 0 reads the database for every pass.
+BYTES_PASS_CACHE_S = env_float("LLMGW_BYTES_PASS_CACHE_S", 2.0)
+# Proxies in front of the byte listener whose X-Forwarded-For is believed (addresses or networks):
+# the tracker takes a node's address from the request, and from a proxy's header only if it is one of these.
+BYTES_TRUSTED_PROXIES = []
+for _proxy in env_str("LLMGW_BYTES_TRUSTED_PROXIES", "").split(","):
+    if _proxy.strip():
+        try:
+            BYTES_TRUSTED_PROXIES.append(ipaddress.ip_network(_proxy.strip(), strict=False))
+        except ValueError:
+            raise ImproperlyConfigured(
+                f"LLMGW_BYTES_TRUSTED_PROXIES must be IP addresses or networks separated by commas, not {_proxy.strip()!r}"
+            ) from None
 # --- a version offered whole or not at all (docs/mirror.md, "Not ready yet") ---
 # A file modified less than this long ago is taken to be still being copied in: its
 # version's manifest says "not ready" (503, Retry-After) until it has been still this long.
@@ -260,6 +275,11 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Tests run real worker processes against the test database, so it has to
     # be a file they can open, not an in-memory database of the test process.
     DATABASES["default"]["TEST"] = {"NAME": str(env_path("LLMGW_TEST_DB", VAR_DIR / "test.sqlite3", BASE_DIR))}
+if ROLE == "bytes":
+    # Every node's greenlets, and a stranger's, reach the byte listener: none may keep a connection to
+    # the database past its request (under gevent each greenlet would keep its own, issue 33). The pass
+    # check reads through a cache and closes its connection at once (fleet.enrolment.EnrolledNodes).
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
 if ROLE == "gateway" and DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # A database that is away is noticed in seconds, not after the kernel's TCP timeout: the
     # gateway goes on serving from its last table meanwhile (docs/gateway.md).

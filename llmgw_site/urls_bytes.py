@@ -1,20 +1,25 @@
 """The byte listener: the mirror's files and manifests, GET and HEAD, nothing else, to the fleet's nodes only."""
 
+from django.conf import settings
 from django.urls import path, re_path
 
 from contracts.sources import SEED_ALIAS
-from fleet.enrolment import token_hash_of
+from fleet.enrolment import EnrolledNodes
 from mirror import bytes_views
 from mirror.bytes_auth import only_the_fleet
+
+# The nodes' token hashes as this process believes them: read at most once per LLMGW_BYTES_PASS_CACHE_S
+# per node, each read on a connection closed at once, so no client holds a database connection (issue 33).
+ENROLLED = EnrolledNodes(ttl=settings.BYTES_PASS_CACHE_S, close_after_read=True)
 
 
 def fleet_only(view):
     # Wired here, at the top layer: the mirror checks a node's pass, the fleet knows the nodes.
-    return only_the_fleet(view, key_of=token_hash_of)
+    return only_the_fleet(view, ENROLLED)
 
 
 def tracker(request):
-    return bytes_views.announce(request, key_of=token_hash_of)
+    return bytes_views.announce(request, ENROLLED)
 
 
 urlpatterns = [

@@ -3,9 +3,12 @@
 For a private fleet the weights are often the thing that must not leave, and the byte
 listener listens where every node can reach it. So every request presents a node's
 pass (`Authorization: Bearer NODE:EXPIRES:MAC`, contracts.credentials), checked
-against that node's token hash on every request: a node whose token is revoked or
-re-issued gets 401 at its next request, a fetch under way included. The operator may
-open the mirror to anyone with LLMGW_BYTES_PUBLIC=true.
+against that node's token hash on every request. The hashes are cached in the process
+for LLMGW_BYTES_PASS_CACHE_S seconds (a database connection per client is what ran
+PostgreSQL out of connections, issue 33): a node whose token is revoked gets 401 within
+that many seconds, a fetch under way included; a token issued anew works within a
+second (a pass that does not match is checked against the database again, at most five
+times a second per node). The operator may open the mirror to anyone with LLMGW_BYTES_PUBLIC=true.
 
 The mirror sits below the fleet and does not know what a node is: the lookup of a
 node's token hash is handed in by the byte listener's URLconf (`llmgw_site.urls_bytes`).
@@ -16,7 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-from collections.abc import Callable
+from typing import Protocol
 
 from django.conf import settings
 from django.db import DatabaseError
@@ -31,6 +34,14 @@ ANONYMOUS = (
 )
 
 
+class Nodes(Protocol):
+    """The fleet's nodes as the byte listener sees them (fleet.enrolment.EnrolledNodes)."""
+
+    def token_hash_of(self, name: str) -> str | None: ...
+
+    def read_again(self, name: str) -> bool: ...
+
+
 def _refused(status: int, sentence: str) -> JsonResponse:
     response = JsonResponse({"error": sentence}, status=status)
     if status == 401:
@@ -38,7 +49,22 @@ def _refused(status: int, sentence: str) -> JsonResponse:
     return response
 
 
-def problem_of(request: HttpRequest, key_of: Callable[[str], str | None]) -> str | None:
+def _checked(presented: str, nodes: Nodes) -> str | None:
+    asked: list[str] = []
+
+    def key_of(name: str) -> str | None:
+        asked.append(name)
+        return nodes.token_hash_of(name)
+
+    problem = bytes_pass_problem(presented, key_of)
+    # Not the cached hash's pass: perhaps one of a token issued since it was read. Read again,
+    # at most a few times a second per node, so a flood of wrong passes costs no query per client.
+    if problem is not None and asked and nodes.read_again(asked[0]):
+        problem = bytes_pass_problem(presented, nodes.token_hash_of)
+    return problem
+
+
+def problem_of(request: HttpRequest, nodes: Nodes) -> str | None:
     """Why this request may not read the mirror, or None.
 
     The pass comes as `Bearer NODE:EXPIRES:MAC`, or as HTTP Basic with the node's name as
@@ -54,20 +80,20 @@ def problem_of(request: HttpRequest, key_of: Callable[[str], str | None]) -> str
             return "the Basic credential is not base64 of NODE:PASS"
         if not colon or not password.startswith(user + ":"):
             return "a Basic credential names the node as its user and carries the node's pass (NODE:EXPIRES:MAC)"
-        return bytes_pass_problem(password, key_of)
+        return _checked(password, nodes)
     if scheme.lower() != "bearer" or not presented:
         return ANONYMOUS
-    return bytes_pass_problem(presented, key_of)
+    return _checked(presented, nodes)
 
 
-def only_the_fleet(view, key_of: Callable[[str], str | None]):
+def only_the_fleet(view, nodes: Nodes):
     """`view`, answered only to a node with a current pass (or to anyone when the mirror is public)."""
 
     @functools.wraps(view)
     def wrapped(request: HttpRequest, *args, **kwargs):
         if not settings.BYTES_PUBLIC:
             try:
-                problem = problem_of(request, key_of)
+                problem = problem_of(request, nodes)
             except DatabaseError:
                 return _refused(503, "the byte listener cannot check the node's pass: its database does not answer")
             if problem is not None:

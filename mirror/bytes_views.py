@@ -18,12 +18,18 @@ import socket
 import stat
 import time
 from email.utils import formatdate
+from pathlib import Path
 
+import gevent
 import redis
 from django.conf import settings
+from django.db import connections
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.utils.cache import get_conditional_response
+from django.utils.crypto import constant_time_compare, salted_hmac
+from gevent import monkey
 
+from contracts.names import plain_name_problem
 from contracts.redis_client import redis_client
 
 from . import disk, readiness, torrent
@@ -90,7 +96,7 @@ def manifest(request: HttpRequest, model: str, version: str) -> JsonResponse:
     files = disk.version_files(model, version)
     if files is None:
         return not_found(request)
-    status = readiness.prepare(model, version, files)
+    status = _off_the_event_loop(readiness.prepare, model, version, files)
     entries = []
     for f in files:
         entry = {"name": f.name, "bytes": f.bytes}
@@ -111,6 +117,25 @@ def manifest(request: HttpRequest, model: str, version: str) -> JsonResponse:
     response = JsonResponse({**body, "ready": False, "error": status.problem}, status=503)
     response["Retry-After"] = str(status.retry_after)
     return response
+
+
+def _off_the_event_loop(function, *args):
+    """function(*args) in a thread of gevent's pool where the byte listener runs under gevent, else here.
+
+    A manifest may hash up to LLMGW_MIRROR_HASH_INLINE_BYTES and make a torrent: on the event
+    loop, every connection of the worker (downloads, other nodes' pass checks) would wait
+    for it. The thread's database connection is closed when it is done: nothing closes it else.
+    """
+    if not monkey.is_module_patched("socket"):
+        return function(*args)
+
+    def run():
+        try:
+            return function(*args)
+        finally:
+            connections.close_all()
+
+    return gevent.get_hub().threadpool.apply(run)
 
 
 def _torrent(model: str, version: str, files: list[disk.DiskFile], status: readiness.Readiness) -> HttpResponse:
@@ -231,19 +256,52 @@ def _if_range_allows(request: HttpRequest, etag: str, last_modified: str) -> boo
     return value == last_modified
 
 
+def _open_servable(model: str, version: str, name: str):
+    """The file at model/version/name, open, with its fstat, when it is a regular file inside the mirror; else None.
+
+    Opened by the real path that was checked, one name at a time from the real root with
+    O_NOFOLLOW: a link swapped in for any of them after the check (one to a file outside the
+    mirror) is refused, not followed. Non-blocking, and fstat-ed before anything is read: a
+    FIFO put in the mirror is answered 404 at once, where opening it would block the worker
+    (and, under gevent, every connection it holds) until something wrote to it.
+    """
+    try:
+        # realpath raises where a link is swapped for a file while it reads it.
+        path = disk.resolve(model, version, name)
+        if path is None:
+            return None
+        real_root = os.path.realpath(disk.root())
+        parts = Path(os.path.realpath(path)).relative_to(real_root).parts
+    except (OSError, ValueError):
+        return None
+    if len(parts) != 3 or any(plain_name_problem(part) is not None for part in parts):
+        return None
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    directories: list[int] = []
+    try:
+        directories.append(os.open(real_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        for part in parts[:-1]:
+            directories.append(os.open(part, flags | os.O_DIRECTORY, dir_fd=directories[-1]))
+        fd = os.open(parts[-1], flags, dir_fd=directories[-1])
+    except OSError:
+        return None
+    finally:
+        for directory in directories:
+            os.close(directory)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb"), st
+
+
 @_only_get_and_head
 def file(request: HttpRequest, model: str, version: str, name: str) -> HttpResponse:
-    path = disk.resolve(model, version, name)
-    if path is None:
+    opened = _open_servable(model, version, name)
+    if opened is None:
         return not_found(request)
-    try:
-        fh = open(os.path.realpath(path), "rb")
-    except OSError:
-        return not_found(request)
-    st = os.fstat(fh.fileno())
-    if not stat.S_ISREG(st.st_mode):
-        fh.close()
-        return not_found(request)
+    fh, st = opened
 
     size = st.st_size
     etag = _etag(st)
@@ -305,10 +363,22 @@ def seed_alias(request: HttpRequest, n: int, model: str, version: str, name: str
 
 SWARM_PREFIX = "llmgw:swarm:"
 SWARM_FLEET = "llmgw:swarm-fleet"
+# The torrents a node said it holds at its last announce: what its next one takes back.
+SWARM_HELD = "llmgw:swarm-held:"
+SWARM_RATE = "llmgw:swarm-rate:"
 # A node announces every few seconds while it fetches or seeds; one silent this long is gone.
 PEER_TTL_S = 30
 ANNOUNCE_INTERVAL_S = 5
 INFO_HASH = re.compile(r"^[0-9a-f]{64}$")
+# A node names every torrent it holds or fetches in one announce; more than this is refused, and a
+# node's records in Redis are those of its last announce only, so no node makes more keys than this.
+# 100 info-hashes are a request line of about 7,500 bytes, within what the byte listener's gunicorn
+# reads (--limit-request-line 8190, its most); agent/peers.py names at most this many.
+MAX_INFO_HASHES = 100
+# A node announces every second while it fetches (agent/peers.py), and at a fetch's start: this
+# many in RATE_WINDOW_S leaves it room, and a node (or a stolen pass) asking faster gets 429.
+ANNOUNCES_PER_WINDOW = 10
+RATE_WINDOW_S = 5
 
 
 def _node_of(request: HttpRequest) -> str:
@@ -325,39 +395,89 @@ def _node_of(request: HttpRequest) -> str:
     return presented.partition(":")[0]
 
 
-def announce(request: HttpRequest, key_of) -> JsonResponse:
-    """`/announce?info_hash=H&port=P[&host=A]`: this node holds (or fetches) torrent H on port P; who else does.
+def peer_address(request: HttpRequest) -> str:
+    """The address this request came from: the connection's, or, from a trusted proxy (LLMGW_BYTES_TRUSTED_PROXIES),
+    the one the proxy says it came from (the last X-Forwarded-For entry, the one that proxy added)."""
+    remote = request.META.get("REMOTE_ADDR", "")
+    try:
+        address = ipaddress.ip_address(remote)
+    except ValueError:
+        return ""
+    if any(address in network for network in settings.BYTES_TRUSTED_PROXIES):
+        forwarded = request.headers.get("X-Forwarded-For", "").rsplit(",", 1)[-1].strip()
+        try:
+            return str(ipaddress.ip_address(forwarded))
+        except ValueError:
+            return ""
+    return str(address)
+
+
+def _record_mac(info_hash: str, node: str, host: str, port: int, at: float) -> str:
+    # Redis is writable by every holder of its password: a record is believed only if the byte listener made it.
+    return salted_hmac("llmgw.tracker", f"{info_hash}|{node}|{host}|{port}|{at!r}").hexdigest()
+
+
+def _record(info_hash: str, node: str, host: str, port: int, at: float) -> str:
+    return json.dumps({"host": host, "port": port, "at": at, "mac": _record_mac(info_hash, node, host, port, at)})
+
+
+def announce(request: HttpRequest, nodes) -> JsonResponse:
+    """`/announce?info_hash=H&port=P`: this node holds (or fetches) torrent H on port P; who else does.
 
     Peers are found here, through the control plane, never by DHT: the answer names only
-    nodes whose enrolment token is current at this moment (`key_of`), so a revoked node
-    drops out of every answer at once. `fleet` is every enrolled node that announced
-    lately, whatever it holds: the addresses a node lets connect to its peer port. The
-    host is what the node advertises (LLMGW_ENGINE_ADVERTISE), else the address it asked from.
+    nodes whose enrolment token is current (`nodes`, fleet.enrolment.EnrolledNodes: cached
+    for LLMGW_BYTES_PASS_CACHE_S, all the nodes of an answer read in one query), so a revoked
+    node drops out of every answer within seconds. `fleet` is every enrolled node that
+    announced lately, whatever it holds: the addresses a node lets connect to its peer port.
+
+    A node's address is the one fixed at its enrolment if it has one, else the address its
+    announce came from (a trusted proxy's word for it, `peer_address`): never one the node
+    names, since every node lets the fleet's addresses in. A `host` parameter is ignored.
     """
     if request.method != "GET":
         return _error(405, "the tracker answers GET only", Allow="GET")
     node = _node_of(request)
-    if not node or not key_of(node):
+    if not node or not nodes.token_hash_of(node):
         return _error(401, "the tracker answers only the fleet's nodes, each with its own pass")
-    hashes = request.GET.getlist("info_hash")
-    if not hashes or not all(INFO_HASH.match(h) for h in hashes) or len(hashes) > 1000:
+    hashes = list(dict.fromkeys(request.GET.getlist("info_hash")))
+    if len(hashes) > MAX_INFO_HASHES:
+        return _error(400, f"an announce names at most {MAX_INFO_HASHES} torrents, not {len(hashes)}")
+    if not hashes or not all(INFO_HASH.match(h) for h in hashes):
         return _error(400, "info_hash must be a torrent's v2 info-hash, 64 hex digits (one or more)")
     port = request.GET.get("port", "")
     if not port.isdigit() or not 0 < int(port) < 65536:
         return _error(400, "port must be the node's peer port, 1 to 65535")
-    host = request.GET.get("host") or request.META.get("REMOTE_ADDR", "")
-    try:
-        host = str(ipaddress.ip_address(host))
-    except ValueError:
-        return _error(400, f"host must be the node's address (an IP address), not {host!r}")
+    port = int(port)
+    host = nodes.many([node]).get(node, ("", ""))[1] or peer_address(request)
+    if not host:
+        return _error(400, "the tracker cannot tell this node's address from its request")
     now = time.time()
-    me = json.dumps({"host": host, "port": int(port), "at": now})
     client = redis_client(settings.REDIS_URL)
     try:
         pipe = client.pipeline()
-        pipe.hset(SWARM_FLEET, node, me)
+        pipe.incr(SWARM_RATE + node)
+        pipe.ttl(SWARM_RATE + node)
+        pipe.smembers(SWARM_HELD + node)
+        announced, expires, before = pipe.execute()
+        if expires < 0:  # the window's first announce (or a counter left without one): the window starts now
+            client.expire(SWARM_RATE + node, RATE_WINDOW_S)
+        if announced > ANNOUNCES_PER_WINDOW:
+            return _error(
+                429,
+                f"node {node} announced more than {ANNOUNCES_PER_WINDOW} times in {RATE_WINDOW_S} s; "
+                "it keeps the peers it has meanwhile",
+                Retry_After=str(RATE_WINDOW_S),
+            )
+        pipe = client.pipeline()
+        # What the node held at its last announce and no longer names: its records there go.
+        for gone in {b.decode() if isinstance(b, bytes) else b for b in before} - set(hashes):
+            pipe.hdel(SWARM_PREFIX + gone, node)
+        pipe.delete(SWARM_HELD + node)
+        pipe.sadd(SWARM_HELD + node, *hashes)
+        pipe.expire(SWARM_HELD + node, 10 * PEER_TTL_S)
+        pipe.hset(SWARM_FLEET, node, _record("", node, host, port, now))
         for h in hashes:
-            pipe.hset(SWARM_PREFIX + h, node, me)
+            pipe.hset(SWARM_PREFIX + h, node, _record(h, node, host, port, now))
             pipe.expire(SWARM_PREFIX + h, 10 * PEER_TTL_S)
         pipe.hgetall(SWARM_FLEET)
         for h in hashes:
@@ -365,29 +485,41 @@ def announce(request: HttpRequest, key_of) -> JsonResponse:
         answers = pipe.execute()[-(len(hashes) + 1) :]
     except redis.RedisError:
         return _error(503, "the tracker cannot reach Redis; fetch from the mirror meanwhile", Retry_After="10")
-    enrolled: dict[str, bool] = {}
 
-    def current(raw: dict) -> list[dict]:
-        out = []
+    def said(info_hash: str, raw: dict) -> dict[str, dict]:
+        out = {}
         for name, value in raw.items():
             name = name.decode() if isinstance(name, bytes) else name
             try:
-                said = json.loads(value)
-            except ValueError:
+                record = json.loads(value)
+                where, on, at = str(record["host"]), int(record["port"]), float(record["at"])
+                genuine = constant_time_compare(str(record["mac"]), _record_mac(info_hash, name, where, on, at))
+            except (ValueError, KeyError, TypeError):
                 continue
-            if now - said.get("at", 0) > PEER_TTL_S:
-                continue
-            if name not in enrolled:
-                enrolled[name] = bool(key_of(name))
-            if enrolled[name]:
-                out.append({"node": name, "host": said["host"], "port": said["port"]})
-        return sorted(out, key=lambda p: p["node"])
+            if genuine and now - at <= PEER_TTL_S:
+                out[name] = {"host": where, "port": on}
+        return out
 
-    fleet, *held = answers
+    fleet_raw, *held_raw = answers
+    fleet = said("", fleet_raw)
+    held = [said(h, raw) for h, raw in zip(hashes, held_raw, strict=True)]
+    # Every node this answer could name, in one lookup (one query at most, for those not cached).
+    enrolled = nodes.many(set(fleet).union(*held))
+
+    def current(records: dict[str, dict]) -> list[dict]:
+        out = []
+        for name, record in sorted(records.items()):
+            key, address = enrolled.get(name, ("", ""))
+            if key:
+                out.append({"node": name, "host": address or record["host"], "port": record["port"]})
+        return out
+
     return JsonResponse(
         {
             "interval": ANNOUNCE_INTERVAL_S,
             "fleet": [p["host"] for p in current(fleet)],
-            "peers": {h: [p for p in current(raw) if p["node"] != node] for h, raw in zip(hashes, held, strict=True)},
+            "peers": {
+                h: [p for p in current(records) if p["node"] != node] for h, records in zip(hashes, held, strict=True)
+            },
         }
     )

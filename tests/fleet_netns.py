@@ -116,7 +116,12 @@ class ControlPlane:
         wait_until(pong, timeout=10, what="the fleet's Redis on the bridge")
 
     def start_byte_listener(self) -> None:
-        env = self.env(LLMGW_BYTES_ADDR=f"{self.fleet.address}:{self.bytes_port}", LLMGW_BYTES_WORKERS=1)
+        # The nodes reach it through the test's proxy: the tracker takes a node's address from the proxy's word.
+        env = self.env(
+            LLMGW_BYTES_ADDR=f"{self.fleet.address}:{self.bytes_port}",
+            LLMGW_BYTES_WORKERS=1,
+            LLMGW_BYTES_TRUSTED_PROXIES=self.fleet.address,
+        )
         self.byte_listener = Process("byte-listener", [sys.executable, "manage.py", "byte_listener"], env, self.log_dir)
         # Up: whatever it answers this test process, which holds no node's pass (the tests say what).
         wait_until(lambda: self._answers(self.byte_listener, self.byte_listener_url), what="the byte listener")

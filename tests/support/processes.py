@@ -372,6 +372,8 @@ class CountingProxy:
         for name in ("Range", "If-Range", "Accept", "Authorization"):
             if handler.headers.get(name) and not (self.ignore_range and name in ("Range", "If-Range")):
                 headers[name] = handler.headers[name]
+        # As a proxy does: who asked, for a byte listener that trusts this proxy (LLMGW_BYTES_TRUSTED_PROXIES).
+        headers["X-Forwarded-For"] = handler.client_address[0]
         conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=30)
         try:
             conn.request(method, path, headers=headers)

@@ -43,6 +43,9 @@ class Command(BaseCommand):
             "10",
             "--keep-alive",
             str(settings.BYTES_HEADER_TIMEOUT_S),
+            # gunicorn's most: a tracker announce naming its cap of torrents (bytes_views.MAX_INFO_HASHES) fits.
+            "--limit-request-line",
+            "8190",
             "--name",
             "llmgw-bytes",
         ]
