@@ -266,6 +266,24 @@ def test_the_walk_finds_the_custom_pages_actions_and_endpoints_that_can_write_or
     assert "make_new_secret" in admin.site._registry[ApiKey].actions
 
 
+def test_every_admin_action_names_the_permission_it_needs():
+    """An action without `permissions=` is offered to anyone who may open the list, a viewer too."""
+    for model, model_admin in admin.site._registry.items():
+        for function, name, _ in model_admin._get_base_actions():
+            assert getattr(function, "allowed_permissions", None), (
+                f"{model.__name__}'s action {name} names no permission"
+            )
+
+
+def test_a_viewer_is_shown_the_pull_page_and_a_version_without_the_buttons_to_pull_and_serve(people, rows):
+    pull = "/admin/mirror/mirrorversion/pull/"
+    version = reverse("admin:mirror_mirrorversion_change", args=[rows.by_model[MirrorVersion].pk])
+    for role, shown in (("viewer", False), ("operator", True)):
+        assert ('id="pull-submit"' in _text(people[role].get(pull))) is shown, role
+        page = _text(people[role].get(version))
+        assert ('id="serve-button"' in page) is shown and "tiny" in page, role
+
+
 def test_a_viewer_reads_every_page_and_endpoint_and_sees_no_secret(people, rows):
     viewer, boss = people["viewer"], people["superuser"]
     seen = []
