@@ -21,13 +21,16 @@ from django.utils import timezone
 from accounts import tokens
 from accounts.models import ApiToken
 
+from .support.roles import join
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 LISTING = "/api/mirror/versions/"
 
 
 def staff(username: str = "ops"):
-    return get_user_model().objects.create_user(username, password="a long password", is_staff=True)
+    """A staff member who may read the mirror (docs/roles.md): what a token opens is their permissions."""
+    return join(get_user_model().objects.create_user(username, password="a long password", is_staff=True))
 
 
 def ask(live_server, key: str) -> requests.Response:
