@@ -126,6 +126,31 @@ def test_engine_keys_that_reach_around_the_bounds_are_refused_unless_the_operato
     assert chat(session, allowing, n_predict=5).status_code == 400
 
 
+def test_the_prompt_guard_reads_tools_and_every_input_of_an_embedding_not_only_messages(gateway, replicas):
+    add_model(context_length=16)  # at most 16 x 256 = 4,096 characters can fit
+    embedder = add_model("embedder", context_length=16)
+    Model.objects.filter(pk=embedder.pk).update(kind="embedding")
+    replica = replicas()
+    add_replica("chat", replica.base)
+    add_replica("embedder", replica.base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    until_routed(session, gateway.url, "embedder")
+
+    tools = [{"type": "function", "function": {"name": "f", "description": "x" * 5000, "parameters": {}}}]
+    hidden = chat(session, gateway.url, tools=tools, max_tokens=4)
+    assert hidden.status_code == 400 and error_of(hidden)["code"] == "context_length_exceeded", hidden.text
+    embedding = session.post(
+        gateway.url + "/v1/embeddings", json={"model": "embedder", "input": ["short", "y" * 5000]}, timeout=30
+    )
+    assert embedding.status_code == 400, embedding.text
+    error = error_of(embedding)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input"
+    assert error["message"].startswith("An item of 'input' is 5000 characters long")
+    assert replica.requests == []
+
+
 # --- token windows ------------------------------------------------------------------------------
 
 
