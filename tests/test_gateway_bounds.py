@@ -28,7 +28,7 @@ from gateway.models import Usage
 from . import real_model
 from .scrape import samples, total
 from .support.factories import add_model, add_replica
-from .support.gateway import chat, clear_of_minute_boundary, client, error_of, until_routed
+from .support.gateway import chat, clear_of_minute_boundary, client, error_of, held_stream, until_routed
 from .support.gateway_process import start_gateway
 from .support.waiting import wait_until
 
@@ -315,6 +315,29 @@ def test_a_stream_keeps_flowing_while_an_allowed_key_sends_32_mib_bodies_of_empt
     for answer in answered:
         assert answer.status_code == 413, answer.text[:300]
         assert "JSON objects and arrays" in error_of(answer)["message"]
+
+
+def test_a_key_without_limits_of_its_own_has_at_most_its_processs_share_of_requests_at_once(gateway_with, replicas):
+    url = gateway_with(LLMGW_GATEWAY_KEY_CONCURRENCY=2)
+    add_model()
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, greedy = create_key("greedy")
+    _, other = create_key("other")
+    until_routed(client(greedy), url)
+    held = [held_stream(url, greedy) for _ in range(2)]
+    assert [h.status_code for h in held] == [200, 200]
+    third = chat(client(greedy), url)
+    assert third.status_code == 429, third.text
+    assert error_of(third)["message"] == (
+        "This API key has 2 requests in this gateway process already, as many as it takes from one key at once "
+        "(LLMGW_GATEWAY_KEY_CONCURRENCY)."
+    )
+    assert chat(client(other), url).status_code == 200
+    replica.release.set()
+    for stream in held:
+        assert stream.content.endswith(b"data: [DONE]\n\n")
+    assert chat(client(greedy), url).status_code == 200
 
 
 def waiting(redis_client, model="chat") -> int:
