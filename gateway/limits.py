@@ -383,8 +383,9 @@ class Limiter:
     """Admits a limited key's requests and counts their tokens; one per gateway process, on its event loop.
 
     What one turn of the event loop asked is sent to Redis together: for each key, one
-    script settles the answers that ended (their tokens added up, their flights ended)
-    and one admits the requests that came, in the order they came. Each script runs
+    script settles the answers that ended (their tokens added up, their flights ended),
+    one admits the requests that came and one reserves the tokens of those whose bodies
+    were read, each in the order they came. Each script runs
     atomically in Redis, so the counts are exact across processes and hosts however the
     requests are batched: a batch of five with four left in the minute admits four.
     """

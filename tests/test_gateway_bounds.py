@@ -28,7 +28,7 @@ from gateway.models import Usage
 from . import real_model
 from .scrape import samples, total
 from .support.factories import add_model, add_replica
-from .support.gateway import chat, clear_of_minute_boundary, client, error_of, until_routed
+from .support.gateway import chat, clear_of_minute_boundary, client, error_of, held_stream, until_routed
 from .support.gateway_process import start_gateway
 from .support.waiting import wait_until
 
@@ -124,6 +124,31 @@ def test_engine_keys_that_reach_around_the_bounds_are_refused_unless_the_operato
     assert chat(session, allowing, cache_prompt=False).status_code == 200
     assert replica.requests[-1]["cache_prompt"] is False
     assert chat(session, allowing, n_predict=5).status_code == 400
+
+
+def test_the_prompt_guard_reads_tools_and_every_input_of_an_embedding_not_only_messages(gateway, replicas):
+    add_model(context_length=16)  # at most 16 x 256 = 4,096 characters can fit
+    embedder = add_model("embedder", context_length=16)
+    Model.objects.filter(pk=embedder.pk).update(kind="embedding")
+    replica = replicas()
+    add_replica("chat", replica.base)
+    add_replica("embedder", replica.base)
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    until_routed(session, gateway.url, "embedder")
+
+    tools = [{"type": "function", "function": {"name": "f", "description": "x" * 5000, "parameters": {}}}]
+    hidden = chat(session, gateway.url, tools=tools, max_tokens=4)
+    assert hidden.status_code == 400 and error_of(hidden)["code"] == "context_length_exceeded", hidden.text
+    embedding = session.post(
+        gateway.url + "/v1/embeddings", json={"model": "embedder", "input": ["short", "y" * 5000]}, timeout=30
+    )
+    assert embedding.status_code == 400, embedding.text
+    error = error_of(embedding)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input"
+    assert error["message"].startswith("An item of 'input' is 5000 characters long")
+    assert replica.requests == []
 
 
 # --- token windows ------------------------------------------------------------------------------
@@ -283,13 +308,36 @@ def test_a_stream_keeps_flowing_while_an_allowed_key_sends_32_mib_bodies_of_empt
     finished_at = time.monotonic()
     reader.join(60)
     assert reader_done.is_set()
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    # Generous: a chunk comes every 50 ms; a parse of eleven million objects on the event loop took seconds.
+    assert max(gaps) < 1.0, f"the stream stalled for {max(gaps):.2f} s"
     assert finished_at < arrivals[-1], "the big bodies were not sent while the stream ran"
     for answer in answered:
         assert answer.status_code == 413, answer.text[:300]
         assert "JSON objects and arrays" in error_of(answer)["message"]
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    # Generous: a chunk comes every 50 ms; a parse of eleven million objects on the event loop took seconds.
-    assert max(gaps) < 1.0, f"the stream stalled for {max(gaps):.2f} s"
+
+
+def test_a_key_without_limits_of_its_own_has_at_most_its_processs_share_of_requests_at_once(gateway_with, replicas):
+    url = gateway_with(LLMGW_GATEWAY_KEY_CONCURRENCY=2)
+    add_model()
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, greedy = create_key("greedy")
+    _, other = create_key("other")
+    until_routed(client(greedy), url)
+    held = [held_stream(url, greedy) for _ in range(2)]
+    assert [h.status_code for h in held] == [200, 200]
+    third = chat(client(greedy), url)
+    assert third.status_code == 429, third.text
+    assert error_of(third)["message"] == (
+        "This API key has 2 requests in this gateway process already, as many as it takes from one key at once "
+        "(LLMGW_GATEWAY_KEY_CONCURRENCY)."
+    )
+    assert chat(client(other), url).status_code == 200
+    replica.release.set()
+    for stream in held:
+        assert stream.content.endswith(b"data: [DONE]\n\n")
+    assert chat(client(greedy), url).status_code == 200
 
 
 def waiting(redis_client, model="chat") -> int:
