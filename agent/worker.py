@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import time
 
 from celery import bootsteps
 from django.conf import settings
 from kombu.utils.json import loads
+
+from contracts import credentials, keys, signing
 
 from . import facts
 from .tasks import send_heartbeat
@@ -74,11 +77,33 @@ def install(app) -> None:
     app.steps["consumer"].add(Heartbeat)
 
 
+def use_own_broker(app, node: str, token: str) -> str:
+    """Point this node's Celery app and Redis clients at its own Redis user and bookkeeping keys; returns the URL.
+
+    With LLMGW_REDIS_ACL the user is `node-NAME` and the password is made from the
+    token (contracts.credentials.redis_password), as the control plane makes it for the
+    ACL: nothing more to hand a node than its token. The unacked keys are the node's own
+    either way (contracts.keys.unacked_keys): kombu's default is one hash for every
+    consumer. Set in the environment too, for the supervisor process the agent starts.
+    """
+    url = settings.REDIS_URL
+    if settings.REDIS_ACL:
+        key = signing.token_hash(token)
+        url = credentials.redis_url_as(url, credentials.redis_user(node), credentials.redis_password(key, node))
+    options = dict(settings.CELERY_BROKER_TRANSPORT_OPTIONS, **keys.unacked_keys(node))
+    settings.REDIS_URL = settings.CELERY_BROKER_URL = url
+    settings.CELERY_BROKER_TRANSPORT_OPTIONS = options
+    app.conf.broker_url = url
+    app.conf.broker_transport_options = options
+    os.environ["REDIS_URL"] = url
+    return url
+
+
 def take_back_unacknowledged(app, queue: str) -> int:
     """Put back on this node's queue the tasks its previous run took and never finished.
 
     A worker killed outright (SIGKILL, power loss) leaves its late-acknowledged
-    tasks in Redis's unacked set, and Redis gives them back only after the
+    tasks in its unacked hash (its own: use_own_broker), and Redis gives them back only after the
     visibility timeout: hours, because a fetch may take hours. Only this node
     consumes node.NAME, so at start whatever is unacknowledged for that queue
     was taken by a run of this agent that is gone, and is safe to run again

@@ -1,0 +1,36 @@
+"""The Celery app class of every llmgw worker, the control worker's and each node's agent's.
+
+A worker listens on its task queue and on nothing else: no remote control (pidbox),
+no gossip, no mingle, no event heartbeat. Each of those is a fanout channel any Redis
+client can publish on, and each was a way in: `celery control shutdown` made every worker
+exit with status 0, `cancel_consumer control` stopped placement, `add_consumer node.B` on
+agent A took B's orders (issue 33). Forced here rather than left to each command line (a
+systemd unit, `make run`, a test), so a worker started any way is deaf to them; the Redis
+ACL (contracts/redis_acl.py) refuses the channels besides.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from celery.apps.worker import Worker
+from kombu.utils.objects import cached_property
+
+# What `--without-gossip --without-mingle --without-heartbeat` say on a command line.
+QUIET_OPTIONS = {"without_gossip": True, "without_mingle": True, "without_heartbeat": True}
+
+
+class QuietWorker(Worker):
+    def __init__(self, *args, **kwargs):
+        kwargs.update(QUIET_OPTIONS)
+        # contracts.process_settings says so too; forced here for an app configured any other way.
+        self.app.conf.worker_enable_remote_control = False
+        self.app.conf.worker_send_task_events = False
+        super().__init__(*args, **kwargs)
+
+
+class QuietCelery(Celery):
+    """A Celery app whose workers take orders from their queues only."""
+
+    @cached_property
+    def Worker(self):  # noqa: N802 (Celery's name)
+        return self.subclass_with_self(QuietWorker)
