@@ -35,6 +35,9 @@ def publish(client, node="n1", source=SOURCE, done=500, total=2000, state="fetch
 
 
 def test_the_progress_api_gives_each_nodes_progress_on_a_source(admin_client, redis_client):
+    # Progress is read for the enrolled nodes, each under its own prefix.
+    Node.objects.create(name="n1")
+    Node.objects.create(name="n2")
     publish(redis_client)
     publish(redis_client, node="n2", done=2000, state="fetching")
     body = admin_client.get("/api/progress/", {"source": SOURCE}).json()
