@@ -247,7 +247,6 @@ class RedisProgress(Throttled):
         if cancelled and snapshot["state"] not in ("complete", "failed"):
             raise Cancelled(f"the fetch of {self.source} onto {self.node} was cancelled by staff")
 
-
     def forget_old(self, before: float) -> None:
         """Drop the node's progress on sources nothing moved on since `before`: the hash is one per node, kept while it fetches."""
         sources = progress_sources_key(self.node)

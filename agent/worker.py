@@ -93,8 +93,10 @@ def use_own_broker(app, node: str, token: str) -> str:
     options = dict(settings.CELERY_BROKER_TRANSPORT_OPTIONS, **keys.unacked_keys(node))
     settings.REDIS_URL = settings.CELERY_BROKER_URL = url
     settings.CELERY_BROKER_TRANSPORT_OPTIONS = options
-    app.conf.broker_url = url
-    app.conf.broker_transport_options = options
+    # The app reads its settings with the CELERY_ namespace; each spelling, whichever it looked at first.
+    app.conf.update(
+        CELERY_BROKER_URL=url, broker_url=url, CELERY_BROKER_TRANSPORT_OPTIONS=options, broker_transport_options=options
+    )
     os.environ["REDIS_URL"] = url
     return url
 

@@ -29,7 +29,14 @@ class QuietWorker(Worker):
 
 
 class QuietCelery(Celery):
-    """A Celery app whose workers take orders from their queues only."""
+    """A Celery app whose workers take orders from their queues only, and whose sends only push."""
+
+    def send_task(self, name, args=None, kwargs=None, **options):
+        # Pushed onto the queue it names, nothing declared: a declaration reads the queue's
+        # length and adds to its bindings (`_kombu.binding.<queue>`), which a node's or a
+        # gateway's Redis user may not do for the control queue; a queue's consumer declares it.
+        options.setdefault("declare", [])
+        return super().send_task(name, args, kwargs, **options)
 
     @cached_property
     def Worker(self):  # noqa: N802 (Celery's name)

@@ -89,7 +89,7 @@ def test_the_fleet_page_is_for_staff(client):
     assert client.get("/fleet/fetches/").status_code == 302
 
 
-def test_the_mirror_version_page_follows_that_versions_progress(admin_client, redis_client, settings):
+def test_the_mirror_version_page_follows_that_versions_progress(admin_client, redis_client, settings, node):
     settings.BYTES_URL = "http://mirror:8001/"
     from django.utils import timezone
 

@@ -9,6 +9,7 @@ queue, MONITOR the broker or FLUSHALL it.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -204,3 +205,96 @@ def test_manage_py_redis_acl_prints_a_file_redis_loads_and_a_url_per_principal(a
     )
     assert wrong.returncode != 0 and "a node makes its own from its token" in wrong.stderr
     assert "Traceback" not in wrong.stderr
+
+
+@pytest.fixture
+def as_control(acl_redis, settings):
+    """This test process as the control plane on the ACL'd Redis: its clients and its Celery app as llmgw-control."""
+    from celery import current_app
+
+    url = acl_redis.url_of(redis_acl.CONTROL_USER)
+    settings.REDIS_URL = url
+    app = current_app
+    saved = app.conf.broker_url
+    app.conf.CELERY_BROKER_URL, app._pool, app.amqp._producer_pool = url, None, None
+    yield url
+    app.conf.CELERY_BROKER_URL, app._pool, app.amqp._producer_pool = saved, None, None
+
+
+@pytest.mark.engine
+def test_the_fleet_does_its_whole_job_under_its_own_users_and_redis_refuses_nothing(
+    acl_redis, as_control, mirror_root, tmp_path
+):
+    """A heartbeat, a fetch with its progress and its report, a replica started and reported ready,
+    the engine's load posted: the control worker as llmgw-control, the byte listener as llmgw-bytes,
+    the agent as node-n1 (its user made from its token), and ACL LOG empty at the end."""
+    from agent import engine_state, engines
+    from contracts import progress
+    from fleet import reconcile
+    from fleet.models import Fetch, Node, Replica
+    from launcher.demo_model import write_tiny_llama
+
+    from .support.mirror import put
+    from .support.processes import start_agent, start_byte_listener, start_celery_worker
+    from .support.serving import wait_enrolled
+    from .support.waiting import wait_until
+
+    token = issue_token("n1")
+    acl_redis.reload()
+    write_tiny_llama(tmp_path / "gguf")
+    put(mirror_root, "tiny", "v1", {p.name: p.read_bytes() for p in (tmp_path / "gguf").glob("*.gguf")})
+    control = start_celery_worker("control", "control", tmp_path, REDIS_URL=as_control, LLMGW_MIRROR_ROOT=mirror_root)
+    byte_listener, bytes_url = start_byte_listener(
+        mirror_root, tmp_path, LLMGW_BYTES_REDIS_URL=acl_redis.url_of(redis_acl.BYTES_USER)
+    )
+    cache = tmp_path / "cache-n1"
+    # The node is given the broker's address and its token, nothing more: it makes its user and password.
+    agent = start_agent(
+        "n1", token, cache, tmp_path, REDIS_URL=acl_redis.url, LLMGW_REDIS_ACL="true", LLMGW_BYTES_URL=bytes_url
+    )
+    try:
+        assert "llmgw-redis-" not in agent.output()  # its password is never printed
+        wait_enrolled(agent, "n1")
+        node = Node.objects.get(name="n1")
+        source = bytes_url + "tiny/v1/"
+
+        Fetch.objects.request(node, source)
+        wait_until(
+            lambda: Fetch.objects.filter(node=node, source=source, state="complete").exists(),
+            timeout=90,
+            what=lambda: f"the fetch to be reported complete\n{acl_redis.denials()}\n{agent.output()[-3000:]}",
+        )
+        assert progress.read_one(acl_redis.client(as_control), "n1", source)["state"] == "complete"
+
+        replica = Replica.objects.create(
+            model_name="tiny",
+            profile_name="cpu",
+            node=node,
+            source=source,
+            engine="llamacpp",
+            args=["--ctx-size", "256"],
+        )
+        reconcile.send_start(replica)
+        wait_until(
+            lambda: Replica.objects.get(pk=replica.pk).state == "ready",
+            timeout=180,
+            interval=0.5,
+            what=lambda: f"the replica to be reported ready\n{acl_redis.denials()}\n{agent.output()[-3000:]}",
+        )
+        wait_until(
+            lambda: acl_redis.probe.hexists(keys.engine_stats_key("n1"), str(replica.pk)),
+            timeout=30,
+            what="the engine's load to be posted under the node's prefix",
+        )
+        assert acl_redis.denials() == []
+        # The node keeps what it took in its own hash; kombu's shared one is the control worker's alone.
+        shared = [json.loads(v)[2] for v in acl_redis.probe.hvals("unacked")]
+        assert set(shared) <= {"control"}, shared
+        assert agent.alive() and control.alive() and byte_listener.alive()
+    finally:
+        agent.stop()
+        control.stop()
+        byte_listener.stop()
+        for entry in engine_state.read_state(cache)["replicas"].values():
+            if entry.get("pid") and engines.group_alive(entry["pid"]):
+                engines.stop_group(entry["pid"], grace=3)

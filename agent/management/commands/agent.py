@@ -123,7 +123,9 @@ class Command(BaseCommand):
         try:
             client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=3)
         except ValueError as error:
-            raise CommandError(f"nothing answers at REDIS_URL ({credentials.redis_url_shown(settings.REDIS_URL)}): {error}") from None
+            raise CommandError(
+                f"nothing answers at REDIS_URL ({credentials.redis_url_shown(settings.REDIS_URL)}): {error}"
+            ) from None
         deadline = time.monotonic() + BROKER_WAIT_S
         said = False
         while True:
@@ -132,10 +134,14 @@ class Command(BaseCommand):
                 return
             except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
                 if isinstance(error, redis.AuthenticationError) or time.monotonic() >= deadline:
-                    raise CommandError(f"nothing answers at REDIS_URL ({credentials.redis_url_shown(settings.REDIS_URL)}): {error}") from None
+                    raise CommandError(
+                        f"nothing answers at REDIS_URL ({credentials.redis_url_shown(settings.REDIS_URL)}): {error}"
+                    ) from None
                 if not said:
                     self.stderr.write(f"Waiting up to {BROKER_WAIT_S:.0f} s for the broker at REDIS_URL: {error}")
                     said = True
                 time.sleep(1.0)
             except redis.RedisError as error:
-                raise CommandError(f"nothing answers at REDIS_URL ({credentials.redis_url_shown(settings.REDIS_URL)}): {error}") from None
+                raise CommandError(
+                    f"nothing answers at REDIS_URL ({credentials.redis_url_shown(settings.REDIS_URL)}): {error}"
+                ) from None
