@@ -18,8 +18,8 @@ import requests
 from celery import current_app
 
 from agent import engine_state, engines
+from contracts import keys, signing
 from contracts import progress as contracts_progress
-from contracts import signing
 from fleet import reconcile
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
@@ -63,7 +63,7 @@ class RecordingServer:
 
 @pytest.fixture(autouse=True)
 def empty_queue(redis_client):
-    redis_client.delete("unacked", "unacked_index", "node.n1")
+    redis_client.delete("unacked", "unacked_index", *keys.unacked_keys("n1").values(), "node.n1")
 
 
 @pytest.fixture
