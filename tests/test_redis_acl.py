@@ -298,3 +298,48 @@ def test_the_fleet_does_its_whole_job_under_its_own_users_and_redis_refuses_noth
         for entry in engine_state.read_state(cache)["replicas"].values():
             if entry.get("pid") and engines.group_alive(entry["pid"]):
                 engines.stop_group(entry["pid"], grace=3)
+
+
+def test_a_gateway_holds_counts_limits_and_wakes_under_its_own_user_and_redis_refuses_nothing(acl_redis, tmp_path):
+    """A request for a model at zero with a replica fetching on n1: the gateway counts the key's
+    limits, writes its load, sends one wake onto the control queue and names n1's progress,
+    all as gateway-gw1, with nothing in ACL LOG."""
+    import base64
+
+    import requests
+
+    from catalog.models import Model
+    from contracts import demand, progress
+    from gateway.keys import create_key
+
+    from .support.factories import add_model, add_replica
+    from .support.gateway_process import start_gateway
+    from .support.waiting import wait_until
+
+    model = add_model("chat")
+    Model.objects.filter(pk=model.pk).update(scaling_min=0, scaling_max=1)
+    source = "http://127.0.0.1:1/chat/v1/"
+    replica = add_replica("chat", "", state="fetching", source=source)
+    n1 = enrol(acl_redis, "n1")
+    snapshot = {"state": "fetching", "bytes_done": 43, "bytes_total": 100, "node": "n1", "source": source}
+    n1.hset(progress.progress_key("n1"), source, json.dumps(snapshot))
+    _, secret = create_key("k", limits={"requests_per_minute": 100, "tokens_per_day": 10_000})
+    process, url = start_gateway(tmp_path, REDIS_URL=acl_redis.url_of(redis_acl.gateway_user("gw1")), LLMGW_HOLD_S=2)
+    try:
+        answer = requests.post(
+            url + "/v1/chat/completions",
+            json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {secret}"},
+            timeout=60,
+        )
+        assert answer.status_code == 503, answer.text
+        assert f"replica {replica.pk} on n1 is fetching 43%" in answer.text
+        wakes = [json.loads(m) for m in acl_redis.probe.lrange("control", 0, -1)]
+        assert [json.loads(base64.b64decode(m["body"]))[0] for m in wakes if m["headers"]["task"] == demand.WAKE] == [
+            ["chat"]
+        ]
+        wait_until(lambda: acl_redis.probe.hlen(demand.LOAD_KEY), what="the gateway's load in Redis")
+        assert acl_redis.probe.keys("llmgw:limit:*"), "the key's limits were not counted in Redis"
+        assert acl_redis.denials() == []
+    finally:
+        process.stop()
