@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 import time
 
@@ -84,12 +83,12 @@ def use_own_broker(app, node: str, token: str) -> str:
     token (contracts.credentials.redis_password), as the control plane makes it for the
     ACL: nothing more to hand a node than its token. The unacked keys are the node's own
     either way (contracts.keys.unacked_keys): kombu's default is one hash for every
-    consumer. Set in the environment too, for the supervisor process the agent starts.
+    consumer. The processes the agent starts (its supervisor) make the same in their
+    settings from LLMGW_NODE_NAME: no password goes into an environment.
     """
     url = settings.REDIS_URL
     if settings.REDIS_ACL:
-        key = signing.token_hash(token)
-        url = credentials.redis_url_as(url, credentials.redis_user(node), credentials.redis_password(key, node))
+        url = credentials.node_redis_url(url, node, signing.token_hash(token))
     options = dict(settings.CELERY_BROKER_TRANSPORT_OPTIONS, **keys.unacked_keys(node))
     settings.REDIS_URL = settings.CELERY_BROKER_URL = url
     settings.CELERY_BROKER_TRANSPORT_OPTIONS = options
@@ -97,7 +96,6 @@ def use_own_broker(app, node: str, token: str) -> str:
     app.conf.update(
         CELERY_BROKER_URL=url, broker_url=url, CELERY_BROKER_TRANSPORT_OPTIONS=options, broker_transport_options=options
     )
-    os.environ["REDIS_URL"] = url
     return url
 
 

@@ -99,6 +99,11 @@ def redis_password(key: str, node: str) -> str:
     return "llmgw-redis-" + _mac(key, f"redis:{node}")
 
 
+def node_redis_url(url: str, node: str, key: str) -> str:
+    """`url` as node `node` connects: its user, and its password made from `key` (its token hash)."""
+    return redis_url_as(url, redis_user(node), redis_password(key, node))
+
+
 def redis_url_as(url: str, user: str, password: str) -> str:
     """`url` (redis://[user:password@]host:port/db) with this user and password instead of its own."""
     parts = urlsplit(url)
