@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 
+import redis
 from django.conf import settings
 
 from contracts import credentials, keys
 from contracts.tasks import COLLECT_PENDING_KEY, node_queue
 
 from .models import Node
-
-log = logging.getLogger(__name__)
 
 CONTROL_USER = "llmgw-control"
 BYTES_USER = "llmgw-bytes"
@@ -132,8 +130,6 @@ def apply_node(client, name: str, token_hash: str) -> str | None:
     (a Redis with one password, or an operator who keeps the ACL file by hand), the sentence
     says what to do instead.
     """
-    import redis  # noqa: PLC0415 (only here: the rest of the module is text)
-
     user = credentials.redis_user(name)
     try:
         if token_hash:
