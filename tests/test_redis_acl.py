@@ -92,6 +92,10 @@ def test_a_nodes_user_cannot_touch_another_nodes_keys_queue_or_orders(acl_redis)
         (n1.sadd, ("_kombu.binding.control", "x")),
         (n1.hset, ("llmgw:limit:{k}:minute", "x", 1)),
         (n1.set, ("llmgw:demand:wake:m", "1")),
+        (n1.hset, ("llmgw:demand:load", "gw1", "{}")),
+        # The tracker's peer records: a node announces through the byte listener, never writes them.
+        (n1.hset, ("llmgw:swarm:" + "a" * 64, "n2", '{"host": "203.0.113.9"}')),
+        (n1.hset, ("llmgw:swarm-fleet", "n2", "{}")),
         (n1.get, (COLLECT_PENDING_KEY,)),
         (n1.keys, ("*",)),
         (n1.scan, ()),
