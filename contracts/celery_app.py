@@ -6,7 +6,7 @@ client can publish on, and each was a way in: `celery control shutdown` made eve
 exit with status 0, `cancel_consumer control` stopped placement, `add_consumer node.B` on
 agent A took B's orders (issue 33). Forced here rather than left to each command line (a
 systemd unit, `make run`, a test), so a worker started any way is deaf to them; the Redis
-ACL (contracts/redis_acl.py) refuses the channels besides.
+ACL (fleet/redis_acl.py) refuses the channels besides.
 """
 
 from __future__ import annotations
@@ -22,9 +22,14 @@ QUIET_OPTIONS = {"without_gossip": True, "without_mingle": True, "without_heartb
 class QuietWorker(Worker):
     def __init__(self, *args, **kwargs):
         kwargs.update(QUIET_OPTIONS)
-        # contracts.process_settings says so too; forced here for an app configured any other way.
-        self.app.conf.worker_enable_remote_control = False
-        self.app.conf.worker_send_task_events = False
+        # contracts.process_settings says so too; forced here for an app configured any other way,
+        # in both spellings (an app configured with the CELERY_ namespace reads that one first).
+        self.app.conf.update(
+            worker_enable_remote_control=False,
+            CELERY_WORKER_ENABLE_REMOTE_CONTROL=False,
+            worker_send_task_events=False,
+            CELERY_WORKER_SEND_TASK_EVENTS=False,
+        )
         super().__init__(*args, **kwargs)
 
 
