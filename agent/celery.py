@@ -7,11 +7,11 @@ plane's task modules, and the control plane's worker none of these.
 
 import os
 
-from celery import Celery
+from contracts.celery_app import QuietCelery
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agent.settings")
 
-app = Celery("llmgw-agent")
+app = QuietCelery("llmgw-agent")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["agent"])
 app.autodiscover_tasks(["agent"], related_name="engine_tasks")

@@ -119,7 +119,9 @@ class StatsReader:
         client = progress.redis_client()
         pipe = client.pipeline(transaction=False)
         for replica_id, stats in found.items():
-            pipe.hset(contract.STATS_KEY, str(replica_id), contract.encode(self.node, self.key, replica_id, stats))
+            pipe.hset(
+                contract.stats_key(self.node), str(replica_id), contract.encode(self.node, self.key, replica_id, stats)
+            )
         pipe.execute()
 
     def run(self, stop: threading.Event) -> None:

@@ -1,9 +1,9 @@
 """Progress of a fetch: what a node is doing with a source, told to whoever waits on it.
 
-Published to Redis under the source's own address (a version's address for a
-set), because that is what everything waiting on it asked for: progress under
-each file's URL reaches nobody. One hash per address, one field per node, so
-two nodes fetching the same version do not overwrite each other.
+Published to Redis under the node's own prefix (contracts.keys), one field per
+source's own address (a version's address for a set), because that is what
+everything waiting on it asked for: progress under each file's URL reaches nobody.
+A node writes only its own keys, so two nodes never overwrite each other.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import redis
 from django.conf import settings
 from tqdm import tqdm
 
-from contracts.progress import KEEP_S, SOURCES_KEY, STATES, cancel_key, progress_key
+from contracts.progress import KEEP_S, STATES, cancel_key, progress_key, progress_sources_key
 from contracts.redis_client import redis_client as pooled_client
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class Throttled(Progress):
 
 
 class RedisProgress(Throttled):
-    """A node's progress on one source, in Redis under the source's address.
+    """A node's progress on one source, in Redis under the node's prefix, in the field of the source's address.
 
     Also where a cancel from staff arrives: a flag checked with each update, so
     a fetch stops between chunks rather than being killed mid-write.
@@ -225,14 +225,17 @@ class RedisProgress(Throttled):
 
     def send(self, snapshot: dict) -> None:
         snapshot = dict(snapshot, source=self.source, node=self.node)
-        key = progress_key(self.source)
+        key, sources = progress_key(self.node), progress_sources_key(self.node)
         pipe = self.client.pipeline()
-        pipe.hset(key, self.node, json.dumps(snapshot))
+        pipe.hset(key, self.source, json.dumps(snapshot))
+        pipe.zadd(sources, {self.source: snapshot["updated"]})
         pipe.expire(key, KEEP_S)
-        pipe.zadd(SOURCES_KEY, {self.source: snapshot["updated"]})
+        pipe.expire(sources, KEEP_S)
         pipe.exists(cancel_key(self.node, self.source))
         try:
             *_, cancelled = pipe.execute()
+            if snapshot["state"] in ("complete", "failed"):
+                self.forget_old(snapshot["updated"] - KEEP_S)
         except redis.RedisError as error:
             # Progress is a report, not the fetch: Redis away for a moment must
             # not fail an hour-long download. Said once, not on every chunk.
@@ -243,6 +246,16 @@ class RedisProgress(Throttled):
         self._said_unreachable = False
         if cancelled and snapshot["state"] not in ("complete", "failed"):
             raise Cancelled(f"the fetch of {self.source} onto {self.node} was cancelled by staff")
+
+    def forget_old(self, before: float) -> None:
+        """Drop the node's progress on sources nothing moved on since `before`: the hash is one per node, kept while it fetches."""
+        sources = progress_sources_key(self.node)
+        old = self.client.zrangebyscore(sources, "-inf", before)
+        if old:
+            pipe = self.client.pipeline()
+            pipe.hdel(progress_key(self.node), *old)
+            pipe.zrem(sources, *old)
+            pipe.execute()
 
 
 def redis_client() -> redis.Redis:

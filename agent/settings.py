@@ -10,9 +10,13 @@ settings, which read the shared ones (REDIS_URL, LLMGW_BYTES_URL, LLMGW_HEARTBEA
 for their own side.
 """
 
+import os
 from pathlib import Path
 
+from contracts.credentials import node_redis_url
 from contracts.env import env_addr, env_bool, env_int, env_path, env_str
+from contracts.keys import unacked_keys
+from contracts.signing import token_hash
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = env_path("LLMGW_VAR", Path("var"), BASE_DIR)
@@ -74,3 +78,12 @@ AGENT_METRICS_TOKEN = env_str("LLMGW_AGENT_METRICS_TOKEN", "")
 
 # The broker and the log format, as every llmgw process has them.
 from contracts.process_settings import *  # noqa: E402, F403
+
+# This node's own Redis user (LLMGW_REDIS_ACL) and bookkeeping keys, where its name is known:
+# `manage.py agent` sets them itself (agent.worker.use_own_broker) and LLMGW_NODE_NAME for the
+# processes it starts, which make the same here from the node's name and token.
+_node, _token = os.environ.get("LLMGW_NODE_NAME", "").strip(), os.environ.get("LLMGW_NODE_TOKEN", "").strip()
+if _node:
+    CELERY_BROKER_TRANSPORT_OPTIONS = {**CELERY_BROKER_TRANSPORT_OPTIONS, **unacked_keys(_node)}  # noqa: F405
+    if REDIS_ACL and _token:  # noqa: F405
+        REDIS_URL = CELERY_BROKER_URL = node_redis_url(REDIS_URL, _node, token_hash(_token))  # noqa: F405

@@ -20,6 +20,8 @@ from celery import bootsteps
 from django.conf import settings
 from kombu.utils.json import loads
 
+from contracts import credentials, keys, signing
+
 from . import facts
 from .tasks import send_heartbeat
 
@@ -74,11 +76,34 @@ def install(app) -> None:
     app.steps["consumer"].add(Heartbeat)
 
 
+def use_own_broker(app, node: str, token: str) -> str:
+    """Point this node's Celery app and Redis clients at its own Redis user and bookkeeping keys; returns the URL.
+
+    With LLMGW_REDIS_ACL the user is `node-NAME` and the password is made from the
+    token (contracts.credentials.redis_password), as the control plane makes it for the
+    ACL: nothing more to hand a node than its token. The unacked keys are the node's own
+    either way (contracts.keys.unacked_keys): kombu's default is one hash for every
+    consumer. The processes the agent starts (its supervisor) make the same in their
+    settings from LLMGW_NODE_NAME: no password goes into an environment.
+    """
+    url = settings.REDIS_URL
+    if settings.REDIS_ACL:
+        url = credentials.node_redis_url(url, node, signing.token_hash(token))
+    options = dict(settings.CELERY_BROKER_TRANSPORT_OPTIONS, **keys.unacked_keys(node))
+    settings.REDIS_URL = settings.CELERY_BROKER_URL = url
+    settings.CELERY_BROKER_TRANSPORT_OPTIONS = options
+    # The app reads its settings with the CELERY_ namespace; each spelling, whichever it looked at first.
+    app.conf.update(
+        CELERY_BROKER_URL=url, broker_url=url, CELERY_BROKER_TRANSPORT_OPTIONS=options, broker_transport_options=options
+    )
+    return url
+
+
 def take_back_unacknowledged(app, queue: str) -> int:
     """Put back on this node's queue the tasks its previous run took and never finished.
 
     A worker killed outright (SIGKILL, power loss) leaves its late-acknowledged
-    tasks in Redis's unacked set, and Redis gives them back only after the
+    tasks in its unacked hash (its own: use_own_broker), and Redis gives them back only after the
     visibility timeout: hours, because a fetch may take hours. Only this node
     consumes node.NAME, so at start whatever is unacknowledged for that queue
     was taken by a run of this agent that is gone, and is safe to run again

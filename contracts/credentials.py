@@ -28,6 +28,7 @@ import hmac
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from .names import node_name_problem
 
@@ -100,3 +101,38 @@ def bytes_pass_problem(presented: str, key_of: Callable[[str], str | None], now:
 def bearer(secret: str) -> dict[str, str]:
     """The header that presents a secret; none for an empty one."""
     return {"Authorization": f"Bearer {secret}"} if secret else {}
+
+
+# --- Redis (each principal its own user: fleet/redis_acl.py) ------------------------
+
+
+def redis_user(node: str) -> str:
+    """The node's Redis user."""
+    return f"node-{node}"
+
+
+def redis_password(key: str, node: str) -> str:
+    """The node's Redis password; `key` is its token hash. The ACL holds only its sha256."""
+    return "llmgw-redis-" + _mac(key, f"redis:{node}")
+
+
+def node_redis_url(url: str, node: str, key: str) -> str:
+    """`url` as node `node` connects: its user, and its password made from `key` (its token hash)."""
+    return redis_url_as(url, redis_user(node), redis_password(key, node))
+
+
+def redis_url_as(url: str, user: str, password: str) -> str:
+    """`url` (redis://[user:password@]host:port/db) with this user and password instead of its own."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"))
+
+
+def redis_url_shown(url: str) -> str:
+    """`url` as it may be printed or logged: its password left out."""
+    parts = urlsplit(url)
+    user, _, host = parts.netloc.rpartition("@")
+    if not user:
+        return url
+    name = user.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{name}:***@{host}" if name else f":***@{host}"))

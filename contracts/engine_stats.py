@@ -3,12 +3,12 @@
 llama-server counts what the gateway can only guess: how many of its slots are decoding,
 how many requests wait for a slot, how full its KV cache is and how fast it generates.
 Each node's supervisor reads its engines' `/metrics` every few seconds and writes one
-field per replica into a Redis hash; the autoscaler, the replicas page, the overview and
+field per replica into a Redis hash of its own (contracts.keys.engine_stats_key); the autoscaler, the replicas page, the overview and
 the control plane's `/metrics` read the hash when they need it (live numbers, like a
 fetch's progress; nothing is written to the database).
 
-Redis is reachable by every node, so an entry is believed only with a proof keyed by
-the node's token hash (`contracts.signing`, as the control plane's orders are): a node
+A node's Redis user writes only its own hash; and where Redis has one password for all
+(no ACL), an entry is believed only with a proof keyed by the node's token hash (`contracts.signing`, as the control plane's orders are): a node
 cannot make another node's replicas look busy. And only while fresh: a node that stops
 posting (gone, its supervisor stopped) stops counting after `FRESH_S`.
 """
@@ -20,8 +20,10 @@ import time
 from typing import TypedDict
 
 from . import signing
+from .keys import engine_stats_key
 
-STATS_KEY = "llmgw:engine-stats"  # field: replica id; value: JSON {node, replica, stats, proof}
+# The node's hash (engine_stats_key(node)): field: replica id; value: JSON {node, replica, stats, proof}
+stats_key = engine_stats_key
 # What the proof's MAC is made over, as a task name is for an order.
 SIGNED_AS = "engine-stats"
 INTERVAL_S = 5.0

@@ -4,7 +4,7 @@ and add their own (the control plane its task routes, beat and quieter database 
 
 from __future__ import annotations
 
-from .env import env_int, env_str
+from .env import env_bool, env_int, env_str
 
 __all__ = [
     "REDIS_URL",
@@ -18,6 +18,10 @@ __all__ = [
     "CELERY_WORKER_PREFETCH_MULTIPLIER",
     "CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP",
     "CELERY_BROKER_TRANSPORT_OPTIONS",
+    "CELERY_WORKER_ENABLE_REMOTE_CONTROL",
+    "CELERY_WORKER_SEND_TASK_EVENTS",
+    "CELERY_TASK_SEND_SENT_EVENT",
+    "REDIS_ACL",
     "LOGGING",
 ]
 
@@ -35,7 +39,22 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Longer than the longest fetch: Redis re-delivers an unacknowledged task after this, and
 # a multi-hour download must not be started a second time underneath itself.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("LLMGW_VISIBILITY_TIMEOUT_S", 12 * 3600, minimum=60)}
+# priority_steps [0]: a queue is one Redis list, named as the queue (kombu's default reads
+# four suffixed lists too), so a node's Redis user is given exactly `node.NAME` (fleet/redis_acl.py).
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": env_int("LLMGW_VISIBILITY_TIMEOUT_S", 12 * 3600, minimum=60),
+    "priority_steps": [0],
+}
+# A worker takes orders from its queue only: remote control (`celery control shutdown`,
+# `add_consumer`, `cancel_consumer`) and events are fanout channels anyone on Redis may
+# publish on (issue 33). contracts/celery_app.py forces these and turns gossip, mingle and
+# the event heartbeat off.
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
+CELERY_WORKER_SEND_TASK_EVENTS = False
+CELERY_TASK_SEND_SENT_EVENT = False
+# Each principal its own Redis user (docs/fleet.md, "Redis users"): a node then makes its
+# user and password from its name and token (contracts.credentials.redis_password).
+REDIS_ACL = env_bool("LLMGW_REDIS_ACL", False)
 
 LOGGING = {
     "version": 1,

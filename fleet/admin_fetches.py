@@ -86,7 +86,7 @@ class FetchAdmin(admin.ModelAdmin):
 
     @admin.display(description="live progress")
     def live(self, obj: Fetch) -> str:
-        snapshot = progress.read(redis_client(), obj.source).get(obj.node.name)
+        snapshot = progress.read_one(redis_client(), obj.node.name, obj.source)
         if not snapshot:
             return "-"
         return format_html("{} {:.0f}%", snapshot["state"], progress.percent(snapshot))

@@ -23,31 +23,42 @@ FORGET_AFTER_S = 600
 def read(now: float | None = None, client=None) -> dict[int, EngineStats]:
     """{replica id: stats} for every replica whose node posted fresh, signed stats for it."""
     now = time.time() if now is None else now
+    # Each node's own hash: a replica's stats are read only from the hash of the node it is on.
+    keys = dict(Node.objects.filter(replicas__isnull=False).distinct().values_list("name", "token_hash"))
+    if not keys:
+        return {}
+    names = sorted(keys)
     try:
         client = client or redis_client()
-        raw = client.hgetall(contract.STATS_KEY)
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(contract.stats_key(name))
+        answers = pipe.execute()
     except Exception:
         return {}  # Redis away: the engines' numbers are missing, the gateway's count is not
-    if not raw:
+    posted: dict[int, tuple[str, bytes]] = {}
+    for name, raw in zip(names, answers, strict=True):
+        for field, value in raw.items():
+            field = field.decode() if isinstance(field, bytes) else str(field)
+            if field.isdigit():
+                posted[int(field)] = (name, value)
+    if not posted:
         return {}
-    ids = {}
-    for field, value in raw.items():
-        name = field.decode() if isinstance(field, bytes) else str(field)
-        if name.isdigit():
-            ids[int(name)] = value
-    on_node = dict(Replica.objects.filter(pk__in=ids, node__isnull=False).values_list("pk", "node__name"))
-    keys = dict(Node.objects.filter(name__in=set(on_node.values())).values_list("name", "token_hash"))
+    on_node = dict(Replica.objects.filter(pk__in=posted, node__isnull=False).values_list("pk", "node__name"))
     found, dead = {}, []
-    for replica_id, value in ids.items():
+    for replica_id, (name, value) in posted.items():
         node = on_node.get(replica_id)
-        stats = contract.decode(value, {node: keys.get(node, "")} if node else {}, now)
+        stats = contract.decode(value, {node: keys[name]} if node == name else {}, now)
         if stats is not None:
             found[replica_id] = stats
-        elif node is None or _older_than(value, now, FORGET_AFTER_S):
-            dead.append(str(replica_id))
+        elif node != name or _older_than(value, now, FORGET_AFTER_S):
+            dead.append((name, str(replica_id)))
     if dead:
         try:
-            client.hdel(contract.STATS_KEY, *dead)
+            pipe = client.pipeline(transaction=False)
+            for name, field in dead:
+                pipe.hdel(contract.stats_key(name), field)
+            pipe.execute()
         except Exception:
             pass
     return found

@@ -170,8 +170,9 @@ class FleetCollector(Collector):
         try:
             client = redis_client()
             now = time.time()
-            for source in progress.recent_sources(client):
-                for node, snapshot in progress.read(client, source).items():
+            enrolled = Node.objects.values_list("name", flat=True)
+            for _source, snapshots in progress.read_recent(client, enrolled):
+                for node, snapshot in snapshots.items():
                     if snapshot.get("state") not in ("queued", "fetching", "verifying"):
                         continue
                     counts[node] += 1

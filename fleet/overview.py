@@ -6,8 +6,6 @@ staff see, and it has to answer as fast with a thousand nodes as with one.
 
 from __future__ import annotations
 
-import json
-
 from django.db.models import Count, Q, Sum
 
 from contracts import progress
@@ -70,26 +68,18 @@ def replicas() -> list[dict]:
 def fetches_under_way() -> list[dict]:
     """Fetches a node is working on now, from the progress keys; Redis away means none shown."""
     try:
-        client = redis_client()
-        sources = progress.recent_sources(client, SOURCES_LOOKED_AT)
-        pipe = client.pipeline(transaction=False)
-        for source in sources:
-            pipe.hgetall(progress.progress_key(source))
-        answers = pipe.execute()
+        enrolled = Node.objects.values_list("name", flat=True)
+        recent = progress.read_recent(redis_client(), enrolled, SOURCES_LOOKED_AT)
     except Exception:
         return []
     rows = []
-    for source, raw in zip(sources, answers, strict=True):
-        for node, value in sorted(raw.items()):
-            try:
-                snapshot = json.loads(value)
-            except ValueError:
-                continue
+    for source, snapshots in recent:
+        for node, snapshot in snapshots.items():
             if snapshot.get("state") not in LIVE_STATES:
                 continue
             rows.append(
                 {
-                    "node": node.decode() if isinstance(node, bytes) else node,
+                    "node": node,
                     "source": source,
                     "state": snapshot["state"],
                     "percent": progress.percent(snapshot),

@@ -20,13 +20,13 @@ from .models import Fetch, Node
 
 def fleet_fetches() -> list[dict]:
     """Per node: its recorded fetches joined with what Redis says is happening now."""
-    client = redis_client()
+    enrolled = list(Node.objects.values_list("name", flat=True))
     live: dict[tuple[str, str], dict] = {}
-    for source in progress.recent_sources(client):
-        for node, snapshot in progress.read(client, source).items():
+    for source, snapshots in progress.read_recent(redis_client(), enrolled):
+        for node, snapshot in snapshots.items():
             live[(node, source)] = snapshot
     records = {(f.node.name, f.source): f for f in Fetch.objects.select_related("node")}
-    names = sorted({n for n, _ in live} | {n for n, _ in records} | set(Node.objects.values_list("name", flat=True)))
+    names = sorted({n for n, _ in live} | {n for n, _ in records} | set(enrolled))
     out = []
     for name in names:
         sources = sorted({s for n, s in live if n == name} | {s for n, s in records if n == name})
@@ -73,6 +73,7 @@ def fetches(request: HttpRequest) -> HttpResponse:
 def source_progress(request: HttpRequest) -> HttpResponse:
     """One source's progress on every node: the fragment the mirror version page polls."""
     source = request.GET.get("source", "")
-    snapshots = progress.read(redis_client(), source) if source else {}
+    enrolled = Node.objects.values_list("name", flat=True)
+    snapshots = progress.read(redis_client(), source, enrolled) if source else {}
     rows = [dict(_row(source, snapshot, None), node=node) for node, snapshot in snapshots.items()]
     return render(request, "fleet/partials/progress.html", {"source": source, "rows": rows})

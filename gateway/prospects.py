@@ -137,7 +137,7 @@ def read(names: list[str], routed: dict[str, set[int]]) -> dict[str, Prospect]:
 def fetched_percent(client, source: str, node: str) -> str | None:
     """How far the node is with the replica's weights, as the agent reports it; None when it has not said."""
     try:
-        snapshot = progress.read(client, source).get(node)
+        snapshot = progress.read_one(client, node, source)
     except redis.RedisError:  # progress is a courtesy here; Redis away must not fail the request
         return None
     if not snapshot or not snapshot.get("bytes_total"):

@@ -55,8 +55,14 @@ def ensure_redis_server_installed() -> str:
     return found
 
 
-def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen:
-    """A redis-server of our own on the port REDIS_URL names, with its data under var/."""
+def start_private_redis(
+    url: str, data_dir: Path, aclfile: Path | None = None, answers_url: str = ""
+) -> subprocess.Popen:
+    """A redis-server of our own on the port REDIS_URL names, with its data under var/.
+
+    With `aclfile`, each principal its own user (fleet/redis_acl.py) and no default user:
+    `answers_url` is who asks whether it is up.
+    """
     parsed = urlparse(url)
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
     if host not in LOCAL_HOSTS:
@@ -79,13 +85,14 @@ def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen:
             "no",
             "--protected-mode",
             "yes",
+            *(["--aclfile", str(aclfile)] if aclfile else []),
         ],
         stdout=open(data_dir / "redis.log", "ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     for _ in range(50):
-        if redis_answers(url):
+        if redis_answers(answers_url or url):
             return process
         if process.poll() is not None:
             break

@@ -361,6 +361,11 @@ SPECTACULAR_SETTINGS = {
 # The broker and the log format, as every llmgw process has them; the control plane adds its routes and beat.
 from contracts.process_settings import *  # noqa: E402, F403
 
+if ROLE == "bytes":
+    # The byte listener's own Redis user, where Redis has one per principal (docs/fleet.md,
+    # "Redis users"): it reaches the tracker's keys and nothing else.
+    REDIS_URL = CELERY_BROKER_URL = env_str("LLMGW_BYTES_REDIS_URL", REDIS_URL)  # noqa: F405
+
 CELERY_TASK_ROUTES = {
     "mirror.*": {"queue": "control"},
     "catalog.*": {"queue": "control"},

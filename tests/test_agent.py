@@ -9,6 +9,7 @@ import pytest
 
 from agent import progress
 from agent.fetch import cache_path
+from contracts import keys
 from fleet.models import Fetch, Node
 
 from .support.fleet import live, send_fetch
@@ -42,7 +43,7 @@ def no_tasks_left_from_another_test():
     an earlier test left behind would otherwise run again here.
     """
     client = progress.redis_client()
-    client.delete("unacked", "unacked_index", "node.n1")
+    client.delete("unacked", "unacked_index", *keys.unacked_keys("n1").values(), "node.n1")
 
 
 def test_the_agent_heartbeats_with_no_database_reachable(enrolled_node, control_worker, agent_cache, tmp_path):

@@ -35,6 +35,9 @@ def publish(client, node="n1", source=SOURCE, done=500, total=2000, state="fetch
 
 
 def test_the_progress_api_gives_each_nodes_progress_on_a_source(admin_client, redis_client):
+    # Progress is read for the enrolled nodes, each under its own prefix.
+    Node.objects.create(name="n1")
+    Node.objects.create(name="n2")
     publish(redis_client)
     publish(redis_client, node="n2", done=2000, state="fetching")
     body = admin_client.get("/api/progress/", {"source": SOURCE}).json()
@@ -61,7 +64,7 @@ def test_progress_is_published_a_few_times_a_second_at_most(redis_client):
     for _ in range(20_000):
         live.advanced(1)
     assert len(published) <= 5  # 20,000 updates in well under a second
-    assert contracts_progress.read(redis_client, SOURCE)["n1"]["bytes_done"] <= 20_000
+    assert contracts_progress.read_one(redis_client, "n1", SOURCE)["bytes_done"] <= 20_000
 
 
 def test_the_fleet_page_shows_each_nodes_fetches_and_its_fragment_refreshes(admin_client, redis_client, node):
@@ -86,7 +89,7 @@ def test_the_fleet_page_is_for_staff(client):
     assert client.get("/fleet/fetches/").status_code == 302
 
 
-def test_the_mirror_version_page_follows_that_versions_progress(admin_client, redis_client, settings):
+def test_the_mirror_version_page_follows_that_versions_progress(admin_client, redis_client, settings, node):
     settings.BYTES_URL = "http://mirror:8001/"
     from django.utils import timezone
 

@@ -204,7 +204,7 @@ def test_the_engines_count_reaches_the_replicas_page_the_overview_and_metrics_wh
     # Slots of 1,024 tokens: answers long enough to be read while they run.
     process, port = start(weights, tmp_path, SLOTS, secret, pool=4 * 1024)
     broker = redis.Redis.from_url(settings.REDIS_URL)
-    broker.delete(contract.STATS_KEY)
+    broker.delete(contract.stats_key("n1"))
     try:
         cache = tmp_path / "cache"
         engine_state.want(cache, replica.pk, "llamacpp", "http://x/m/v1/", weights, [], MODEL, nonce="n")
@@ -261,14 +261,14 @@ def test_the_engines_count_reaches_the_replicas_page_the_overview_and_metrics_wh
         # A node that cannot sign for n1 (another token) is not believed: its entry is as good as none.
         forged = dict(said, slots_busy=SLOTS, requests_deferred=9)
         broker.hset(
-            contract.STATS_KEY,
+            contract.stats_key("n1"),
             str(replica.pk),
             contract.encode("n1", signing.token_hash("llmgw-node-other"), replica.pk, forged),
         )
         assert replica.pk not in fleet_stats.read()
     finally:
         engines.stop_group(process.pid, grace=5)
-        broker.delete(contract.STATS_KEY)
+        broker.delete(contract.stats_key("n1"))
 
 
 def test_the_autoscaler_adds_a_replica_when_an_engine_defers_a_request_and_counts_its_busy_slots():

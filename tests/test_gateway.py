@@ -316,7 +316,7 @@ def test_no_ready_replica_is_a_503_that_says_why(impatient_gateway, redis_client
     source = "http://127.0.0.1:1/chat/v1/"
     replica = add_replica("chat", "", state="fetching", source=source)
     progress_snapshot = {"state": "fetching", "bytes_done": 43, "bytes_total": 100, "node": "n1", "source": source}
-    redis_client.hset(contracts_progress.progress_key(source), "n1", json.dumps(progress_snapshot))
+    redis_client.hset(contracts_progress.progress_key("n1"), source, json.dumps(progress_snapshot))
     add_replica("placing", "", state="pending", reason="no node has 64 GB of memory free")
     _, secret = create_key("k")
     session = client(secret)

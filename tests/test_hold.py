@@ -165,7 +165,7 @@ def test_a_wait_past_llmgw_hold_s_is_a_503_with_retry_after_and_the_replicas_pro
     source = "http://127.0.0.1:1/chat/v1/"
     replica = add_replica("chat", "", state="fetching", source=source)
     snapshot = {"state": "fetching", "bytes_done": 43, "bytes_total": 100, "node": "n1", "source": source}
-    redis_client.hset(contracts_progress.progress_key(source), "n1", json.dumps(snapshot))
+    redis_client.hset(contracts_progress.progress_key("n1"), source, json.dumps(snapshot))
     _, secret = create_key("k")
     began = time.monotonic()
     answer = ask(gateway.url, secret)
@@ -198,7 +198,7 @@ def test_a_streamed_request_gets_comments_while_it_waits_then_an_error_event_in_
     source = "http://127.0.0.1:1/chat/v1/"
     add_replica("chat", "", state="fetching", source=source)
     snapshot = {"state": "fetching", "bytes_done": 43, "bytes_total": 100, "node": "n1", "source": source}
-    redis_client.hset(contracts_progress.progress_key(source), "n1", json.dumps(snapshot))
+    redis_client.hset(contracts_progress.progress_key("n1"), source, json.dumps(snapshot))
     _, secret = create_key("k")
     with ask(gateway.url, secret, stream=True, path=path, prompt="hi") as response:
         assert response.status_code == 200 and response.headers["content-type"] == "text/event-stream"

@@ -121,8 +121,8 @@ def test_fetches_are_counted_by_state_with_the_live_ones_throughput_and_stalls(s
         "http://m/w/v1/": {"state": "fetching", "rate": 0, "updated": now - 600},
         "http://m/x/v1/": {"state": "complete", "rate": 0, "updated": now},
     }.items():
-        redis_client.hset(progress.progress_key(source), "a", json.dumps(snapshot))
-        redis_client.zadd(progress.SOURCES_KEY, {source: now})
+        redis_client.hset(progress.progress_key("a"), source, json.dumps(snapshot))
+        redis_client.zadd(progress.progress_sources_key("a"), {source: now})
     found = scraper()
     assert value(found, "llmgw_fetches", state="complete") == 1
     assert value(found, "llmgw_fetches", state="failed") == 1

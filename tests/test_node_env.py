@@ -52,6 +52,8 @@ def deployed_agent(tmp_path, settings, byte_listener):
     values = {
         "LLMGW_NODE_TOKEN": made.stdout.strip(),
         "REDIS_URL": settings.REDIS_URL,
+        # The session's Redis has its default user; tests/test_redis_acl.py runs an agent as node-NAME.
+        "LLMGW_REDIS_ACL": "false",
         "LLMGW_BYTES_URL": byte_listener,
         "LLMGW_VAR": str(tmp_path / "var"),
         "LLMGW_AGENT_CACHE": str(cache),

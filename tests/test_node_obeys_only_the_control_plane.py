@@ -18,7 +18,8 @@ import requests
 from celery import current_app
 
 from agent import engine_state, engines
-from contracts import signing
+from contracts import keys, signing
+from contracts import progress as contracts_progress
 from fleet import reconcile
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
@@ -62,7 +63,7 @@ class RecordingServer:
 
 @pytest.fixture(autouse=True)
 def empty_queue(redis_client):
-    redis_client.delete("unacked", "unacked_index", "node.n1")
+    redis_client.delete("unacked", "unacked_index", *keys.unacked_keys("n1").values(), "node.n1")
 
 
 @pytest.fixture
@@ -120,7 +121,7 @@ def test_a_forged_start_is_dropped_and_logged_and_fetches_nothing_and_starts_not
     time.sleep(1)  # proving an absence: the dropped tasks fetch nothing from elsewhere a second on
     assert elsewhere.requests == []
     assert engine_state.read_state(agent_cache)["replicas"] == {}
-    assert not redis_client.exists("llmgw:progress:" + source)
+    assert redis_client.hget(contracts_progress.progress_key("n1"), source) is None
     assert agent_n1.alive()
 
 

@@ -24,7 +24,7 @@ from celery import current_app
 from agent import engine_state, engines
 from agent.sources import cache_path
 from catalog.models import Model, Profile
-from contracts import demand, tasks
+from contracts import demand, keys, tasks
 from fleet import autoscale, reconcile
 from fleet.enrolment import issue_token
 from fleet.live import redis_client
@@ -44,7 +44,16 @@ GATEWAY = "test-gateway"
 
 @pytest.fixture(autouse=True)
 def nothing_queued_from_another_test():
-    redis_client().delete("unacked", "unacked_index", "node.n1", "node.n2", demand.LOAD_KEY, autoscale.TIMES_KEY)
+    redis_client().delete(
+        "unacked",
+        "unacked_index",
+        *keys.unacked_keys("n1").values(),
+        *keys.unacked_keys("n2").values(),
+        "node.n1",
+        "node.n2",
+        demand.LOAD_KEY,
+        autoscale.TIMES_KEY,
+    )
 
 
 @pytest.fixture

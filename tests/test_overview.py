@@ -76,10 +76,11 @@ def test_the_overview_shows_memory_placed_replicas_and_the_last_24_hours(staff_c
 
 
 def test_fetches_under_way_are_a_fragment_htmx_refreshes(staff_client, redis_client):
+    Node.objects.create(name="gpu-1")  # progress is read for the enrolled nodes
     source = "http://mirror:8001/llama/v1/"
     snapshot = {"state": "fetching", "bytes_done": 250, "bytes_total": 1000, "rate": 2048, "updated": time.time()}
-    redis_client.hset(progress.progress_key(source), "gpu-1", json.dumps(snapshot))
-    redis_client.zadd(progress.SOURCES_KEY, {source: time.time()})
+    redis_client.hset(progress.progress_key("gpu-1"), source, json.dumps(snapshot))
+    redis_client.zadd(progress.progress_sources_key("gpu-1"), {source: time.time()})
     fragment = staff_client.get("/admin/", headers={"HX-Request": "true"})
     text = fragment.content.decode()
     assert "<html" not in text and 'data-percent="25.0"' in text and "gpu-1" in text

@@ -29,8 +29,8 @@ def publish(redis_client, percent: int) -> None:
         "rate": 52_428_800,
         "updated": time.time(),
     }
-    redis_client.hset(progress.progress_key(SOURCE), "gpu-2", json.dumps(snapshot))
-    redis_client.zadd(progress.SOURCES_KEY, {SOURCE: time.time()})
+    redis_client.hset(progress.progress_key("gpu-2"), SOURCE, json.dumps(snapshot))
+    redis_client.zadd(progress.progress_sources_key("gpu-2"), {SOURCE: time.time()})
 
 
 def test_the_front_page_draws_the_fleet_and_its_usage_and_follows_a_fetch(live_server, redis_client):

@@ -115,7 +115,7 @@ def source_of(control: ControlPlane, version: str) -> str:
 
 def progress_of(control: ControlPlane, node: Node, source: str) -> dict:
     client = redis.Redis.from_url(control.redis_url, socket_timeout=5)
-    return contracts_progress.read(client, source).get(node.name, {})
+    return contracts_progress.read_one(client, node.name, source) or {}
 
 
 def fetched(control: ControlPlane, node: Node, version: str, timeout: float = 90) -> dict:

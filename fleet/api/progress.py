@@ -7,11 +7,12 @@ from common.permissions import requires
 from contracts import progress
 
 from ..live import redis_client
+from ..models import Node
 from .serializers import ProgressSerializer
 
 
 class ProgressView(APIView):
-    """Every node's progress on a source, read from Redis under the source's address."""
+    """Every enrolled node's progress on a source, read from Redis under each node's prefix."""
 
     permission_classes = [requires("fleet.view_fetch")]
 
@@ -25,6 +26,6 @@ class ProgressView(APIView):
         source = request.query_params.get("source", "").strip()
         if not source:
             raise ValidationError({"source": "say which source: ?source=http://mirror:8001/<model>/<version>/"})
-        snapshots = progress.read(redis_client(), source)
+        snapshots = progress.read(redis_client(), source, Node.objects.values_list("name", flat=True))
         nodes = [dict(snapshot, node=node) for node, snapshot in snapshots.items()]
         return Response(ProgressSerializer({"source": source, "nodes": nodes}).data)

@@ -25,7 +25,7 @@ def send_fetch(node: str, source: str, broker_url: str | None = None) -> None:
 
 def live(redis_client, source: str, node: str) -> dict:
     """A node's live progress on fetching `source`, as the agent publishes it."""
-    return contracts_progress.read(redis_client, source).get(node, {})
+    return contracts_progress.read_one(redis_client, node, source) or {}
 
 
 def sent(broker, queue: str) -> list[tuple]:

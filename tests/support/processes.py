@@ -63,6 +63,9 @@ def _fill(role: str) -> dict[str, str | None]:
             "LLMGW_HTTPS": "false",
             "DATABASE_URL": test_database_url(),
             "REDIS_URL": settings.REDIS_URL,
+            # The session's Redis has its default user (tests/test_redis_acl.py runs one with users).
+            "LLMGW_REDIS_ACL": None,
+            "LLMGW_BYTES_REDIS_URL": None,
             "LLMGW_VAR": os.environ["LLMGW_VAR"],
             "LLMGW_MIRROR_ROOT": os.environ["LLMGW_MIRROR_ROOT"],
             "LLMGW_ADMIN_ADDR": _addr(settings.ADMIN_ADDR),
@@ -79,6 +82,7 @@ def _fill(role: str) -> dict[str, str | None]:
             # a test that starts an agent of its own passes that node's token.
             "LLMGW_NODE_TOKEN": os.environ.get("LLMGW_NODE_TOKEN") or None,
             "REDIS_URL": settings.REDIS_URL,
+            "LLMGW_REDIS_ACL": None,
             "LLMGW_BYTES_URL": settings.BYTES_URL,
             "LLMGW_VAR": os.environ["LLMGW_VAR"],
             "LLMGW_AGENT_CACHE": str(Path(os.environ["LLMGW_VAR"]) / "agent-cache"),

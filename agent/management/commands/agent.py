@@ -9,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from agent import engine_state, engines, facts, fence, metrics, peers, runtime, supervisor, worker
 from agent.celery import app
+from contracts import credentials
 from contracts.names import node_name_problem
 from contracts.tasks import node_queue
 
@@ -60,6 +61,7 @@ class Command(BaseCommand):
                 "LLMGW_NODE_TOKEN is not set. A node needs the enrolment token the control plane made for it: "
                 f"run `manage.py node_token {node}` on the control plane and set LLMGW_NODE_TOKEN to what it prints."
             )
+        worker.use_own_broker(app, node, token)
         self.check_broker()
         if problem := metrics.problem() or fence.engine_user_problem(settings.ENGINE_USER):
             raise CommandError(problem)
@@ -93,12 +95,14 @@ class Command(BaseCommand):
             "prefork",
             "--loglevel",
             loglevel,
+            # What contracts/celery_app.py forces anyway: no fanout channel a Redis client could speak on.
             "--without-gossip",
             "--without-mingle",
+            "--without-heartbeat",
         ]
         self.stdout.write(
             f"Agent for node {node}: queue {node_queue(node)}, cache {cache}, "
-            f"heartbeat every {settings.HEARTBEAT_S} s, broker {settings.REDIS_URL}"
+            f"heartbeat every {settings.HEARTBEAT_S} s, broker {credentials.redis_url_shown(settings.REDIS_URL)}"
         )
         self.stdout.flush()
         app.worker_main(argv)
@@ -124,7 +128,9 @@ class Command(BaseCommand):
         try:
             client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=3, socket_timeout=3)
         except ValueError as error:
-            raise CommandError(f"nothing answers at REDIS_URL ({settings.REDIS_URL}): {error}") from None
+            raise CommandError(
+                f"nothing answers at REDIS_URL ({credentials.redis_url_shown(settings.REDIS_URL)}): {error}"
+            ) from None
         deadline = time.monotonic() + BROKER_WAIT_S
         said = False
         while True:
@@ -133,10 +139,14 @@ class Command(BaseCommand):
                 return
             except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
                 if isinstance(error, redis.AuthenticationError) or time.monotonic() >= deadline:
-                    raise CommandError(f"nothing answers at REDIS_URL ({settings.REDIS_URL}): {error}") from None
+                    raise CommandError(
+                        f"nothing answers at REDIS_URL ({credentials.redis_url_shown(settings.REDIS_URL)}): {error}"
+                    ) from None
                 if not said:
                     self.stderr.write(f"Waiting up to {BROKER_WAIT_S:.0f} s for the broker at REDIS_URL: {error}")
                     said = True
                 time.sleep(1.0)
             except redis.RedisError as error:
-                raise CommandError(f"nothing answers at REDIS_URL ({settings.REDIS_URL}): {error}") from None
+                raise CommandError(
+                    f"nothing answers at REDIS_URL ({credentials.redis_url_shown(settings.REDIS_URL)}): {error}"
+                ) from None

@@ -1,7 +1,10 @@
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from contracts.names import node_name_problem
-from fleet import enrolment
+from fleet import enrolment, redis_acl
+from fleet.live import redis_client
+from fleet.models import Node
 
 
 class Command(BaseCommand):
@@ -35,8 +38,18 @@ class Command(BaseCommand):
             if not enrolment.revoke_token(name.strip()):
                 raise CommandError(f"there is no node called {name.strip()!r}")
             self.stderr.write(f"The token of node {name.strip()} is revoked.")
+            self.redis_user(name.strip())
             return
         if address is not None and (problem := enrolment.address_problem(address.strip())):
             raise CommandError(f"--address: {problem}")
         token = enrolment.issue_token(name.strip(), address=None if address is None else address.strip())
         self.stdout.write(token)
+        self.redis_user(name.strip())
+
+    def redis_user(self, name: str) -> None:
+        """With LLMGW_REDIS_ACL, the node's Redis user follows its token (fleet.redis_acl)."""
+        if not settings.REDIS_ACL:
+            return
+        token_hash = Node.objects.filter(name=name).values_list("token_hash", flat=True).first() or ""
+        if problem := redis_acl.apply_node(redis_client(), name, token_hash):
+            self.stderr.write(problem[0].upper() + problem[1:] + ".")

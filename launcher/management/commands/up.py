@@ -9,9 +9,13 @@ from django.core.management.base import BaseCommand, CommandError
 
 from common.metrics import fresh_multiprocess_dir
 from contracts.env import NODE_VARIABLES
-from fleet.enrolment import issue_token
+from fleet import redis_acl
+from fleet.enrolment import issue_token, token_hash_of
+from fleet.live import redis_client
 from launcher import services
 
+# The one gateway `make run` starts, as its Redis user names it.
+LOCAL_GATEWAY = "local"
 # What a process needs of the machine it runs on, beside its settings.
 MACHINE = ("PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME")
 
@@ -32,6 +36,10 @@ class Command(BaseCommand):
         argv = [py, "manage.py", "agent", "--node", node, "--stop-engines"]
         subprocess.run(argv, cwd=settings.BASE_DIR, env=self.node_env(node))
 
+    # The broker's address as a node is given it; with a private Redis, each process's own user.
+    node_redis_url = ""
+    redis_acl_on = False
+
     def node_env(self, node: str, token: str = "") -> dict[str, str]:
         """The agent's environment, a node's as deploy/env/node.env gives it: this host's broker,
         byte listener and var/, its token, and what of the node's variables the user set;
@@ -39,13 +47,36 @@ class Command(BaseCommand):
         env = {name: os.environ[name] for name in (*MACHINE, *NODE_VARIABLES) if name in os.environ}
         env.update(
             LLMGW_NODE_NAME=node,
-            REDIS_URL=settings.REDIS_URL,
+            REDIS_URL=self.node_redis_url or settings.REDIS_URL,
             LLMGW_BYTES_URL=settings.BYTES_URL,
             LLMGW_VAR=str(settings.VAR_DIR),
         )
         if token:
             env["LLMGW_NODE_TOKEN"] = token
+        if self.redis_acl_on:
+            env["LLMGW_REDIS_ACL"] = "true"
         return env
+
+    def start_private_redis(self) -> object:
+        """A redis-server of our own, each process of this host its own user (docs/fleet.md, "Redis users").
+
+        The ACL file is written from the database (migrated first): the control plane, the byte
+        listener, the local gateway and the nodes enrolled before; this host's node gets its
+        user when its token is issued, as any node does. This process is the control plane.
+        """
+        call_command("migrate", interactive=False, verbosity=0)
+        data_dir = settings.VAR_DIR / "redis"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        aclfile = data_dir / "users.acl"
+        aclfile.write_text(redis_acl.acl_file([LOCAL_GATEWAY]))
+        aclfile.chmod(0o600)
+        plain = settings.REDIS_URL
+        control = redis_acl.url_for(redis_acl.CONTROL_USER)
+        process = services.start_private_redis(plain, data_dir, aclfile=aclfile, answers_url=control)
+        self.node_redis_url, self.redis_acl_on = plain, True
+        os.environ["REDIS_URL"] = settings.REDIS_URL = settings.CELERY_BROKER_URL = control
+        os.environ["LLMGW_REDIS_ACL"] = "true"
+        return process
 
     def handle(self, *args, node, **options):
         processes = services.ProcessGroup()
@@ -61,7 +92,7 @@ class Command(BaseCommand):
                 self.stdout.write(f"Using the Redis at {settings.REDIS_URL}")
             else:
                 self.stdout.write(f"Nothing answers at {settings.REDIS_URL}; starting a private redis-server.")
-                processes.adopt("redis", services.start_private_redis(settings.REDIS_URL, settings.VAR_DIR / "redis"))
+                processes.adopt("redis", self.start_private_redis())
             call_command("migrate", interactive=False, verbosity=0)
             note = services.ensure_staff_user()
             settings.MIRROR_ROOT.mkdir(parents=True, exist_ok=True)
@@ -77,8 +108,18 @@ class Command(BaseCommand):
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(fresh_multiprocess_dir(settings.VAR_DIR / "metrics"))
         admin_host, admin_port = settings.ADMIN_ADDR
         processes.start("admin server", [py, "manage.py", "admin_server"])
-        processes.start("gateway", [py, "manage.py", "gateway"])
-        processes.start("byte listener", [py, "manage.py", "byte_listener"])
+        if self.redis_acl_on:
+            gateway_url = redis_acl.url_for(redis_acl.gateway_user(LOCAL_GATEWAY))
+            processes.start("gateway", [py, "manage.py", "gateway"], env=dict(os.environ, REDIS_URL=gateway_url))
+            bytes_url = redis_acl.url_for(redis_acl.BYTES_USER)
+            processes.start(
+                "byte listener",
+                [py, "manage.py", "byte_listener"],
+                env=dict(os.environ, REDIS_URL=bytes_url, LLMGW_BYTES_REDIS_URL=bytes_url),
+            )
+        else:
+            processes.start("gateway", [py, "manage.py", "gateway"])
+            processes.start("byte listener", [py, "manage.py", "byte_listener"])
         processes.start(
             "control worker",
             [
@@ -104,6 +145,9 @@ class Command(BaseCommand):
         # This host enrols itself: a fresh token each start, handed straight to its agent, and
         # its engines on loopback (the agent's default LLMGW_ENGINE_HOST), where they are routed to.
         token = issue_token(node, address="127.0.0.1")
+        if self.redis_acl_on and (problem := redis_acl.apply_node(redis_client(), node, token_hash_of(node) or "")):
+            processes.stop()
+            raise CommandError(problem)
         processes.start("agent", [py, "manage.py", "agent", "--node", node], env=self.node_env(node, token))
 
         self.stdout.write("")
