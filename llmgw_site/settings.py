@@ -12,6 +12,7 @@ with the node's own, agent.settings (no database, nothing of the control plane).
 """
 
 import ipaddress
+import os
 from pathlib import Path
 
 import dj_database_url
@@ -46,8 +47,19 @@ if not SECRET_KEY:
 
         VAR_DIR.mkdir(parents=True, exist_ok=True)
         SECRET_KEY = secrets.token_urlsafe(50)
-        _key_file.write_text(SECRET_KEY)
-        _key_file.chmod(0o600)
+        # Made with its mode, written whole, then linked into place: no reader ever sees it
+        # readable by others or half-written, whatever the umask, and of two processes
+        # starting together the second keeps the first one's key.
+        _tmp = VAR_DIR / f".secret_key.{os.getpid()}"
+        _fd = os.open(_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(_fd, "w") as _out:
+                _out.write(SECRET_KEY)
+            os.link(_tmp, _key_file)
+        except FileExistsError:
+            SECRET_KEY = _key_file.read_text().strip()
+        finally:
+            _tmp.unlink(missing_ok=True)
 
 # A key made here is one machine's: `check --deploy` refuses it for a fleet (llmgw_site/checks.py).
 SECRET_KEY_MADE_HERE = not env_str("DJANGO_SECRET_KEY", "")
