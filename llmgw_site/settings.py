@@ -91,6 +91,17 @@ BYTES_ADDR = env_addr("LLMGW_BYTES_ADDR", "127.0.0.1:8001")
 # (0.0.0.0 is an address to bind, not one to connect to).
 _bytes_host = "127.0.0.1" if BYTES_ADDR[0] in {"0.0.0.0", "::", ""} else BYTES_ADDR[0]
 BYTES_URL = env_str("LLMGW_BYTES_URL", f"http://{_bytes_host}:{BYTES_ADDR[1]}/").rstrip("/") + "/"
+if ROLE == "bytes":
+    # Nodes reach the byte listener by its own address (LLMGW_BYTES_URL), not the admin's name in
+    # DJANGO_ALLOWED_HOSTS: it shares control.env, and a manifest's addresses are built from the
+    # Host a node sends, so that Host is the one allowed (issue 41.1).
+    from urllib.parse import urlsplit
+
+    ALLOWED_HOSTS = [
+        h.strip()
+        for h in env_str("LLMGW_BYTES_ALLOWED_HOSTS", urlsplit(BYTES_URL).hostname or _bytes_host).split(",")
+        if h.strip()
+    ]
 MIRROR_SCAN_INTERVAL_S = env_int("LLMGW_SCAN_INTERVAL_S", 20, minimum=1)
 HEARTBEAT_S = env_int("LLMGW_HEARTBEAT_S", 15, minimum=1)
 # A node is not ready after this many heartbeats in a row have not arrived.

@@ -73,3 +73,28 @@ def test_a_second_start_keeps_the_key_the_first_one_made(tmp_path):
         assert done.returncode == 0, done.stderr
         keys.append(json.loads(done.stdout.splitlines()[-1])["key"])
     assert keys[0] == keys[1] == (tmp_path / "secret_key").read_text()
+
+
+ASK_HOST = """
+import django
+django.setup()
+from django.test import RequestFactory
+print(RequestFactory().get("/m/", HTTP_HOST="10.0.0.1:8001").get_host())
+"""
+
+
+def test_the_byte_listener_with_control_env_accepts_the_host_a_node_sends(tmp_path):
+    # deploy/env/control.env as an operator fills it: the admin's name, the listener's address.
+    env = process_env(
+        LLMGW_VAR=str(tmp_path),
+        LLMGW_ROLE="bytes",
+        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
+        DJANGO_ALLOWED_HOSTS="llmgw.example.org",
+        LLMGW_BYTES_ADDR="0.0.0.0:8001",
+        LLMGW_BYTES_URL="http://10.0.0.1:8001/",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", ASK_HOST], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "10.0.0.1:8001"
