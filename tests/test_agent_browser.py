@@ -4,6 +4,7 @@ import pytest
 from django.utils import timezone
 
 from agent import progress
+from fleet.models import Node
 from mirror.models import MirrorVersion
 
 from .staff_browser import screenshot
@@ -11,6 +12,12 @@ from .staff_browser import screenshot
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 SOURCE = "http://127.0.0.1:8001/m/v1/"
+
+
+@pytest.fixture(autouse=True)
+def enrolled_n1(db):
+    """The pages believe a node's progress only for an enrolled node (readers ask enrolled nodes' keys)."""
+    return Node.objects.create(name="n1")
 
 
 def publish(client, done: int, state: str = "fetching") -> None:

@@ -384,9 +384,11 @@ def test_engines_outlive_a_killed_supervisor_process_which_a_new_one_adopts(tmp_
         return subprocess.Popen(argv, env=env, cwd=BASE_DIR, stdout=log, stderr=subprocess.STDOUT)
 
     def reported() -> list[list]:
+        """[node, replica, state, endpoint] of each signed report on control (contracts.signing.sign_message)."""
         # Kombu pushes on the left: the oldest message is last.
         bodies = [json.loads(m) for m in reversed(broker.lrange("control", 0, -1))]
-        return [json.loads(base64.b64decode(b["body"]))[0] for b in bodies]
+        messages = [json.loads(base64.b64decode(b["body"]))[0][0] for b in bodies]
+        return [[m["node"], m["body"]["replica"], m["body"]["state"], m["body"]["endpoint"]] for m in messages]
 
     first = start_supervisor()
     try:
@@ -394,7 +396,9 @@ def test_engines_outlive_a_killed_supervisor_process_which_a_new_one_adopts(tmp_
     finally:
         first.kill()
         first.wait(timeout=10)
-    assert reported()[0][:3] == ["llmgw-node-test", 5, "starting"]
+    assert reported()[0][1:3] == [5, "starting"]
+    sent = [base64.b64decode(json.loads(m)["body"]) for m in broker.lrange("control", 0, -1)]
+    assert not any(b"llmgw-node-test" in body for body in sent), "the node's token crossed the broker"
     pid = engine_state.read_state(cache)["replicas"]["5"]["pid"]
     assert engines.group_alive(pid), "the engine died with its supervisor"
 
