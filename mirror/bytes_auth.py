@@ -6,9 +6,9 @@ pass (`Authorization: Bearer NODE:EXPIRES:MAC`, contracts.credentials), checked
 against that node's token hash on every request. The hashes are cached in the process
 for LLMGW_BYTES_PASS_CACHE_S seconds (a database connection per client is what ran
 PostgreSQL out of connections, issue 33): a node whose token is revoked gets 401 within
-that many seconds, a fetch under way included; a token issued anew works within a
-second (a pass that does not match is checked against the database again, at most five
-times a second per node). The operator may open the mirror to anyone with LLMGW_BYTES_PUBLIC=true.
+that many seconds, a fetch under way included; a token issued anew works at once, or
+within a second when its node's re-reads are spent (a pass that does not match is checked
+against the database again, at most five times a second per node). The operator may open the mirror to anyone with LLMGW_BYTES_PUBLIC=true.
 
 The mirror sits below the fleet and does not know what a node is: the lookup of a
 node's token hash is handed in by the byte listener's URLconf (`llmgw_site.urls_bytes`).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import time
 from typing import Protocol
 
 from django.conf import settings
@@ -57,11 +58,19 @@ def _checked(presented: str, nodes: Nodes) -> str | None:
         return nodes.token_hash_of(name)
 
     problem = bytes_pass_problem(presented, key_of)
+    if problem is None or not asked:
+        return problem
     # Not the cached hash's pass: perhaps one of a token issued since it was read. Read again,
     # at most a few times a second per node, so a flood of wrong passes costs no query per client.
-    if problem is not None and asked and nodes.read_again(asked[0]):
-        problem = bytes_pass_problem(presented, nodes.token_hash_of)
-    return problem
+    # When this second's re-reads are spent, wait for the next second's rather than refuse: a
+    # token issued anew is not refused because its node's re-reads of this second went to other
+    # passes (new tokens of the same node, or a few wrong ones); it waits. The wait is a greenlet's
+    # (the byte listener runs under gevent), and the re-reads stay at most a few a second.
+    if not nodes.read_again(asked[0]):
+        time.sleep(1.0 - time.monotonic() % 1.0 + 0.001)
+        if not nodes.read_again(asked[0]):
+            return problem
+    return bytes_pass_problem(presented, nodes.token_hash_of)
 
 
 def problem_of(request: HttpRequest, nodes: Nodes) -> str | None:
