@@ -266,7 +266,11 @@ def _whole_response(sock: socket.socket) -> bytes:
             answer += chunk
         head = answer.partition(b"\r\n\r\n")[0]
         length = next(
-            (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")),
+            (
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
             None,
         )
         while length is None or len(answer) - len(head) - 4 < length:

@@ -177,7 +177,7 @@ def test_an_engine_that_hangs_is_reported_unusable_and_its_re_probes_never_stop_
             time.sleep(0.2)  # sampling the beats over nine seconds, to count them
         times = sorted(beats)
         assert len(times) >= 4, times
-        gaps = [(later - earlier).total_seconds() for earlier, later in zip(times, times[1:])]
+        gaps = [(later - earlier).total_seconds() for earlier, later in zip(times, times[1:], strict=False)]
         assert max(gaps) < 3, gaps
         assert agent.output().count("llama.cpp is installed but unusable") >= 2
     finally:
