@@ -1,4 +1,5 @@
-"""Who may use the API: staff users' tokens, kept only as their hashes and good for a while."""
+"""Who may use llmgw: staff users' API tokens (kept only as their hashes, good for a while), and the
+organisation's teams, whose members share the team's models and budgets (docs/teams.md)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,60 @@ class ApiToken(models.Model):
     @property
     def expired(self) -> bool:
         return self.expires <= timezone.now()
+
+
+class Team(models.Model):
+    """People who share models and budgets: every key of the team counts against the team's limits too.
+
+    What a team's key may do is the tighter of the key's own limits and the team's (gateway/limits.py).
+    """
+
+    name = models.CharField(max_length=100, unique=True)
+    model_names = models.JSONField(
+        "models",
+        default=list,
+        blank=True,
+        help_text='Catalog model names the team\'s keys may use, as a list like ["llama-3"]; empty for every model.',
+    )
+    # Budgets shared by all the team's keys, each blank for none; a month is a calendar month in
+    # LLMGW_BUDGET_TIME_ZONE.
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Blank for no limit.")
+    tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True, help_text="Blank for no limit.")
+    tokens_per_day = models.PositiveBigIntegerField(null=True, blank=True, help_text="Blank for no limit.")
+    tokens_per_month = models.PositiveBigIntegerField(null=True, blank=True, help_text="Blank for no limit.")
+    spend_per_month = models.DecimalField(
+        max_digits=14,
+        decimal_places=4,
+        null=True,
+        blank=True,
+        help_text="In the catalog's prices' currency; blank for no limit.",
+    )
+    created = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class TeamMember(models.Model):
+    """A person in a team: a member makes keys for the team; a team admin also sees the team's keys and usage."""
+
+    class Role(models.TextChoices):
+        MEMBER = "member", "member"
+        ADMIN = "admin", "team admin"
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="members")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="team_memberships")
+    role = models.CharField(max_length=10, choices=Role.choices, default=Role.MEMBER)
+    # Set by the identity provider's groups at sign-in (and removed by it); a membership made by hand is kept.
+    from_provider = models.BooleanField(default=False, editable=False)
+    added = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["team", "user"]
+        constraints = [models.UniqueConstraint(fields=["team", "user"], name="accounts_teammember_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.team} ({self.role})"

@@ -97,6 +97,21 @@ class Model(models.Model):
         help_text="When a model waking fits on no node, idle replicas of lower priority are stopped first to "
         "make room, and never one of a model of higher priority than the one waking.",
     )
+    # Prices per million tokens, in one currency for the whole catalog (LLMGW_PRICE_CURRENCY); blank is free.
+    price_input = models.DecimalField(
+        "price per million input tokens", max_digits=12, decimal_places=6, null=True, blank=True
+    )
+    price_cached_input = models.DecimalField(
+        "price per million cached input tokens",
+        max_digits=12,
+        decimal_places=6,
+        null=True,
+        blank=True,
+        help_text="Prompt tokens the engine had cached; blank to charge them as input.",
+    )
+    price_output = models.DecimalField(
+        "price per million output tokens", max_digits=12, decimal_places=6, null=True, blank=True
+    )
     # A username, or "configuration" for a declared model: who to ask about it.
     added_by = models.CharField(max_length=150, blank=True)
     added_at = models.DateTimeField(default=timezone.now)

@@ -1,7 +1,10 @@
 """API keys for the gateway's clients, and what each key has used."""
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
+
+from accounts.models import Team
 
 from .limits import LIMIT_FIELDS  # a key's limits are named once, in the limiter
 
@@ -30,6 +33,13 @@ class ApiKey(models.Model):
     max_in_flight = models.PositiveIntegerField(
         "requests in flight", null=True, blank=True, help_text="Requests answered at once; blank for no limit."
     )
+    # A team's key counts against the team's budgets as well as its own; a person's key is theirs to see and
+    # revoke on /me/. A team with keys is not deleted (PROTECT): deactivate the keys first.
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.PROTECT, related_name="keys")
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="api_keys"
+    )
+    expires = models.DateTimeField(null=True, blank=True, help_text="Blank for a key that does not expire.")
     created = models.DateTimeField(auto_now_add=True)
     created_by = models.CharField(max_length=150, blank=True)
     last_used = models.DateTimeField(null=True, blank=True, editable=False)
@@ -67,6 +77,10 @@ class Usage(models.Model):
     requests = models.PositiveBigIntegerField(default=0)
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
+    # Of the prompt tokens, those the engine had cached (priced apart: catalog Model.price_cached_input).
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    # What the tokens cost at the model's prices when they were used, in the prices' currency.
+    spend = models.DecimalField(max_digits=20, decimal_places=8, default=0)
 
     class Meta:
         ordering = ["-day", "key", "model_name"]
