@@ -150,6 +150,13 @@ MIRROR_SETTLE_S = env_int("LLMGW_MIRROR_SETTLE_S", 10)
 # Unhashed bytes the byte listener hashes inside a manifest request; more is hashed in the
 # background while the manifest says "not ready" with a Retry-After.
 MIRROR_HASH_INLINE_BYTES = env_int("LLMGW_MIRROR_HASH_INLINE_BYTES", 256 * 1024 * 1024)
+# Pulls from another mirror (mirror/pull.py, issue 34): how long one may take in all, how long the
+# admin's form waits for the other mirror's answer, whether plain http is allowed, and the space a pull
+# must leave free on the mirror's filesystem.
+PULL_DEADLINE_S = env_int("LLMGW_PULL_DEADLINE_S", 6 * 3600, minimum=1)
+PULL_CHECK_S = env_int("LLMGW_PULL_CHECK_S", 5, minimum=1)
+PULL_ALLOW_HTTP = env_bool("LLMGW_PULL_ALLOW_HTTP", False)
+PULL_RESERVE_BYTES = env_int("LLMGW_PULL_RESERVE_MB", 1024, minimum=0) << 20
 # How long a node's fetch waits on a version the mirror says is not ready before it fails.
 FETCH_WAIT_S = env_int("LLMGW_FETCH_WAIT_S", 6 * 3600, minimum=1)
 # `manage.py up` puts a tiny demo GGUF into the mirror (tiny-demo/v1) unless one is there.
@@ -390,6 +397,8 @@ if ROLE == "bytes":
     REDIS_URL = CELERY_BROKER_URL = env_str("LLMGW_BYTES_REDIS_URL", REDIS_URL)  # noqa: F405
 
 CELERY_TASK_ROUTES = {
+    # A pull may take hours: on a queue and worker of its own (llmgw-pulls), never the control worker's slots.
+    "mirror.pull": {"queue": "pulls"},
     "mirror.*": {"queue": "control"},
     "catalog.*": {"queue": "control"},
     "fleet.*": {"queue": "control"},

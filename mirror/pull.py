@@ -13,6 +13,14 @@ The other site's byte listener serves only its fleet, so this site is one of its
 `manage.py node_token NAME` there gives the token, and a pass made from it (as a node's
 agent makes one) goes with every request: Bearer for the manifest and the torrent,
 HTTP Basic in the web seed's URL for libtorrent.
+
+Bounds (issue 34): the other mirror is another site's server, so nothing it does may hold
+this one. A pull goes over https unless LLMGW_PULL_ALLOW_HTTP; it is refused when the
+mirror's filesystem cannot hold the version and still keep LLMGW_PULL_RESERVE_MB free, and
+stopped when the room runs out meanwhile; it ends within LLMGW_PULL_DEADLINE_S in all, its
+copy removed when it is stopped; and the check made inside the admin's request waits at
+most LLMGW_PULL_CHECK_S. Every request has a clock of its whole (`_Cut`), not only of each
+read: a server that sends a byte every few seconds never trips a read timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import logging
 import os
 import re
 import shutil
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +42,13 @@ from urllib.parse import quote, unquote, urlsplit
 
 import libtorrent as lt
 import requests
+import urllib3
+from django.conf import settings
+from django.template.defaultfilters import filesizeformat
 from django.utils import timezone
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from contracts import credentials, signing
 from contracts.digest import sha256_file
@@ -46,7 +62,7 @@ log = logging.getLogger(__name__)
 STAGING = ".pull"  # under the mirror root: hidden, so never a model
 MANIFEST_LIMIT = 1 << 20
 TORRENT_LIMIT = 64 << 20
-TIMEOUT = (10, 60)
+CONNECT_S, READ_S = 10, 60
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # How long a pull waits for the other mirror to offer the version whole (and its torrent).
 WAIT_S = 600
@@ -55,6 +71,127 @@ PROGRESS_EVERY_S = 0.5
 
 class PullError(Exception):
     """A pull that cannot go on; str() is the sentence for staff."""
+
+
+class Stopped(PullError):
+    """A pull stopped by a bound (its deadline, the disk's room): its copy so far is removed."""
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds // 3600} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds // 60} min"
+    return f"{seconds} s"
+
+
+class Deadline:
+    """When something must be over, and the sentence said when it is not."""
+
+    def __init__(self, seconds: float, sentence: str):
+        self.at = time.monotonic() + seconds
+        self.sentence = sentence
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def check(self) -> None:
+        if self.left() <= 0:
+            raise Stopped(self.sentence)
+
+
+# --- requests with a clock of their whole ------------------------------------------------
+
+_watching = threading.local()  # the _Cut of the request this thread is making, if any
+
+
+class _Cut:
+    """The sockets a request opens, shut down when its deadline passes.
+
+    A read timeout counts from the last byte: a server sending one every few seconds (in its
+    headers, its TLS handshake or its body) would hold the request, and a worker, for hours.
+    """
+
+    def __init__(self, deadline: Deadline):
+        self.deadline = deadline
+        self.cut = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(max(0.0, deadline.left()), self._fire)
+        self._timer.daemon = True
+
+    def add(self, sock: socket.socket) -> None:
+        # A duplicate of its descriptor: the same connection, still ours to shut down once TLS
+        # has wrapped (and detached) the socket urllib3 made.
+        duplicate = socket.fromfd(sock.fileno(), sock.family, sock.type)
+        with self._lock:
+            self._sockets.append(duplicate)
+            if self.cut:
+                _shut(duplicate)
+
+    def _fire(self) -> None:
+        with self._lock:
+            self.cut = True
+            for sock in self._sockets:
+                _shut(sock)
+
+    def __enter__(self) -> _Cut:
+        _watching.cut = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+        _watching.cut = None
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+            self._sockets = []
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed already
+
+
+class _Watched:
+    def _new_conn(self) -> socket.socket:
+        sock = super()._new_conn()
+        if (cut := getattr(_watching, "cut", None)) is not None:
+            cut.add(sock)
+        return sock
+
+
+class _WatchedHTTPConnection(_Watched, HTTPConnection):
+    pass
+
+
+class _WatchedHTTPSConnection(_Watched, HTTPSConnection):
+    pass
+
+
+class _WatchedHTTPPool(HTTPConnectionPool):
+    ConnectionCls = _WatchedHTTPConnection
+
+
+class _WatchedHTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
+class _WatchedAdapter(HTTPAdapter):
+    def init_poolmanager(self, *args, **kwargs) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
+
+
+def _session() -> requests.Session:
+    session = requests.Session()
+    session.mount("http://", _WatchedAdapter())
+    session.mount("https://", _WatchedAdapter())
+    return session
 
 
 @dataclass(frozen=True)
@@ -76,7 +213,12 @@ def parse_address(url: str) -> Address:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise PullError(
-            f"{url!r} is not an address on a byte listener: it should look like http://mirror:8001/<model>/<version>/"
+            f"{url!r} is not an address on a byte listener: it should look like https://mirror:8001/<model>/<version>/"
+        )
+    if parts.scheme == "http" and not settings.PULL_ALLOW_HTTP:
+        raise PullError(
+            f"{url} is plain http: a pull goes over https only, so that no one on the way reads this site's pass "
+            "or changes what the other mirror says; LLMGW_PULL_ALLOW_HTTP=true allows http on a network you trust"
         )
     if "@" in parts.netloc:
         raise PullError(
@@ -158,13 +300,27 @@ class NotReadyYet(PullError):
         self.retry_after = retry_after
 
 
-def _get(url: str, who: Credentials, limit: int) -> tuple[requests.Response, bytes]:
+def _get(url: str, who: Credentials, limit: int, deadline: Deadline) -> tuple[requests.Response, bytes]:
+    deadline.check()
+    left = deadline.left()
+    cut = _Cut(deadline)
     try:
-        response = requests.get(url, headers=who.headers(), timeout=TIMEOUT, stream=True, allow_redirects=False)
-    except requests.RequestException as error:
+        with cut, _session() as session:
+            response = session.get(
+                url,
+                headers=who.headers(),
+                timeout=(min(CONNECT_S, left), min(READ_S, left)),
+                stream=True,
+                allow_redirects=False,
+            )
+            with response:
+                body = response.raw.read(limit + 1, decode_content=True)
+    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as error:
+        if cut.cut:
+            raise Stopped(deadline.sentence) from None
         raise PullError(f"{url} could not be reached: {type(error).__name__}") from None
-    with response:
-        body = response.raw.read(limit + 1, decode_content=True)
+    if cut.cut:  # a body cut short can look whole (no Content-Length): never taken
+        raise Stopped(deadline.sentence)
     if len(body) > limit:
         raise PullError(f"{url} answered more than {limit >> 20} MiB where a version's manifest was expected")
     return response, body
@@ -178,10 +334,10 @@ def _said(body: bytes) -> str:
     return said if isinstance(said, str) else ""
 
 
-def read_manifest(address: Address, who: Credentials) -> Manifest:
+def read_manifest(address: Address, who: Credentials, deadline: Deadline) -> Manifest:
     """The other mirror's manifest of the version, checked; PullError (NotReadyYet to wait on) saying what is wrong."""
     url = address.url
-    response, body = _get(url, who, MANIFEST_LIMIT)
+    response, body = _get(url, who, MANIFEST_LIMIT, deadline)
     status = response.status_code
     if status == 401:
         if not who.key:
@@ -252,9 +408,9 @@ def read_manifest(address: Address, who: Credentials) -> Manifest:
     return manifest
 
 
-def read_torrent(address: Address, manifest: Manifest, who: Credentials) -> bytes:
+def read_torrent(address: Address, manifest: Manifest, who: Credentials, deadline: Deadline) -> bytes:
     """The version's torrent from the other mirror, when it describes exactly the manifest's files."""
-    response, data = _get(manifest.torrent_url, who, TORRENT_LIMIT)
+    response, data = _get(manifest.torrent_url, who, TORRENT_LIMIT, deadline)
     if response.status_code == 503:
         raise NotReadyYet("the other mirror is still computing the version's torrent", 5)
     if response.status_code != 200:
@@ -305,20 +461,74 @@ def staging_of(model: str, version: str) -> Path:
 def check(url: str, node: str = "", token: str = "") -> tuple[Address, Credentials]:
     """The address and credentials of a pull, tried against the other site now; PullError saying what is wrong.
 
-    So a mistyped address, an HTML page or a wrong token is said at once, on the page or
-    by the command, rather than by a pull that fails later.
+    So a mistyped address, an HTML page, a wrong token or a disk too small is said at once,
+    on the page or by the command, rather than by a pull that fails later. It runs inside
+    the admin's request: the other mirror has LLMGW_PULL_CHECK_S to answer, not a worker's hours.
     """
     address = parse_address(url)
     who = Credentials.of(node, token)
     if (disk.root() / address.model / address.version).exists():
         raise PullError(f"this mirror already has {address.model}/{address.version}; a pull never replaces a version")
+    seconds = settings.PULL_CHECK_S
+    deadline = Deadline(
+        seconds,
+        f"the other mirror at {address.base} did not answer within {_duration(seconds)} (LLMGW_PULL_CHECK_S); "
+        "a byte listener answers a manifest at once, so this is not one or it is overloaded: nothing was pulled",
+    )
     try:
-        manifest = read_manifest(address, who)
+        manifest = read_manifest(address, who, deadline)
     except NotReadyYet:
         return address, who  # whole later: the pull waits on it
-    if not manifest.info_hash and not _torrent_coming(address, who):
+    if not manifest.info_hash and not _torrent_coming(address, who, deadline):
         raise PullError(_no_torrent(address))
+    if problem := room_problem(address, manifest):
+        raise PullError(problem)
     return address, who
+
+
+def _free_bytes() -> int:
+    place = disk.root()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    return shutil.disk_usage(place).free
+
+
+def _staged_bytes(address: Address, manifest: Manifest) -> int:
+    """What of the version is on disk in its staging folder already (a pull that goes on), by blocks written."""
+    staging = staging_of(address.model, address.version)
+    found = 0
+    for name, size, _ in manifest.files:
+        try:
+            st = os.lstat(staging / name)
+        except OSError:
+            continue
+        found += min(st.st_blocks * 512, size)  # files are sparse until written: their blocks, not their length
+    return found
+
+
+def room_problem(address: Address, manifest: Manifest) -> str | None:
+    """Why the mirror's filesystem cannot take the version and keep LLMGW_PULL_RESERVE_MB free; None when it can."""
+    needed = manifest.bytes - _staged_bytes(address, manifest)
+    free, reserve = _free_bytes(), settings.PULL_RESERVE_BYTES
+    if free >= needed + reserve:
+        return None
+    return (
+        f"the mirror's disk has {filesizeformat(free)} free and {address.model}/{address.version} needs "
+        f"{filesizeformat(needed)}, with {filesizeformat(reserve)} kept free beside it (LLMGW_PULL_RESERVE_MB): "
+        "nothing was pulled; make room first"
+    )
+
+
+def _room_ran_out(address: Address, manifest: Manifest) -> str | None:
+    """Why the copy under way can no longer finish on the mirror's disk (something else took the room); None if it can."""
+    needed = manifest.bytes - _staged_bytes(address, manifest)
+    free = _free_bytes()
+    if free >= needed:
+        return None
+    return (
+        f"the mirror's disk ran out of room during the pull: {filesizeformat(free)} free, "
+        f"{filesizeformat(needed)} still to come; the copy so far is removed and nothing of it is in the mirror"
+    )
 
 
 def start(url: str, node: str = "", token: str = "", requested_by: str = "") -> MirrorPull:
@@ -346,9 +556,9 @@ def _no_torrent(address: Address) -> str:
     )
 
 
-def _torrent_coming(address: Address, who: Credentials) -> bool:
+def _torrent_coming(address: Address, who: Credentials, deadline: Deadline) -> bool:
     """Whether a ready manifest without a torrent is one whose torrent is still being made (a large version)."""
-    response, _ = _get(address.url + "?torrent", who, TORRENT_LIMIT)
+    response, _ = _get(address.url + "?torrent", who, TORRENT_LIMIT, deadline)
     return response.status_code == 503
 
 
@@ -368,6 +578,12 @@ def run(pull_id: int, swarm_factory: Callable | None = None, wait_s: float = WAI
         MirrorPull.objects.filter(pk=pull.pk).update(state=MirrorPull.State.RUNNING, updated=timezone.now())
         try:
             _pull(pull, swarm_factory, wait_s)
+        except Stopped as error:
+            # Stopped by a bound: the copy so far goes, so that nothing half-written stays and the room comes back.
+            staging = staging_of(pull.model, pull.version)
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.with_name(f"{pull.version}.resume").unlink(missing_ok=True)
+            _end(pull, str(error))
         except PullError as error:
             _end(pull, str(error))
         except Exception as error:
@@ -388,13 +604,15 @@ def _end(pull: MirrorPull, error: str) -> None:
     )
 
 
-def _wait_for(what: Callable, deadline: float, wait_s: float):
+def _wait_for(what: Callable, wait_until: float, wait_s: float, deadline: Deadline):
     while True:
         try:
             return what()
         except NotReadyYet as not_yet:
-            if time.monotonic() + not_yet.retry_after > deadline:
+            if time.monotonic() + not_yet.retry_after > wait_until:
                 raise PullError(f"{not_yet} (waited {wait_s:g} s)") from None
+            if not_yet.retry_after >= deadline.left():
+                raise Stopped(deadline.sentence) from None
             time.sleep(not_yet.retry_after)
 
 
@@ -406,20 +624,29 @@ def _pull(pull: MirrorPull, swarm_factory: Callable | None, wait_s: float) -> No
     target = disk.root() / address.model / address.version
     if target.exists() or target.is_symlink():
         raise PullError(f"this mirror already has {address.model}/{address.version}; a pull never replaces a version")
-    deadline = time.monotonic() + wait_s
+    seconds = settings.PULL_DEADLINE_S
+    # The whole pull, from the first request: a server that trickles can hold none of it for longer.
+    deadline = Deadline(
+        seconds,
+        f"the pull did not finish within {_duration(seconds)} (LLMGW_PULL_DEADLINE_S): the other mirror answered "
+        "or sent too slowly; what was copied is removed and nothing of it is in the mirror",
+    )
+    wait_until = time.monotonic() + wait_s
 
     def ready_manifest() -> Manifest:
-        manifest = read_manifest(address, who)
+        manifest = read_manifest(address, who, deadline)
         if not manifest.info_hash:
-            if _torrent_coming(address, who):
+            if _torrent_coming(address, who, deadline):
                 raise NotReadyYet("the other mirror is still computing the version's torrent", 5)
             raise PullError(_no_torrent(address))
         return manifest
 
-    manifest = _wait_for(ready_manifest, deadline, wait_s)
-    data = _wait_for(lambda: read_torrent(address, manifest, who), deadline, wait_s)
+    manifest = _wait_for(ready_manifest, wait_until, wait_s, deadline)
+    data = _wait_for(lambda: read_torrent(address, manifest, who, deadline), wait_until, wait_s, deadline)
     single = len(manifest.files) == 1 and "/" not in lt.torrent_info(lt.bdecode(data)).layout().file_path(0)
     MirrorPull.objects.filter(pk=pull.pk).update(bytes_total=manifest.bytes, updated=timezone.now())
+    if problem := room_problem(address, manifest):
+        raise PullError(problem)  # before anything is staged: what an earlier pull verified is kept
 
     staging = staging_of(address.model, address.version)
     staging.mkdir(parents=True, exist_ok=True)
@@ -436,6 +663,10 @@ def _pull(pull: MirrorPull, swarm_factory: Callable | None, wait_s: float) -> No
     last = [0.0]
 
     def progress(status) -> None:
+        # Raised here, the fetch stops at once (contracts.swarm): the bounds are checked at every look.
+        deadline.check()
+        if problem := _room_ran_out(address, manifest):
+            raise Stopped(problem)
         now = time.monotonic()
         if now - last[0] >= PROGRESS_EVERY_S:
             last[0] = now
@@ -455,6 +686,8 @@ def _pull(pull: MirrorPull, swarm_factory: Callable | None, wait_s: float) -> No
             keep_seeding=False,
         )
     except SwarmError as error:
+        if problem := _room_ran_out(address, manifest):  # libtorrent's own "no space left on device"
+            raise Stopped(problem) from None
         raise PullError(f"the copy did not finish: {error}") from None
     finally:
         swarm.close()

@@ -26,11 +26,14 @@ from mirror.models import MirrorPull
 from .support.mirror import put
 from .support.processes import (
     BASE_DIR,
+    CONTROL_QUEUE,
+    PULLS_QUEUE,
     CountingProxy,
     Process,
     as_node,
     process_env,
     start_byte_listener,
+    start_celery_worker,
 )
 from .support.servers import LoopbackServer
 from .support.waiting import wait_until
@@ -77,6 +80,26 @@ def central(tmp_path_factory, django_db_setup):
     site = Central(tmp_path_factory.mktemp("central"))
     yield site
     site.process.stop()
+
+
+@pytest.fixture(autouse=True)
+def plain_http_allowed(settings):
+    """The test sites are on loopback, over plain http: allowed here as an operator allows it (LLMGW_PULL_ALLOW_HTTP)."""
+    settings.PULL_ALLOW_HTTP = True
+
+
+@pytest.fixture
+def pull_worker(mirror_root, tmp_path, django_db_setup):
+    """A control worker that takes pulls too (deploy's llmgw-pulls takes them on slots of their own), http allowed."""
+    process = start_celery_worker(
+        "control",
+        f"{CONTROL_QUEUE},{PULLS_QUEUE}",
+        tmp_path,
+        LLMGW_MIRROR_ROOT=mirror_root,
+        LLMGW_PULL_ALLOW_HTTP="true",
+    )
+    yield process
+    process.stop()
 
 
 @pytest.fixture
@@ -127,7 +150,7 @@ def test_a_pull_killed_halfway_leaves_no_version_and_the_next_goes_on_from_the_v
     # Slowed so that "halfway" lasts long enough to be seen: 6 MB/s for each request.
     proxy = CountingProxy(central.url, rate=6_000_000)
     try:
-        env = process_env(LLMGW_PULL_TOKEN=central.token, LLMGW_MIRROR_ROOT=mirror_root)
+        env = process_env(LLMGW_PULL_TOKEN=central.token, LLMGW_MIRROR_ROOT=mirror_root, LLMGW_PULL_ALLOW_HTTP="true")
         argv = [sys.executable, "manage.py", "mirror_pull", f"{proxy.url}big/v1/", "--node", SITE]
         process = Process("mirror-pull", argv, env, tmp_path)
         total = sum(map(len, big.values()))
@@ -184,8 +207,8 @@ def test_a_copy_whose_file_disagrees_with_the_manifest_is_not_put_in_the_mirror(
     put(central.root, "liar", "v1", {"a.bin": os.urandom(1 << 20)})
     real = pull.read_manifest
 
-    def another_sha256(address, who):
-        manifest = real(address, who)
+    def another_sha256(address, who, deadline):
+        manifest = real(address, who, deadline)
         manifest.files = [(name, size, "0" * 64) for name, size, _ in manifest.files]
         return manifest
 
@@ -264,7 +287,7 @@ def test_the_token_is_never_taken_from_the_command_line():
 
 @pytest.mark.browser
 def test_staff_pull_a_version_from_the_admins_page_and_watch_it_arrive(
-    central, mirror_root, control_worker, staff_page, live_server
+    central, mirror_root, pull_worker, staff_page, live_server
 ):
     """In chromium: the versions' list offers "Pull a version"; a wrong token is said on the form; the right
     one starts the pull on the control worker, whose progress the page and the versions' list show."""

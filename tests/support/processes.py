@@ -273,6 +273,17 @@ def start_celery_worker(name: str, queues: str, log_dir: Path, **env: str) -> Pr
     return process
 
 
+# The queues of the control plane's workers (deploy/systemd): llmgw-control takes placement, scans and
+# what nodes report; llmgw-pulls takes pulls from other mirrors, which may take hours, on slots of their own.
+CONTROL_QUEUE = "control"
+PULLS_QUEUE = "pulls"
+
+
+def start_pulls_worker(log_dir: Path, **env: str) -> Process:
+    """The pulls worker (deploy/systemd/llmgw-pulls.service): `mirror.pull` alone, beside a control worker."""
+    return start_celery_worker("pulls", PULLS_QUEUE, log_dir, **env)
+
+
 def unaliased(path: str) -> str:
     """A byte listener's path as the file's own address: `/.seed/<n>/m/v1/a.bin` is `/m/v1/a.bin` (contracts.sources)."""
     return re.sub(rf"^/{re.escape(SEED_ALIAS)}/\d+/", "/", path)
