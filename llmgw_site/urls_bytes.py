@@ -38,5 +38,6 @@ urlpatterns = [
     re_path(r"^.*$", fleet_only(bytes_views.not_found)),
 ]
 
+handler400 = "mirror.bytes_views.bad_request"
 handler404 = "mirror.bytes_views.not_found"
 handler500 = "mirror.bytes_views.server_error"

@@ -23,6 +23,7 @@ from pathlib import Path
 import gevent
 import redis
 from django.conf import settings
+from django.core.exceptions import DisallowedHost
 from django.db import connections
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.utils.cache import get_conditional_response
@@ -45,6 +46,19 @@ def _error(status: int, sentence: str, **headers) -> JsonResponse:
 
 def not_found(request: HttpRequest, exception=None, **kwargs) -> JsonResponse:
     return _error(404, "nothing here: the mirror has no such model, version or file")
+
+
+def bad_request(request: HttpRequest, exception=None, **kwargs) -> JsonResponse:
+    if isinstance(exception, DisallowedHost):
+        # Manifests give addresses built from the Host a node sends: another name would send nodes astray.
+        host = request.META.get("HTTP_HOST", "")[:200]
+        return _error(
+            400,
+            f"this byte listener answers to {', '.join(settings.ALLOWED_HOSTS)} only, not the Host {host!r}: "
+            "nodes reach it at the address in their LLMGW_BYTES_URL, and its host is the one allowed "
+            "(LLMGW_BYTES_URL here, or LLMGW_BYTES_ALLOWED_HOSTS)",
+        )
+    return _error(400, "the byte listener could not read this request")
 
 
 def server_error(request: HttpRequest) -> JsonResponse:
