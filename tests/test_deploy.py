@@ -22,6 +22,7 @@ def test_there_is_a_unit_for_each_control_plane_process_and_the_agent():
         "llmgw-admin.service",
         "llmgw-bytes.service",
         "llmgw-control.service",
+        "llmgw-pulls.service",
         "llmgw-gateway.service",
         "llmgw-agent.service",
     }
@@ -35,6 +36,22 @@ def _directives(unit: Path) -> dict[str, str]:
     return dict(
         line.split("=", 1) for line in unit.read_text().splitlines() if "=" in line and not line.startswith("#")
     )
+
+
+def test_pulls_run_on_their_own_worker_the_one_unit_that_may_write_the_mirror():
+    """Issue 34: two long pulls on the control worker held its slots; its unit kept the mirror read-only besides."""
+    mirror = _env_file(DEPLOY / "env" / "control.env")["LLMGW_MIRROR_ROOT"]
+    pulls = _directives(DEPLOY / "systemd" / "llmgw-pulls.service")
+    assert " -Q pulls " in pulls["ExecStart"] and "--beat" not in pulls["ExecStart"]
+    assert pulls["ReadWritePaths"] == mirror and pulls["UMask"] == "0077"
+    for unit in UNITS:
+        if unit.name != "llmgw-pulls.service":
+            said = _directives(unit)
+            assert mirror not in said.get("ReadWritePaths", ""), unit.name
+    assert _directives(DEPLOY / "systemd" / "llmgw-control.service")["ReadOnlyPaths"] == mirror
+    from django.conf import settings
+
+    assert settings.CELERY_TASK_ROUTES["mirror.pull"] == {"queue": "pulls"}
 
 
 def test_every_unit_restarts_whatever_way_its_process_exits_and_keeps_its_files_to_itself():

@@ -142,6 +142,27 @@ class Command(BaseCommand):
                 str(settings.VAR_DIR / "celerybeat-schedule"),
             ],
         )
+        # Pulls from another mirror on slots of their own (deploy/systemd/llmgw-pulls.service): hours of one
+        # never hold the control worker's placement.
+        processes.start(
+            "pulls worker",
+            [
+                py,
+                "-m",
+                "celery",
+                "-A",
+                "llmgw_site",
+                "worker",
+                "-Q",
+                "pulls",
+                "-n",
+                f"pulls@{node}",
+                "--concurrency",
+                "2",
+                "--loglevel",
+                "INFO",
+            ],
+        )
         # This host enrols itself: a fresh token each start, handed straight to its agent, and
         # its engines on loopback (the agent's default LLMGW_ENGINE_HOST), where they are routed to.
         token = issue_token(node, address="127.0.0.1")
