@@ -28,7 +28,9 @@ class PullForm(forms.Form):
     url = forms.CharField(
         label="Version's address",
         max_length=1000,
-        widget=forms.TextInput(attrs={"class": "vTextField wide", "placeholder": "http://central:8001/model/version/"}),
+        widget=forms.TextInput(
+            attrs={"class": "vTextField wide", "placeholder": "https://central:8001/model/version/"}
+        ),
         help_text="The version on the other mirror's byte listener, ending in /<model>/<version>/.",
     )
     node = forms.CharField(

@@ -15,7 +15,8 @@ TOKEN_ENV = "LLMGW_PULL_TOKEN"
 class Command(BaseCommand):
     help = (
         "Copy a version from another llmgw mirror into this one, whole and verified or not at all: "
-        "URL is its address on that mirror's byte listener, http://HOST:8001/<model>/<version>/. "
+        "URL is its address on that mirror's byte listener, https://HOST:8001/<model>/<version>/ "
+        "(http only with LLMGW_PULL_ALLOW_HTTP=true). "
         "That byte listener serves only its fleet: this site is one of its nodes (--node, with the token "
         f"that site's `manage.py node_token NAME` printed in {TOKEN_ENV} or --token-file, never on the command line)."
     )
