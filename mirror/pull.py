@@ -19,7 +19,7 @@ this one. A pull goes over https unless LLMGW_PULL_ALLOW_HTTP; it is refused whe
 mirror's filesystem cannot hold the version and still keep LLMGW_PULL_RESERVE_MB free, and
 stopped when the room runs out meanwhile; it ends within LLMGW_PULL_DEADLINE_S in all, its
 copy removed when it is stopped; and the check made inside the admin's request waits at
-most LLMGW_PULL_CHECK_S. Every request has a clock of its whole (`_Cut`), not only of each
+most LLMGW_PULL_CHECK_S. Every request has a clock of its whole (`clocked.Cut`), not only of each
 read: a server that sends a byte every few seconds never trips a read timeout.
 """
 
@@ -31,8 +31,6 @@ import logging
 import os
 import re
 import shutil
-import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,15 +44,12 @@ import urllib3
 from django.conf import settings
 from django.template.defaultfilters import filesizeformat
 from django.utils import timezone
-from requests.adapters import HTTPAdapter
-from urllib3.connection import HTTPConnection, HTTPSConnection
-from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from contracts import credentials, signing
 from contracts.digest import sha256_file
 from contracts.names import node_name_problem, plain_name_problem
 
-from . import disk, headers, scan, torrent
+from . import clocked, disk, headers, scan, torrent
 from .models import MirrorFile, MirrorPull, MirrorVersion
 
 log = logging.getLogger(__name__)
@@ -99,99 +94,6 @@ class Deadline:
     def check(self) -> None:
         if self.left() <= 0:
             raise Stopped(self.sentence)
-
-
-# --- requests with a clock of their whole ------------------------------------------------
-
-_watching = threading.local()  # the _Cut of the request this thread is making, if any
-
-
-class _Cut:
-    """The sockets a request opens, shut down when its deadline passes.
-
-    A read timeout counts from the last byte: a server sending one every few seconds (in its
-    headers, its TLS handshake or its body) would hold the request, and a worker, for hours.
-    """
-
-    def __init__(self, deadline: Deadline):
-        self.deadline = deadline
-        self.cut = False
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._timer = threading.Timer(max(0.0, deadline.left()), self._fire)
-        self._timer.daemon = True
-
-    def add(self, sock: socket.socket) -> None:
-        # A duplicate of its descriptor: the same connection, still ours to shut down once TLS
-        # has wrapped (and detached) the socket urllib3 made.
-        duplicate = socket.fromfd(sock.fileno(), sock.family, sock.type)
-        with self._lock:
-            self._sockets.append(duplicate)
-            if self.cut:
-                _shut(duplicate)
-
-    def _fire(self) -> None:
-        with self._lock:
-            self.cut = True
-            for sock in self._sockets:
-                _shut(sock)
-
-    def __enter__(self) -> _Cut:
-        _watching.cut = self
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._timer.cancel()
-        _watching.cut = None
-        with self._lock:
-            for sock in self._sockets:
-                sock.close()
-            self._sockets = []
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # closed already
-
-
-class _Watched:
-    def _new_conn(self) -> socket.socket:
-        sock = super()._new_conn()
-        if (cut := getattr(_watching, "cut", None)) is not None:
-            cut.add(sock)
-        return sock
-
-
-class _WatchedHTTPConnection(_Watched, HTTPConnection):
-    pass
-
-
-class _WatchedHTTPSConnection(_Watched, HTTPSConnection):
-    pass
-
-
-class _WatchedHTTPPool(HTTPConnectionPool):
-    ConnectionCls = _WatchedHTTPConnection
-
-
-class _WatchedHTTPSPool(HTTPSConnectionPool):
-    ConnectionCls = _WatchedHTTPSConnection
-
-
-class _WatchedAdapter(HTTPAdapter):
-    def init_poolmanager(self, *args, **kwargs) -> None:
-        super().init_poolmanager(*args, **kwargs)
-        self.poolmanager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
-
-
-def _session() -> requests.Session:
-    session = requests.Session()
-    session.mount("http://", _WatchedAdapter())
-    session.mount("https://", _WatchedAdapter())
-    return session
 
 
 @dataclass(frozen=True)
@@ -303,9 +205,9 @@ class NotReadyYet(PullError):
 def _get(url: str, who: Credentials, limit: int, deadline: Deadline) -> tuple[requests.Response, bytes]:
     deadline.check()
     left = deadline.left()
-    cut = _Cut(deadline)
+    cut = clocked.Cut(left)
     try:
-        with cut, _session() as session:
+        with cut, clocked.session() as session:
             response = session.get(
                 url,
                 headers=who.headers(),

@@ -131,8 +131,10 @@ def test_a_manifest_sent_a_byte_a_second_holds_a_pull_no_longer_than_its_deadlin
 
 
 @pytest.mark.django_db
-def test_the_check_inside_the_admins_request_gives_up_on_a_server_that_never_answers(here, settings):
-    """The pull page checks the address in its request: a server that accepts and says nothing holds it seconds."""
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_the_check_inside_the_admins_request_gives_up_on_a_server_that_never_answers(here, settings, scheme):
+    """The pull page checks the address in its request: a server that accepts and says nothing (not even
+    its side of the TLS handshake) holds it seconds, not the minute of a read timeout."""
     silent = socket.create_server(("127.0.0.1", 0))
     held = []
     threading.Thread(target=lambda: held.append(silent.accept()), daemon=True).start()
@@ -140,7 +142,7 @@ def test_the_check_inside_the_admins_request_gives_up_on_a_server_that_never_ans
     started = time.monotonic()
     try:
         with pytest.raises(pull.PullError) as refused:
-            pull.start(f"http://127.0.0.1:{silent.getsockname()[1]}/m/v1/")
+            pull.start(f"{scheme}://127.0.0.1:{silent.getsockname()[1]}/m/v1/")
     finally:
         silent.close()
     took = time.monotonic() - started

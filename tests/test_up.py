@@ -126,6 +126,8 @@ def test_a_hand_copied_file_shows_on_the_byte_listener_and_in_the_admin_and_ctrl
 
     # Indexed before `up` said it was up, not at the first scan.
     assert listed("tiny-demo", 3)
+    # Pulls from another mirror on a worker of their own, beside the control worker (issue 34).
+    assert started_environment(process.pid, ["pulls@testhost", "--concurrency", "2", "--loglevel", "INFO"])
     wait_until(lambda: listed("m", 1), timeout=60, interval=1, what="the version to show in the admin")
 
     os.killpg(process.pid, signal.SIGINT)
