@@ -16,6 +16,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.poolmanager import ProxyManager
 
 _watching = threading.local()  # the Cut of the request this thread is making, if any
 
@@ -90,10 +91,20 @@ class _WatchedHTTPSPool(HTTPSConnectionPool):
     ConnectionCls = _WatchedHTTPSConnection
 
 
+WATCHED_POOLS = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
+
+
 class _WatchedAdapter(HTTPAdapter):
     def init_poolmanager(self, *args, **kwargs) -> None:
         super().init_poolmanager(*args, **kwargs)
-        self.poolmanager.pool_classes_by_scheme = {"http": _WatchedHTTPPool, "https": _WatchedHTTPSPool}
+        self.poolmanager.pool_classes_by_scheme = WATCHED_POOLS
+
+    def proxy_manager_for(self, proxy, **proxy_kwargs):
+        # Through an HTTP proxy (HTTPS_PROXY) too; a SOCKS proxy's pools are its own, with their per-read timeouts.
+        manager = super().proxy_manager_for(proxy, **proxy_kwargs)
+        if isinstance(manager, ProxyManager):
+            manager.pool_classes_by_scheme = WATCHED_POOLS
+        return manager
 
 
 def session() -> requests.Session:
