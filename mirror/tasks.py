@@ -22,6 +22,8 @@ def hash_task(file_id: int) -> None:
         readiness.torrent_when_hashed(*row)
 
 
+# On the pulls queue (CELERY_TASK_ROUTES), taken by llmgw-pulls alone: a pull may take hours, and on the
+# control worker two would hold both its slots and stop placement (issue 34).
 @shared_task(name="mirror.pull", ignore_result=True)
 def pull_task(pull_id: int) -> None:
     # Safe to run twice: a pull done or failed is left alone, and one of a version runs at a time.
