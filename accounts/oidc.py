@@ -169,13 +169,15 @@ class Callback(oidc_views.OIDCAuthenticationCallbackView):
 
     def get(self, request):
         self.failure = None
-        state = request.GET.get("state")
-        if "code" in request.GET and state not in request.session.get("oidc_states", {}):
-            self.failure = (
+        if request.GET.get("state") not in request.session.get("oidc_states", {}):
+            # Not an answer to this browser's sign-in: a replayed code, a guessed state, or a link
+            # someone else made. Nobody is signed in by it, and nobody signed in is signed out by it.
+            messages.error(
+                request,
                 f"Sign-in with {settings.OIDC_PROVIDER_NAME} did not complete: this answer belongs to no sign-in "
-                "started in this browser, or it was used already. Start again."
+                "started in this browser, or it was used already. Start again.",
             )
-            return self.login_failure()
+            return HttpResponseRedirect(login_page())
         try:
             return super().get(request)
         except ProviderUnavailable as error:

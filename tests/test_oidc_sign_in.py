@@ -238,16 +238,41 @@ def test_a_person_disabled_at_the_provider_loses_the_pages_at_the_next_refresh_a
     assert signed_in_as(page, admin) is None
 
 
-def test_an_answer_to_no_sign_in_started_in_this_browser_is_refused_with_a_sentence(provider, admin):
-    """A code stolen from someone's redirect, replayed from another browser, signs nobody in."""
+def log_in_locally(url: str, username: str) -> requests.Session:
+    """A local account's password login on the admin's form, as a browser sends it: the signed-in session."""
     browser = requests.Session()
-    answer = browser.get(admin + "/oidc/callback/?code=stolen-code&state=guessed-state", timeout=30)
+    browser.get(url + "/admin/login/", timeout=30)
+    signed = browser.post(
+        url + "/admin/login/?next=/admin/",
+        data={
+            "username": username,
+            "password": LOCAL_PASSWORD,
+            "next": "/admin/",
+            "csrfmiddlewaretoken": browser.cookies["csrftoken"],
+        },
+        headers={"Referer": url + "/admin/login/"},
+        timeout=30,
+    )
+    assert urlsplit(signed.url).path == "/admin/" and "Log out" in signed.text, signed.text[:2000]
+    return browser
+
+
+def test_an_answer_to_no_sign_in_started_in_this_browser_signs_nobody_in_and_nobody_out(provider, admin):
+    """A code stolen from someone's redirect, replayed from another browser, signs nobody in;
+    a link to the callback made by someone else signs nobody out."""
+    stranger = requests.Session()
+    answer = stranger.get(admin + "/oidc/callback/?code=stolen-code&state=guessed-state", timeout=30)
     assert answer.status_code == 200
     assert urlsplit(answer.url).path == "/admin/login/"
     assert "belongs to no sign-in started in this browser" in answer.text
     assert "Traceback" not in answer.text
-    session = Session.objects.filter(pk=browser.cookies.get("sessionid")).first()
+    session = Session.objects.filter(pk=stranger.cookies.get("sessionid")).first()
     assert session is None or "_auth_user_id" not in session.get_decoded()
+
+    get_user_model().objects.create_superuser("root", "", LOCAL_PASSWORD)
+    person = log_in_locally(admin, "root")
+    person.get(admin + "/oidc/callback/?error=login_required&state=guessed-state", timeout=30)
+    assert "Log out" in person.get(admin + "/admin/", timeout=30).text
 
 
 def test_with_the_provider_away_its_sign_in_says_so_and_a_local_account_still_signs_in(tmp_path):
@@ -261,19 +286,7 @@ def test_with_the_provider_away_its_sign_in_says_so_and_a_local_account_still_si
         away = browser.get(url + "/oidc/authenticate/", timeout=30)
         assert urlsplit(away.url).path == "/admin/login/"
         assert f"Sign-in with {PROVIDER_NAME} is not available now" in away.text
-        signed = browser.post(
-            url + "/admin/login/?next=/admin/",
-            data={
-                "username": "root",
-                "password": LOCAL_PASSWORD,
-                "next": "/admin/",
-                "csrfmiddlewaretoken": browser.cookies["csrftoken"],
-            },
-            headers={"Referer": url + "/admin/login/"},
-            timeout=30,
-        )
-        assert urlsplit(signed.url).path == "/admin/"
-        assert "Log out" in signed.text
+        log_in_locally(url, "root")
     finally:
         process.stop()
 
