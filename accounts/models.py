@@ -90,3 +90,25 @@ class TeamMember(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user} in {self.team} ({self.role})"
+
+
+class ProviderAccount(models.Model):
+    """Which person at the identity provider a user is: the provider's subject, never a name or an address.
+
+    A user is found again by this alone, so a local account (the break-glass admin) is never
+    taken over by someone whose provider says they have its username or email.
+    """
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="provider_account")
+    issuer = models.CharField(max_length=255, editable=False)
+    subject = models.CharField(max_length=255, editable=False)
+    created = models.DateTimeField(default=timezone.now, editable=False)
+    last_sign_in = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["issuer", "subject"], name="accounts_provideraccount_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} ({self.subject} at {self.issuer})"

@@ -18,7 +18,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from contracts.env import env_addr, env_bool, env_float, env_int, env_path, env_str
+from contracts.env import SettingError, env_addr, env_bool, env_float, env_int, env_path, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = env_path("LLMGW_VAR", Path("var"), BASE_DIR)
@@ -352,6 +352,57 @@ AXES_LOCKOUT_CALLABLE = "common.login_throttle.locked_out"
 AXES_ENABLE_ADMIN = False
 # Messages live in the session (the database), never in a cookie a browser or a proxy's log keeps.
 MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
+
+# --- sign-in with the organisation's OpenID Connect provider (docs/sign-in.md) ----------
+
+# No issuer, no provider: local accounts alone, as on a machine without one (the README's walk).
+OIDC_ISSUER = env_str("LLMGW_OIDC_ISSUER", "").rstrip("/")
+if OIDC_ISSUER and ROLE == "control":
+    from urllib.parse import urlsplit
+
+    _issuer = urlsplit(OIDC_ISSUER)
+    # Over plain HTTP a network in between could swap the provider's keys: only for one on this host.
+    if (
+        _issuer.scheme not in ("https", "http")
+        or not _issuer.hostname
+        or _issuer.query
+        or _issuer.fragment
+        or (_issuer.scheme == "http" and _issuer.hostname not in ("127.0.0.1", "::1", "localhost"))
+    ):
+        raise SettingError(
+            "LLMGW_OIDC_ISSUER must be the provider's https:// address, like https://login.example.org/realms/org "
+            f"(http:// only for a provider on this host), not {OIDC_ISSUER!r}"
+        )
+    OIDC_RP_CLIENT_ID = env_str("LLMGW_OIDC_CLIENT_ID", "")
+    OIDC_RP_CLIENT_SECRET = env_str("LLMGW_OIDC_CLIENT_SECRET", "")
+    if not OIDC_RP_CLIENT_ID or not OIDC_RP_CLIENT_SECRET:
+        raise SettingError(
+            "LLMGW_OIDC_ISSUER is set, so LLMGW_OIDC_CLIENT_ID and LLMGW_OIDC_CLIENT_SECRET must be too: "
+            "the client llmgw is registered as at the provider"
+        )
+    OIDC_PROVIDER_NAME = env_str("LLMGW_OIDC_PROVIDER_NAME", _issuer.hostname)
+    OIDC_RP_SCOPES = env_str("LLMGW_OIDC_SCOPES", "openid email profile groups")
+    if "openid" not in OIDC_RP_SCOPES.split():
+        raise SettingError(f"LLMGW_OIDC_SCOPES must include openid, not {OIDC_RP_SCOPES!r}")
+    OIDC_GROUPS_CLAIM = env_str("LLMGW_OIDC_GROUPS_CLAIM", "groups")
+    OIDC_STAFF_GROUPS = frozenset(g.strip() for g in env_str("LLMGW_OIDC_STAFF_GROUPS", "").split(",") if g.strip())
+    OIDC_OPERATOR_GROUPS = frozenset(
+        g.strip() for g in env_str("LLMGW_OIDC_OPERATOR_GROUPS", "").split(",") if g.strip()
+    )
+    OIDC_TEAM_PREFIX = os.environ.get("LLMGW_OIDC_TEAM_PREFIX", "llmgw-team-").strip()
+    OIDC_TEAM_ADMIN_SUFFIX = os.environ.get("LLMGW_OIDC_TEAM_ADMIN_SUFFIX", "-admins").strip()
+    OIDC_LANDING = env_str("LLMGW_OIDC_LANDING", "/me/")
+    # A signed-in person's pages go back to the provider (silently) this often: one it disabled is out by then.
+    OIDC_RENEW_ID_TOKEN_EXPIRY_SECONDS = env_int("LLMGW_OIDC_RENEW_S", 300, minimum=1)
+    # Every ID token is RS256-signed by the provider's published keys (OpenID Connect requires RS256 of every provider).
+    OIDC_RP_SIGN_ALGO = "RS256"
+    OIDC_USE_PKCE = True
+    # A provider that does not answer is an error in seconds, not a page hanging for ever.
+    OIDC_TIMEOUT = env_int("LLMGW_OIDC_TIMEOUT_S", 10, minimum=1)
+    AUTHENTICATION_BACKENDS.append("accounts.oidc.ProviderBackend")
+    MIDDLEWARE.insert(
+        MIDDLEWARE.index("django.contrib.auth.middleware.AuthenticationMiddleware") + 1, "accounts.oidc.SessionRefresh"
+    )
 
 # --- API ----------------------------------------------------------------------
 

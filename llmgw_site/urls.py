@@ -24,6 +24,7 @@ urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
     path("metrics", metrics_view, name="metrics"),
+    path("oidc/", include("accounts.urls")),
     path("api/", include(api_patterns)),
     path("fleet/", include("fleet.urls")),
     path("", include("serving.urls")),

@@ -27,8 +27,10 @@ ALLOWED = set(NODE_CONTRACT["allowed_modules"])
 FIRST_PARTY = set(PYPROJECT["root_packages"])
 # Loaded by a third-party package only if it happens to be installed, never needed, and
 # installed here for the control plane: kombu registers a YAML serializer when PyYAML is
-# there, and celery.utils.threads takes greenlet's getcurrent when greenlet is (gevent's).
-OPTIONAL_EXTRAS = {"yaml", "greenlet"}
+# there, and celery.utils.threads takes greenlet's getcurrent when greenlet is (gevent's);
+# redis-py notes whether cryptography is there (for OCSP) and billiard uses cffi when it is
+# (both come with mozilla-django-oidc, the control plane's sign-in).
+OPTIONAL_EXTRAS = {"yaml", "greenlet", "cryptography", "cffi"}
 
 # What `manage.py agent` loads before its worker runs a task, with the node's settings as
 # manage.py chooses them, and the system checks Celery's Django fix-up runs at a worker's start.
