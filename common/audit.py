@@ -15,10 +15,11 @@ import contextlib
 from collections.abc import Iterator
 from datetime import timedelta
 
-from auditlog.context import set_extra_data
+from auditlog.context import auditlog_value, set_extra_data
 from auditlog.middleware import AuditlogMiddleware
 from auditlog.models import LogEntry
 from django.conf import settings
+from django.core.management.base import BaseCommand
 from django.utils import timezone
 from django.utils.functional import SimpleLazyObject
 
@@ -57,9 +58,31 @@ class AuditMiddleware(AuditlogMiddleware):
 
 @contextlib.contextmanager
 def by_command(name: str) -> Iterator[None]:
-    """Entries written inside are by the management command `name`: "command: NAME"."""
-    with set_extra_data(context_data={"actor": None, "additional_data": {"by": f"command: {name}"}}):
-        yield
+    """Entries written inside are by the management command `name`: "command: NAME".
+
+    The library does not put back the context it replaced: without that, `up`'s own changes
+    after a `call_command` inside it were nobody's.
+    """
+    outer = auditlog_value.get(None)
+    try:
+        with set_extra_data(context_data={"actor": None, "additional_data": {"by": f"command: {name}"}}):
+            yield
+    finally:
+        if outer is not None:
+            auditlog_value.set(outer)
+
+
+class AuditedCommand(BaseCommand):
+    """A management command whose changes are written as "command: NAME" (NAME: its module's, as typed)."""
+
+    def execute(self, *args, **options):
+        with by_command(type(self).__module__.rsplit(".", 1)[-1]):
+            return super().execute(*args, **options)
+
+
+def record_update(instance, changes: dict[str, list]) -> None:
+    """An entry for a change a queryset's update or bulk_update wrote, which the library does not hear."""
+    LogEntry.objects.log_create(instance, action=LogEntry.Action.UPDATE, changes=changes)
 
 
 def who(entry: LogEntry) -> str:

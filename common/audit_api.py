@@ -61,7 +61,9 @@ class AuditFilter(filters.FilterSet):
     object_type = filters.CharFilter(method="of_type", help_text="APP.MODEL, e.g. gateway.apikey")
     object_id = filters.CharFilter(field_name="object_pk", help_text="the object's primary key")
     who = filters.CharFilter(method="by_who", help_text='a username, "command: NAME" or "system"')
-    action = filters.ChoiceFilter(method="of_action", choices=[(a, a) for a in ACTIONS], help_text="create, update or delete")
+    action = filters.ChoiceFilter(
+        method="of_action", choices=[(a, a) for a in ACTIONS], help_text="create, update or delete"
+    )
     since = filters.IsoDateTimeFilter(field_name="timestamp", lookup_expr="gte", help_text="from this time (ISO 8601)")
     until = filters.IsoDateTimeFilter(field_name="timestamp", lookup_expr="lt", help_text="before this time (ISO 8601)")
 
@@ -75,7 +77,9 @@ class AuditFilter(filters.FilterSet):
 
     def by_who(self, queryset, name, value):
         if value == audit.SYSTEM:
-            return queryset.filter(actor__isnull=True).filter(Q(additional_data__isnull=True) | ~Q(additional_data__has_key="by"))
+            return queryset.filter(actor__isnull=True).filter(
+                Q(additional_data__isnull=True) | ~Q(additional_data__has_key="by")
+            )
         if value.startswith("command: "):
             return queryset.filter(actor__isnull=True, additional_data__by=value)
         return queryset.filter(actor__username=value)
