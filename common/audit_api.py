@@ -9,6 +9,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers, viewsets
 
 from . import audit
+from .permissions import requires
 
 ACTIONS = {str(label): value for value, label in LogEntry.Action.choices}
 
@@ -92,6 +93,9 @@ class AuditEntryViewSet(viewsets.ReadOnlyModelViewSet):
     """Who changed what: every create, change and delete of keys, teams, models, profiles, nodes, scales, fetches
     and pulls, newest first (docs/audit.md). Read-only: nobody edits the log or deletes from it."""
 
+    # Reading is all there is: with the model's permissions a write was refused for want of
+    # auditlog.add_logentry, which nobody holds, rather than answered "not allowed" (405).
+    permission_classes = [requires("auditlog.view_logentry")]
     serializer_class = AuditEntrySerializer
     queryset = LogEntry.objects.select_related("content_type", "actor").order_by("-timestamp", "-id")
     filterset_class = AuditFilter
