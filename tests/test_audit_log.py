@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from datetime import timedelta
 from html import unescape
 
@@ -17,9 +18,12 @@ from rest_framework.test import APIClient
 from accounts import tokens
 from common.permissions import OPERATORS, VIEWERS
 from common.tasks import prune_audit
-from fleet.models import Node
+from contracts import demand
+from fleet import reconcile
+from fleet.models import Node, Replica, Scale
 from gateway.keys import create_key, hash_key
 
+from .support.factories import add_node, add_served_model
 from .support.roles import join
 
 pytestmark = pytest.mark.django_db
@@ -174,3 +178,29 @@ def test_entries_older_than_llmgw_audit_days_are_deleted_by_the_daily_task(setti
 
     assert prune_audit() == 1
     assert list(LogEntry.objects.values_list("object_repr", flat=True)) == ["new"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_autoscalers_new_count_is_recorded_as_the_system_with_before_and_after(redis_client, operator):
+    add_node("a")
+    add_served_model("m", scaling_min=1, scaling_max=5, target_load=2)
+    reconcile.reconcile()
+    for replica in Replica.objects.filter(node__isnull=False):
+        replica.enter("ready", endpoint=f"http://127.0.0.1:1/{replica.pk}/v1")
+        replica.save()
+    redis_client.hset(
+        demand.LOAD_KEY,
+        "g1",
+        demand.encode(
+            {
+                "at": time.time(),
+                "models": {"m": {"in_flight": 5, "waiting": 0, "last_request": time.time()}},
+                "replicas": {},
+            }
+        ),
+    )
+    reconcile.reconcile()  # what the beat's fleet.reconcile runs, with no person behind it
+    assert Scale.objects.get(model_name="m").replicas == 3
+
+    [entry] = token_client(operator).get("/api/audit/?object_type=fleet.scale&who=system").json()["results"]
+    assert entry["changes"]["replicas"] == [1, 3] and entry["who"] == "system" and entry["remote_addr"] is None
