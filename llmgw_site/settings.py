@@ -395,7 +395,7 @@ AUDITLOG_INCLUDE_TRACKING_MODELS = (
     # The autoscaler's count of a model's replicas (the catalog's scaling_min/max are the model's).
     {"model": "fleet.scale", "include_fields": ["model_name", "replicas", "why"]},
     {"model": "fleet.fetch", "include_fields": ["node", "source", "state", "requested_by", "error"]},
-    {"model": "mirror.mirrorpull", "include_fields": ["url", "model", "version", "node", "state", "error"]},
+    {"model": "mirror.mirrorpull", "include_fields": ["url", "model", "version", "node", "requested_by", "state"]},
 )
 
 SPECTACULAR_SETTINGS = {
