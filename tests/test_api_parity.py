@@ -147,7 +147,7 @@ def test_the_overview_and_the_measured_memory_page_figures_are_each_in_the_api(r
     html = pages.get("/admin/").content.decode()
     [engines] = [cells for cells in rows_of(html, "smol") if any(cls == "busy" for cls, _ in cells)]
     [prompt_cache] = [cells for cells in rows_of(html, "smol") if any(cls == "hit-rate" for cls, _ in cells)]
-    placed = re.search(r'data-node="n1".*?(\d+) of (\d+) GB', html, re.S).groups()
+    placed = re.search(r'data-node="n1".*?(\d+)(?: GB)? of (\d+) GB', html, re.S).groups()
 
     fleet = api.get("/api/fleet/overview/").json()
     [engine_row] = [r for r in fleet["engines"] if r["model"] == "smol"]
