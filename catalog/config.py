@@ -258,7 +258,8 @@ def apply(entries: list[dict]) -> LoadReport:
         profiles = [Profile(model=model, **p) for p in entry["profiles"]]
         for profile in profiles:
             _full_clean(profile, f"model {model.name}: profile {profile.name}")
-        Profile.objects.bulk_create(profiles)
+        for profile in profiles:
+            profile.save()  # each saved, not bulk_create: the audit log hears of it
     # Each model again as the admin checks it (Model.full_clean), against the catalog as it now
     # is: a clash with another model is seen whichever order the file lists them in.
     for model in Model.objects.filter(declared=True, name__in=declared_names):

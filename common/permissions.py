@@ -20,7 +20,8 @@ from rest_framework.permissions import SAFE_METHODS, BasePermission, DjangoModel
 VIEWERS = "llmgw viewers"
 OPERATORS = "llmgw operators"
 # The apps whose models the groups cover.
-LLMGW_APPS = ("mirror", "catalog", "fleet", "gateway")
+# auditlog: the audit log (docs/audit.md), which both groups read and neither writes.
+LLMGW_APPS = ("mirror", "catalog", "fleet", "gateway", "auditlog")
 # What the overview on the admin's front page draws from.
 OVERVIEW = ("fleet.view_node", "fleet.view_replica", "fleet.view_fetch", "gateway.view_usage")
 

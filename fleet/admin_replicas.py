@@ -13,6 +13,7 @@ from django.utils.html import format_html, format_html_join
 
 from catalog.memory import GB, MB, checked
 from catalog.models import Model
+from common import audit
 from common.admin import RecordAdmin
 
 from . import engine_stats, memory, reconcile, routing
@@ -270,6 +271,8 @@ class MeasuredMemoryAdmin(RecordAdmin):
             if not suggested:
                 self.message_user(request, f"{record}: no bench yet (manage.py bench_replica)", messages.WARNING)
                 continue
+            for model in Model.objects.filter(name=record.model_name):  # update() tells the audit log nothing
+                audit.record_update(model, {"target_load": [model.target_load, int(suggested)]})
             Model.objects.filter(name=record.model_name).update(target_load=int(suggested))
             self.message_user(request, f"The target load of {record.model_name} is now {suggested}.", messages.SUCCESS)
 

@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 
 from django.utils import timezone
 
+from common import audit
 from contracts import demand
 
 from . import engine_stats
@@ -169,7 +170,7 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
     busy = frozenset(replica_id for replica_id, count in per_replica.items() if count > 0) | frozenset(
         replica_id for replica_id, found in stats.items() if found["slots_busy"] > 0
     )
-    out, changed, created, new_times = [], [], [], {}
+    out, changed, created, new_times, recounted = [], [], [], {}, []
     for model in models:
         if model.scaling is None:
             out.append(model)
@@ -194,6 +195,10 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
             _write(row, after)
             if row.pk is not None:
                 changed.append(row)
+                if after.replicas != before.replicas:
+                    recounted.append(
+                        (row, {"replicas": [before.replicas, after.replicas], "why": [before.why, row.why]})
+                    )
         if (after.busy_at, after.last_request) != times.get(model.name):
             new_times[model.name] = f"{after.busy_at} {after.last_request}"
         waiting = loads.get(model.name, {}).get("waiting", 0)
@@ -213,6 +218,8 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
         Scale.objects.bulk_create(created, ignore_conflicts=True)
     if changed:
         Scale.objects.bulk_update(changed, ["replicas", "changed", "why", "last_request", "busy_at"])
+    for row, changes in recounted:
+        audit.record_update(row, changes)  # by "system": bulk_update tells the audit log nothing
     if new_times:
         client.hset(TIMES_KEY, mapping=new_times)
     if gone := set(times) - {m.name for m in scaled}:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 from django.db import connection
 from django.utils import timezone
 
+from common import audit
 from contracts import signing
 
 from .models import Node
@@ -100,7 +101,13 @@ def revoke_token(node_name: str) -> bool:
 
     False when there is no such node.
     """
-    return Node.objects.filter(name=node_name).update(token_hash="", replica_key="") == 1
+    node = Node.objects.filter(name=node_name).first()
+    if node is None:
+        return False
+    Node.objects.filter(pk=node.pk).update(token_hash="", replica_key="")
+    if node.token_hash:
+        audit.record_update(node, {"token_hash": [audit.mask_secret(node.token_hash), ""]})
+    return True
 
 
 def token_hash_of(node_name: str) -> str | None:

@@ -239,6 +239,9 @@ INSTALLED_APPS = [
     "serving",
     "launcher",
     "gateway",
+    # Who changed what (docs/audit.md): the tracked models are AUDITLOG_INCLUDE_TRACKING_MODELS below.
+    # Before common, whose admin replaces the library's.
+    "auditlog",
     # Its migration makes the staff groups (docs/roles.md).
     "common",
 ]
@@ -253,6 +256,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # After authentication: who and from where, for the audit log (docs/audit.md).
+    "common.audit.AuditMiddleware",
     # Last, as django-axes asks: it turns a locked-out login into its answer.
     "axes.middleware.AxesMiddleware",
 ]
@@ -425,6 +430,32 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
 }
+# --- audit log (docs/audit.md) -------------------------------------------------
+
+# How long an audit entry is kept; the beat's "audit-prune" deletes older ones daily.
+AUDIT_DAYS = env_int("LLMGW_AUDIT_DAYS", 365, minimum=1)
+# Values as JSON (a limit 100 -> 200 stays a number), each tracked model with the fields that
+# say something: a heartbeat's figures or a pull's bytes would bury the changes people make.
+# A secret is never written: its field is masked to "(secret)", or left out.
+AUDITLOG_STORE_JSON_CHANGES = True
+AUDITLOG_MASK_CALLABLE = "common.audit.mask_secret"
+AUDITLOG_INCLUDE_TRACKING_MODELS = (
+    {"model": "gateway.apikey", "exclude_fields": ["last_used"], "mask_fields": ["key_hash"]},
+    "accounts.team",
+    "accounts.teammember",
+    {"model": "catalog.model", "exclude_fields": ["added_at"]},
+    "catalog.profile",
+    {
+        "model": "fleet.node",
+        "include_fields": ["name", "labels", "address", "draining", "token_hash"],
+        "mask_fields": ["token_hash"],
+    },
+    # The autoscaler's count of a model's replicas (the catalog's scaling_min/max are the model's).
+    {"model": "fleet.scale", "include_fields": ["model_name", "replicas", "why"]},
+    {"model": "fleet.fetch", "include_fields": ["node", "source", "state", "requested_by", "error"]},
+    {"model": "mirror.mirrorpull", "include_fields": ["url", "model", "version", "node", "requested_by", "state"]},
+)
+
 SPECTACULAR_SETTINGS = {
     "TITLE": "llmgw API",
     "DESCRIPTION": "Mirror, catalog, fleet and serving of a private LLM fleet.",
@@ -453,6 +484,7 @@ CELERY_TASK_ROUTES = {
     "mirror.*": {"queue": "control"},
     "catalog.*": {"queue": "control"},
     "fleet.*": {"queue": "control"},
+    "common.*": {"queue": "control"},
     # Reports from nodes go to the control plane; a fetch goes to the node
     # named when it is sent (queue="node.NAME"), never to a default queue.
     "agent.fetch_finished": {"queue": "control"},
@@ -464,6 +496,7 @@ CELERY_BEAT_SCHEDULE = {
     "mirror-scan": {"task": "mirror.scan", "schedule": float(MIRROR_SCAN_INTERVAL_S)},
     # Also sent after every catalog change; the beat is what notices a node going quiet.
     "fleet-reconcile": {"task": "fleet.reconcile", "schedule": float(RECONCILE_INTERVAL_S)},
+    "audit-prune": {"task": "common.prune_audit", "schedule": 86400.0},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 

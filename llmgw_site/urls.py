@@ -5,6 +5,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from common.audit_api import AuditEntryViewSet
 from common.metrics import metrics_view
 from fleet.api.progress import ProgressView
 from serving.urls import api_urlpatterns as serving_api
@@ -12,6 +13,8 @@ from serving.urls import api_urlpatterns as serving_api
 api_patterns = [
     path("mirror/", include("mirror.api.urls")),
     path("progress/", ProgressView.as_view(), name="api-progress"),
+    path("audit/", AuditEntryViewSet.as_view({"get": "list"}), name="api-audit"),
+    path("audit/<int:pk>/", AuditEntryViewSet.as_view({"get": "retrieve"}), name="api-audit-detail"),
     path("catalog/", include("catalog.api.urls")),
     path("fleet/", include("fleet.api.urls")),
     path("gateway/", include("gateway.api.urls")),

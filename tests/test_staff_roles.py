@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass
 
 import pytest
+from auditlog.models import LogEntry
 from django.apps import apps as django_apps
 from django.contrib import admin
 from django.contrib.auth import get_user_model
@@ -132,6 +133,7 @@ def rows(people, settings, tmp_path) -> Rows:
             MeasuredMemory: measured,
             ApiKey: key,
             Usage: usage,
+            LogEntry: LogEntry.objects.get_for_object(node).last(),
             Group: Group.objects.get(name=VIEWERS),
             User: User.objects.get(username="vera"),
         },

@@ -78,7 +78,8 @@ class ModelSerializer(serializers.ModelSerializer):
     def create(self, validated_data):
         profiles = validated_data.pop("profiles")
         model = Model.objects.create(**validated_data)
-        Profile.objects.bulk_create([Profile(model=model, **p) for p in profiles])
+        for p in profiles:
+            Profile.objects.create(model=model, **p)  # each saved: bulk_create tells the audit log nothing
         return model
 
     @transaction.atomic
@@ -87,7 +88,8 @@ class ModelSerializer(serializers.ModelSerializer):
         model = super().update(instance, validated_data)
         if profiles is not None:
             model.profiles.all().delete()
-            Profile.objects.bulk_create([Profile(model=model, **p) for p in profiles])
+            for p in profiles:
+                Profile.objects.create(model=model, **p)
         return model
 
 

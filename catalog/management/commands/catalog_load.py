@@ -1,12 +1,13 @@
 from pathlib import Path
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from catalog import config
+from common.audit import AuditedCommand
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):  # changes it makes are written as this command's (docs/audit.md)
     help = "Make the catalog's declared models match the configuration file (LLMGW_CATALOG, or the path given)."
 
     def add_arguments(self, parser):

@@ -1,9 +1,11 @@
 import os
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from catalog.models import Model
+from common import audit
+from common.audit import AuditedCommand
 from fleet import bench
 
 
@@ -17,7 +19,7 @@ def _levels(raw: str) -> list[int]:
     return levels
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):  # changes it makes are written as this command's (docs/audit.md)
     help = (
         "Send load through the gateway to MODEL's ready replica at 1, 4 and 16 concurrent requests, and record "
         "tokens per second, time to first token and memory at each on its profile (Fleet › Measured memory). "
@@ -54,5 +56,6 @@ class Command(BaseCommand):
         suggested = record.bench["suggested_target_load"]
         self.stdout.write(f"Recorded on {record}. Suggested target load per replica: {suggested}.")
         if set_target_load:
+            audit.record_update(entry, {"target_load": [entry.target_load, suggested]})  # update() is not heard
             Model.objects.filter(pk=entry.pk).update(target_load=suggested)
             self.stdout.write(f"The target load of {model} is now {suggested} (it was {entry.target_load}).")

@@ -1,13 +1,14 @@
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from common.audit import AuditedCommand
 from contracts.names import node_name_problem
 from fleet import enrolment, redis_acl
 from fleet.live import redis_client
 from fleet.models import Node
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):  # changes it makes are written as this command's (docs/audit.md)
     help = (
         "Print a fresh enrolment token for a node (created if new); its earlier token stops working. "
         "With --address, enrol where its engines answer (the gateway routes to nothing else). "

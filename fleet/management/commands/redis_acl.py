@@ -1,9 +1,10 @@
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from common.audit import AuditedCommand
 from fleet import redis_acl
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):  # changes it makes are written as this command's (docs/audit.md)
     help = (
         "Print Redis's ACL file for llmgw: each principal its own user (docs/fleet.md, 'Redis users'). "
         "With --url USER, print the REDIS_URL to give that process instead."

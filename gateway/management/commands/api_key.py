@@ -1,6 +1,7 @@
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from common.audit import AuditedCommand
 from gateway.keys import create_key, describe_problem
 from gateway.models import LIMIT_FIELDS, ApiKey
 
@@ -24,7 +25,7 @@ def limits_of(key: ApiKey) -> str:
     return ", ".join(said) or "no limits"
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):  # changes it makes are written as this command's (docs/audit.md)
     help = "Create, list or turn off the API keys clients send to the /v1/ gateway."
 
     def add_arguments(self, parser):
@@ -80,7 +81,9 @@ class Command(BaseCommand):
                 used = key.last_used.isoformat(timespec="seconds") if key.last_used else "never used"
                 self.stdout.write(f"{key.name}\t{key.prefix}…\t{state}\t{scope}\t{limits_of(key)}\t{used}")
         elif action == "revoke":
-            changed = ApiKey.objects.filter(name=options["name"]).update(active=False)
-            if not changed:
+            key = ApiKey.objects.filter(name=options["name"]).first()
+            if key is None:
                 raise CommandError(f"There is no key named {options['name']!r}; 'manage.py api_key list' shows them.")
+            key.active = False
+            key.save(update_fields=["active"])  # saved, not updated: the audit log hears of it
             self.stdout.write(f"Key {options['name']!r} is turned off; the gateway refuses it within a second.")

@@ -1,10 +1,11 @@
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from accounts import tokens
+from common.audit import AuditedCommand
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):  # changes it makes are written as this command's (docs/audit.md)
     help = (
         "Print a new API token for a staff user: shown this once (only its hash is kept), "
         "good for LLMGW_API_TOKEN_DAYS days; the user's earlier tokens work until they expire."

@@ -5,8 +5,9 @@ import sys
 
 from django.conf import settings
 from django.core.management import call_command
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from common.audit import AuditedCommand
 from common.metrics import fresh_multiprocess_dir
 from contracts.env import NODE_VARIABLES
 from fleet import redis_acl
@@ -20,7 +21,7 @@ LOCAL_GATEWAY = "local"
 MACHINE = ("PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME")
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):  # changes it makes are written as this command's (docs/audit.md)
     help = (
         "Run llmgw on this machine: Redis if needed, the admin server, the gateway, the byte listener and the workers."
     )

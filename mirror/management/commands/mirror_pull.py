@@ -4,15 +4,16 @@ import sys
 import threading
 from pathlib import Path
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from common.audit import AuditedCommand
 from mirror import pull
 from mirror.models import MirrorPull
 
 TOKEN_ENV = "LLMGW_PULL_TOKEN"
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):  # changes it makes are written as this command's (docs/audit.md)
     help = (
         "Copy a version from another llmgw mirror into this one, whole and verified or not at all: "
         "URL is its address on that mirror's byte listener, https://HOST:8001/<model>/<version>/ "
