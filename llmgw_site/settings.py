@@ -232,6 +232,8 @@ INSTALLED_APPS = [
     "serving",
     "launcher",
     "gateway",
+    # /me/ and the API of teams, keys and usage for everyone signed in (docs/teams.md).
+    "people",
     # Its migration makes the staff groups (docs/roles.md).
     "common",
 ]

@@ -15,6 +15,7 @@ api_patterns = [
     path("catalog/", include("catalog.api.urls")),
     path("fleet/", include("fleet.api.urls")),
     path("gateway/", include("gateway.api.urls")),
+    path("people/", include("people.api.urls")),
     *serving_api,
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
@@ -26,5 +27,6 @@ urlpatterns = [
     path("metrics", metrics_view, name="metrics"),
     path("api/", include(api_patterns)),
     path("fleet/", include("fleet.urls")),
+    path("me/", include("people.urls")),
     path("", include("serving.urls")),
 ]
