@@ -1,4 +1,3 @@
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -15,7 +14,7 @@ class BudgetSerializer(serializers.Serializer):
     left = serializers.CharField(allow_null=True, help_text="What is left now; null when it cannot be read now.")
 
 
-class TeamSerializer(serializers.ModelSerializer):
+class TeamBudgetsSerializer(serializers.ModelSerializer):
     models = serializers.ListField(source="model_names", child=serializers.CharField(), read_only=True)
     budgets = serializers.SerializerMethodField(help_text="The team's budgets that are set, with what is left now.")
 
@@ -31,7 +30,7 @@ class TeamSerializer(serializers.ModelSerializer):
         ]
 
 
-class MemberSerializer(serializers.ModelSerializer):
+class TeamMemberSerializer(serializers.ModelSerializer):
     team = serializers.IntegerField(source="team_id", help_text="The team's id.")
     username = serializers.CharField(source="user.username", read_only=True)
     who = serializers.CharField(write_only=True, max_length=254, help_text="The person's username or email.")
@@ -42,7 +41,7 @@ class MemberSerializer(serializers.ModelSerializer):
         read_only_fields = ["from_provider", "added"]
 
 
-class KeySerializer(serializers.ModelSerializer):
+class PersonalKeySerializer(serializers.ModelSerializer):
     team = serializers.IntegerField(source="team_id", help_text="The id of one of your teams.")
     owner = serializers.CharField(source="owner.username", read_only=True, default=None, allow_null=True)
     models = serializers.ListField(
@@ -59,16 +58,16 @@ class KeySerializer(serializers.ModelSerializer):
         read_only_fields = ["prefix", "active", "created", "last_used"]
 
 
-class NewKeySerializer(KeySerializer):
+class NewPersonalKeySerializer(PersonalKeySerializer):
     """What making a key answers: the record and, this once, the key itself."""
 
     key = serializers.CharField(read_only=True, help_text="The key; shown in this answer only, never again.")
 
-    class Meta(KeySerializer.Meta):
-        fields = [*KeySerializer.Meta.fields, "key"]
+    class Meta(PersonalKeySerializer.Meta):
+        fields = [*PersonalKeySerializer.Meta.fields, "key"]
 
 
-class UsageSerializer(serializers.ModelSerializer):
+class UsageRowSerializer(serializers.ModelSerializer):
     key = serializers.IntegerField(source="key_id", read_only=True)
     key_name = serializers.CharField(source="key.name", read_only=True)
     team = serializers.CharField(source="key.team.name", read_only=True, default=None, allow_null=True)
@@ -92,6 +91,5 @@ class UsageSerializer(serializers.ModelSerializer):
         ]
 
 
-@extend_schema_field(OpenApiTypes.STR)
 def _text(value):
     return None if value is None else str(value)
