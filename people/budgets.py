@@ -73,7 +73,12 @@ def team_budgets(team: Team) -> list[Budget]:
 
 
 def _booked(team: Team, since: date) -> dict:
-    totals = Usage.objects.filter(key__team=team, day__gte=since).aggregate(
+    return booked(Usage.objects.filter(key__team=team), since)
+
+
+def booked(rows, since: date) -> dict:
+    """Tokens and spend of these usage rows since a day: {"tokens": …, "spend": …}."""
+    totals = rows.filter(day__gte=since).aggregate(
         tokens=Coalesce(Sum(F("prompt_tokens") + F("completion_tokens")), 0),
         spend=Coalesce(Sum("spend"), Decimal(0)),
     )

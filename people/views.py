@@ -20,7 +20,7 @@ from common import one_time
 from gateway.models import ApiKey
 
 from . import access, services
-from .budgets import team_budgets, today
+from .budgets import booked, team_budgets, today
 from .chart import usage_chart
 from .forms import KeyForm, MemberForm
 
@@ -57,13 +57,16 @@ def me(request, key_form: KeyForm | None = None, problem: str = "", status: int 
         }
         if runs:
             entry["keys"] = team.keys.select_related("owner").order_by("name")
-            entry["chart"] = usage_chart(access.usage(user).filter(key__team=team), last_day)
+            team_usage = access.usage(user).filter(key__team=team)
+            entry["chart"] = usage_chart(team_usage, last_day)
+            entry["month"] = booked(team_usage, last_day.replace(day=1))
             entry["member_form"] = MemberForm(prefix=f"team{team.pk}")
         teams.append(entry)
     context = {
         "teams": teams,
         "keys": ApiKey.objects.filter(owner=user).select_related("team").order_by("name"),
         "chart": usage_chart(access.usage(user).filter(key__owner=user), last_day),
+        "month": booked(access.usage(user).filter(key__owner=user), last_day.replace(day=1)),
         "key_form": key_form or KeyForm(user),
         "problem": problem,
     }

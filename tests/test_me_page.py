@@ -54,8 +54,9 @@ def test_a_stranger_is_sent_to_sign_in_and_a_local_account_lands_on_me(org):
 
 
 def test_a_person_sees_their_teams_budget_left_their_keys_and_not_another_persons(org):
-    used(org.alice_key, "chat", today(), 250)
+    used(org.alice_key, "chat", today(), 250, spend="0.0125")
     page = text(as_user(org.alice).get("/me/"))
+    assert "This month: 250 tokens, spend 0.0125." in page
     assert "red" in page and "tokens per day" in page
     assert re.search(r'class="left">750<', page), "what is left of the day's 1000 tokens"
     assert "alice-laptop" in page
