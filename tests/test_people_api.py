@@ -6,17 +6,22 @@ posted in bodies, answered as if they were not there.
 
 import csv
 import io
+import socket
+import time
 from datetime import date, timedelta
 
 import pytest
 from django.contrib.auth.models import Permission
+from django.test import Client
 from rest_framework.test import APIClient
 
 from accounts.models import TeamMember
 from gateway.keys import hash_key
+from gateway.limits import Windows, tag_of
 from gateway.models import ApiKey
 from people.budgets import today
 
+from .support.gateway import clear_of_minute_boundary
 from .support.people import key_of, person, two_teams, used
 
 pytestmark = pytest.mark.django_db
@@ -241,3 +246,36 @@ def test_a_key_named_like_a_formula_is_text_in_the_csv(org):
     used(formula, "chat", TODAY, 10)
     line = read_csv(as_user(org.alice).get(f"{API}/usage.csv"))[0]
     assert line["key_name"].startswith("'=HYPERLINK")
+
+
+def test_a_teams_minute_budgets_left_are_read_live_from_the_limiters_counters_in_redis(org, redis_client):
+    org.red.requests_per_minute, org.red.tokens_per_minute, org.red.tokens_per_day = 10, 500, None
+    org.red.save()
+    clear_of_minute_boundary(10)
+    for key, requests, tokens in ((org.alice_key, 3, 120), (org.arthur_key, 1, 30), (org.bob_key, 9, 900)):
+        minute = Windows.at(tag_of(key.key_hash), time.time()).keys
+        redis_client.set(minute[0], requests)
+        redis_client.set(minute[1], tokens)
+    budgets = as_user(org.alice).get(f"{API}/teams/{org.red.pk}/").json()["budgets"]
+    # Alice's and Arthur's keys count; Bob's, of another team, does not.
+    assert budgets == [
+        {"name": "requests per minute", "limit": "10", "used": "4", "left": "6"},
+        {"name": "tokens per minute", "limit": "500", "used": "150", "left": "350"},
+    ]
+
+
+def test_with_redis_away_a_minute_budget_says_it_is_not_known_and_the_rest_still_shows(org, settings):
+    org.red.requests_per_minute = 10
+    org.red.save()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        settings.REDIS_URL = f"redis://127.0.0.1:{closed.getsockname()[1]}/0"  # bound, never listening: refused
+        answer = as_user(org.alice).get(f"{API}/teams/{org.red.pk}/")
+        page = Client()
+        page.force_login(org.alice)
+        shown = page.get("/me/").content.decode()
+    assert answer.json()["budgets"] == [
+        {"name": "requests per minute", "limit": "10", "used": None, "left": None},
+        {"name": "tokens per day", "limit": "1000", "used": "0", "left": "1000"},
+    ]
+    assert "not known now" in shown
