@@ -27,8 +27,9 @@ class Org:
     bob_key: ApiKey
 
 
-def person(username: str, email: str = "", **fields):
-    return get_user_model().objects.create_user(username, email or f"{username}@example.org", PASSWORD, **fields)
+def person(username: str, email: str = "", password: str | None = None, **fields):
+    """A user; with no password (the tests sign most in with force_login): hashing one costs a second under load."""
+    return get_user_model().objects.create_user(username, email or f"{username}@example.org", password, **fields)
 
 
 def key_of(owner, team: Team, name: str, models: list[str] | None = None) -> ApiKey:
@@ -53,7 +54,7 @@ def used(key: ApiKey, model: str, day: date, tokens: int, spend: str = "0") -> U
 def two_teams() -> Org:
     red = Team.objects.create(name="red", model_names=["chat", "embed"], tokens_per_day=1000)
     blue = Team.objects.create(name="blue")
-    alice, arthur, bob = person("alice"), person("arthur"), person("bob")
+    alice, arthur, bob = person("alice", password=PASSWORD), person("arthur"), person("bob")
     TeamMember.objects.create(team=red, user=alice)
     TeamMember.objects.create(team=red, user=arthur, role=TeamMember.Role.ADMIN)
     TeamMember.objects.create(team=blue, user=bob)
