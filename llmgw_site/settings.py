@@ -239,6 +239,8 @@ INSTALLED_APPS = [
     "serving",
     "launcher",
     "gateway",
+    # /me/ and the API of teams, keys and usage for everyone signed in (docs/teams.md).
+    "people",
     # Who changed what (docs/audit.md): the tracked models are AUDITLOG_INCLUDE_TRACKING_MODELS below.
     # Before common, whose admin replaces the library's.
     "auditlog",

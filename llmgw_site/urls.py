@@ -18,6 +18,7 @@ api_patterns = [
     path("catalog/", include("catalog.api.urls")),
     path("fleet/", include("fleet.api.urls")),
     path("gateway/", include("gateway.api.urls")),
+    path("people/", include("people.api.urls")),
     *serving_api,
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
@@ -30,5 +31,6 @@ urlpatterns = [
     path("oidc/", include("accounts.urls")),
     path("api/", include(api_patterns)),
     path("fleet/", include("fleet.urls")),
+    path("me/", include("people.urls")),
     path("", include("serving.urls")),
 ]

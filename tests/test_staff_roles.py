@@ -55,6 +55,9 @@ EVERY_STAFF = {
     "",  # / → /admin/
 }
 # What a read needs besides its address, by the address's name.
+# /me/ and /api/people/: for everyone signed in, staff or not, each seeing the rows people/access.py gives
+# them; tests/test_me_page.py and tests/test_people_api.py attack those, not this walk of staff roles.
+EVERY_SIGNED_IN = ("people:", "people-")
 QUERIES = {
     "api-progress": "?source=http://127.0.0.1:8001/tiny/v1/",
     "fleet:progress": "?source=http://127.0.0.1:8001/tiny/v1/",
@@ -207,6 +210,8 @@ def addresses(rows: Rows, llmgw: bool = True) -> list[Address]:
     out, seen = [], set()
     for entry, name, pieces in _patterns(get_resolver()):
         if entry.callback.__name__ == "catch_all_view" or name in EVERY_STAFF or name.endswith(":autocomplete"):
+            continue
+        if name.startswith(EVERY_SIGNED_IN):
             continue
         if entry.name is None and getattr(entry.callback, "view_class", None) is RedirectView:
             continue  # the admin's old address of a row, which only redirects to its page
