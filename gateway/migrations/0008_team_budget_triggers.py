@@ -66,11 +66,11 @@ def postgresql_statements():
             new_id bigint;
         BEGIN
             IF TG_OP <> 'INSERT' THEN
-                EXECUTE format('SELECT ($1).%I', TG_ARGV[1]) INTO old_id USING OLD;
+                EXECUTE format('SELECT ($1).%%I', TG_ARGV[1]) INTO old_id USING OLD;
                 INSERT INTO gateway_tablechange ("table", row_id, at) VALUES (TG_ARGV[0], old_id, clock_timestamp());
             END IF;
             IF TG_OP <> 'DELETE' THEN
-                EXECUTE format('SELECT ($1).%I', TG_ARGV[1]) INTO new_id USING NEW;
+                EXECUTE format('SELECT ($1).%%I', TG_ARGV[1]) INTO new_id USING NEW;
                 IF old_id IS DISTINCT FROM new_id THEN
                     INSERT INTO gateway_tablechange ("table", row_id, at)
                         VALUES (TG_ARGV[0], new_id, clock_timestamp());
