@@ -1,5 +1,5 @@
 """The change log watching what a team's key depends on: its team's budgets and models, the team's members,
-its owner's state, and the key's own team, owner and expiry.
+its owner's state, and the key's own team, owner and expiry; and a model's prices (and its routing profile).
 
 A person removed from a team, or whose account is turned off, loses the keys they own at once: the
 gateway must hear of it as it hears of a key turned off. A team's row and its members' rows mark the
@@ -29,11 +29,18 @@ WATCHED = {
         ["name", "model_names", "requests_per_minute", "tokens_per_minute", "tokens_per_day", "tokens_per_month"]
         + ["spend_per_month"],
     ),
+    # Its prices: a request's cost counts against its team's spend.
+    "model": (
+        "catalog_model",
+        "id",
+        ["name", "aliases", "context_length", "max_output", "added_at", "kind", "routing_profile"]
+        + ["price_input", "price_cached_input", "price_output"],
+    ),
     "member": ("accounts_teammember", "team_id", ["team_id", "user_id"]),
     "owner": ("auth_user", "id", ["is_active"]),
 }
 # What each trigger marks its row as: a member's row marks its team.
-LOGGED_AS = {"key": "key", "team": "team", "member": "team", "owner": "owner"}
+LOGGED_AS = {"key": "key", "team": "team", "model": "model", "member": "team", "owner": "owner"}
 
 
 def sqlite_statements():
@@ -132,6 +139,7 @@ class Migration(migrations.Migration):
     dependencies = [
         ("gateway", "0007_keys_of_teams_and_people"),
         ("accounts", "0003_teams"),
+        ("catalog", "0007_prices"),
         ("auth", "0012_alter_user_first_name_max_length"),
     ]
 
