@@ -330,7 +330,7 @@ def team_refusal(budget: Budget, which: int, used: list[int], windows: Windows, 
     when = f"it resets in {duration(retry)} (at {at})"
     if which == 10:
         spent = f"{money(used[which])} spent or reserved this month"
-        sentence = f"The team {budget.team} is over its budget of {money(limit)} {name}: {spent}"
+        sentence = f"The team {budget.team} is over its monthly spend budget of {money(limit)}: {spent}"
         if wanted[1]:
             sentence += f", and this request may cost {money(wanted[1])} (its prompt by its size, and its max_tokens)"
     else:

@@ -170,3 +170,75 @@ def test_an_expired_key_a_key_whose_owner_left_the_team_and_a_model_outside_the_
     wait_until(lambda: chat(session, gateway.url).status_code == 200, timeout=10, what="the key to work again")
     get_user_model().objects.filter(pk=person.pk).update(is_active=False)
     wait_until(lambda: chat(session, gateway.url).status_code == 403, timeout=10, what="the owner's key refused")
+
+
+def test_cached_input_is_priced_at_its_own_price_or_else_at_the_input_price():
+    from gateway.routes import prices_of
+    from gateway.usage import cost, micro_units
+
+    prices = prices_of(Decimal("2"), Decimal("0.5"), Decimal("8"))
+    # 100 prompt tokens of which 40 cached, 10 out: 60 × 2 + 40 × 0.5 + 10 × 8 micro-units.
+    assert cost(prices, 100, 10, 40) == Decimal(220)
+    assert cost(prices_of(Decimal("2"), None, Decimal("8")), 100, 10, 40) == Decimal(280)
+    assert cost(prices_of(None, None, None), 100, 10, 40) == 0
+    assert micro_units(Decimal("0.25")) == 1  # a budget never loses a fraction it does not see
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_a_teams_spend_budget_stops_its_key_and_usage_spend_is_the_engines_tokens_at_the_prices(
+    tmp_path, tiny_gguf, gateway, redis_client
+):
+    from agent import engines
+    from catalog.models import Profile
+    from fleet.models import Node, Replica
+
+    from . import real_model
+
+    process, endpoint, _ = real_model.start_engine(tiny_gguf, tmp_path, ["--parallel", "1"])
+    try:
+        model = Model.objects.create(
+            name=real_model.MODEL,
+            source="http://127.0.0.1:1/tiny/",
+            context_length=256,
+            price_input=Decimal("1000"),
+            price_output=Decimal("4000"),
+        )
+        Profile.objects.create(model=model, name="cpu", engine="llamacpp")
+        node = Node.objects.create(name="n1")
+        Replica.objects.create(
+            model_name=real_model.MODEL, profile_name="cpu", node=node, state="ready", endpoint=endpoint
+        )
+        budget = Decimal("0.25")
+        team = Team.objects.create(name="finance", spend_per_month=budget)
+        key, secret = team_key("finance-one", team)
+        session = client(secret)
+        until_routed(session, gateway.url, real_model.MODEL)
+        counted = []  # (prompt, completion) as the engine counted each answer
+        refused = None
+        for i in range(40):
+            body = {"model": real_model.MODEL, "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 4}
+            answer = session.post(gateway.url + "/v1/chat/completions", json=body, timeout=120)
+            if answer.status_code == 429:
+                refused = answer
+                break
+            assert answer.status_code == 200, answer.text
+            usage = answer.json()["usage"]
+            counted.append((usage["prompt_tokens"], usage["completion_tokens"]))
+        assert refused is not None and len(counted) >= 2, counted
+        message = error_of(refused)["message"]
+        assert message.startswith(f"The team finance is over its monthly spend budget of {budget.normalize()}: ")
+        assert "this month" in message and "it resets in" in message
+        expected = sum(p * Decimal(1000) + c * Decimal(4000) for p, c in counted) / 1_000_000
+        assert expected <= budget
+
+        def written():
+            rows = list(Usage.objects.filter(key=key))
+            return sum(r.requests for r in rows) == len(counted) and rows
+
+        rows = wait_until(written, timeout=10, what="the usage to be written")
+        assert sum(r.spend for r in rows) == expected
+        assert sum(r.prompt_tokens for r in rows) == sum(p for p, _ in counted)
+    finally:
+        engines.stop_group(process.pid, grace=5)
+        process.wait(timeout=10)
