@@ -242,3 +242,22 @@ def test_a_teams_spend_budget_stops_its_key_and_usage_spend_is_the_engines_token
     finally:
         engines.stop_group(process.pid, grace=5)
         process.wait(timeout=10)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_catalog_api_shows_and_sets_a_models_prices_and_refuses_a_negative_one_with_a_sentence(api):
+    from .support.factories import new_model
+
+    made = api.post(api.base + "/api/catalog/models/", json=new_model())
+    assert made.status_code == 201, made.text
+    shown = made.json()
+    assert (shown["price_input"], shown["price_cached_input"], shown["price_output"]) == (None, None, None)
+    changed = api.patch(
+        api.base + f"/api/catalog/models/{shown['id']}/", json={"price_input": "2.5", "price_output": "10"}
+    )
+    assert changed.status_code == 200, changed.text
+    assert Model.objects.get(pk=shown["id"]).price_input == Decimal("2.5")
+    assert (changed.json()["price_input"], changed.json()["price_output"]) == ("2.500000", "10.000000")
+    refused = api.patch(api.base + f"/api/catalog/models/{shown['id']}/", json={"price_output": "-1"})
+    assert refused.status_code == 400
+    assert refused.json()["price_output"] == ["Ensure this value is greater than or equal to 0."]
