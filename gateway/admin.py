@@ -27,7 +27,6 @@ class UsageInline(admin.TabularInline):
 class ApiKeyAdmin(admin.ModelAdmin):
     list_display = ("name", "prefix", "active", "team", "owner", "scope", "expires", "created", "last_used")
     list_filter = ("active", "team")
-    autocomplete_fields = ("team",)
     raw_id_fields = ("owner",)
     search_fields = ("name", "prefix")
     readonly_fields = ("prefix", "created", "created_by", "last_used", "used_against_limits")

@@ -160,6 +160,12 @@ def test_an_expired_key_a_key_whose_owner_left_the_team_and_a_model_outside_the_
     assert error_of(outside)["message"] == "This API key may not use the model other."
     assert chat(client(own_list), gateway.url, model="other").status_code == 403
 
+    # The team's list grows: its keys may use the new model as soon as the gateway hears.
+    Team.objects.filter(pk=team.pk).update(model_names=["chat", "other"])
+    wait_until(
+        lambda: chat(session, gateway.url, model="other").status_code == 200, timeout=10, what="the team's new model"
+    )
+
     # The owner leaves the team: their key is refused as soon as the gateway hears.
     membership.delete()
     wait_until(lambda: chat(session, gateway.url).status_code == 403, timeout=10, what="the key to be refused")
