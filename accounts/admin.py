@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .models import ApiToken
+from .models import ApiToken, Team, TeamMember
 
 
 @admin.register(ApiToken)
@@ -22,3 +22,39 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request, obj=None) -> bool:
         return False
+
+
+class TeamMemberInline(admin.TabularInline):
+    model = TeamMember
+    fields = ["user", "role", "from_provider", "added"]
+    readonly_fields = ["from_provider", "added"]
+    raw_id_fields = ["user"]
+    extra = 0
+
+
+@admin.register(Team)
+class TeamAdmin(admin.ModelAdmin):
+    """A team's models, budgets and members (docs/teams.md). A change reaches every gateway within a second:
+    a member removed loses the keys they own for the team at once."""
+
+    list_display = ["name", "models", "tokens_per_day", "tokens_per_month", "spend_per_month", "created"]
+    search_fields = ["name"]
+    readonly_fields = ["created"]
+    fieldsets = [
+        (None, {"fields": ["name", "model_names", "created"]}),
+        (
+            "Budgets shared by all the team's keys (blank for none; a day and a month in LLMGW_BUDGET_TIME_ZONE)",
+            {
+                "fields": [
+                    ("requests_per_minute", "tokens_per_minute"),
+                    ("tokens_per_day", "tokens_per_month"),
+                    "spend_per_month",
+                ]
+            },
+        ),
+    ]
+    inlines = [TeamMemberInline]
+
+    @admin.display(description="models")
+    def models(self, obj: Team) -> str:
+        return ", ".join(obj.model_names) if obj.model_names else "every model"

@@ -23,7 +23,8 @@ directly to the stub and through each proxy, from this process (bench/httpload.p
 
 With --limits, also through a second key of the same server with every per-key limit
 set (and never reached), against a Redis of the run's own: what the limiter's one
-round trip adds.
+round trip adds; and through a third key, of a team with every budget on (llmgw+team):
+what counting the team's budgets in the same round trip adds.
 
 With --workers, also llmgw's gateway with two processes (`gateway --workers 2`,
 llmgw-2w) beside the one with one: requests per second for 1 and 2 workers side by side.
@@ -66,6 +67,9 @@ OPEN_STREAMS = 1000
 # an added p50 one at a time of at most this.
 LIMITS_TIMES_RPS = 0.9
 LIMITS_ADDED_P50_MS = 0.6
+# Issue 35: a key of a team with every budget on, against a key with its own limits only.
+TEAM_ADDED_P50_MS = 0.1
+TEAM_TIMES_RPS = 0.9
 
 
 def quiet_popen(argv: list[str], env: dict, log: Path, cwd: Path = ROOT) -> subprocess.Popen:
@@ -255,7 +259,38 @@ def start_llmgw(
         )
         secret = limited.stdout.strip().splitlines()[-1].strip()
         targets.append(Target(f"{name}+limits", port, key=secret, pid=process.pid))
+        # Issue 35: a key of a team with every budget on too (and prices, so spend is counted), never reached.
+        team = subprocess.run(
+            manage
+            + ["api_key", "create", "bench-team", "--rpm", "1000000000", "--tpm", "1000000000"]
+            + ["--tpd", "1000000000", "--tokens-per-month", "1000000000", "--in-flight", "100000"],
+            env=env,
+            cwd=root,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        team_secret = team.stdout.strip().splitlines()[-1].strip()
+        made = subprocess.run(manage + ["shell", "-c", TEAM_SEED], env=env, cwd=root, capture_output=True)
+        if made.returncode == 0:
+            targets.append(Target(f"{name}+team", port, key=team_secret, pid=process.pid))
+        else:
+            print(f"{name}: this tree has no teams' budgets: its +team key is left out of this run.")
     return process, targets
+
+
+# A team with every budget set and never reached, the bench-team key in it, and prices on every model.
+TEAM_SEED = """
+from decimal import Decimal
+from accounts.models import Team
+from catalog.models import Model
+from gateway.models import ApiKey
+big = 10**9
+team = Team.objects.create(name="bench-team", requests_per_minute=big, tokens_per_minute=big, tokens_per_day=big,
+                           tokens_per_month=big, spend_per_month=Decimal(big))
+ApiKey.objects.filter(name="bench-team").update(team=team)
+Model.objects.update(price_input=Decimal("0.5"), price_cached_input=Decimal("0.25"), price_output=Decimal("1.5"))
+"""
 
 
 ADMIN_USER = "bench-staff"
@@ -435,6 +470,25 @@ async def measure(
                 (
                     f"requests/s with limits ≥ {LIMITS_TIMES_RPS:g} × without",
                     rps["llmgw+limits"] >= LIMITS_TIMES_RPS * rps[llmgw],
+                )
+            )
+        if "llmgw+limits" in names and "llmgw+team" in names:
+            by_team = added50["llmgw+team"] - added50["llmgw+limits"]
+            print(
+                f"teams' budgets: added p50 {added50['llmgw+team']:.2f} ms, {by_team:+.3f} ms over a key with its own "
+                f"limits only; requests/s {rps['llmgw+team']:,.0f} against {rps['llmgw+limits']:,.0f} "
+                f"({rps['llmgw+team'] / rps['llmgw+limits']:.2f} ×)"
+            )
+            goals.append(
+                (
+                    f"added p50 of a team's key within {TEAM_ADDED_P50_MS:g} ms of a key's own limits",
+                    by_team <= TEAM_ADDED_P50_MS,
+                )
+            )
+            goals.append(
+                (
+                    f"requests/s of a team's key ≥ {TEAM_TIMES_RPS:g} × a key's own limits",
+                    rps["llmgw+team"] >= TEAM_TIMES_RPS * rps["llmgw+limits"],
                 )
             )
         for goal, met in goals:

@@ -49,6 +49,14 @@ class ModelAdmin(admin.ModelAdmin):
                 "after the quiet period, and with fewest 0 to none after the idle time.",
             },
         ),
+        (
+            "Prices (per million tokens; blank: free)",
+            {
+                "fields": [("price_input", "price_cached_input", "price_output")],
+                "description": "What usage is charged at, and what teams' spend budgets count; cached input "
+                "without a price of its own is charged at the input price.",
+            },
+        ),
         ("Where it came from", {"fields": ["declared", "added_by", "added_at"]}),
     ]
     inlines = [ProfileInline]

@@ -14,7 +14,7 @@ from .models import LIMIT_FIELDS, ApiKey, Usage
 
 class UsageInline(admin.TabularInline):
     model = Usage
-    fields = ("day", "model_name", "requests", "prompt_tokens", "completion_tokens")
+    fields = ("day", "model_name", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "spend")
     readonly_fields = fields
     extra = 0
     max_num = 0
@@ -25,12 +25,17 @@ class UsageInline(admin.TabularInline):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ("name", "prefix", "active", "scope", "created", "last_used")
-    list_filter = ("active",)
+    list_display = ("name", "prefix", "active", "team", "owner", "scope", "expires", "created", "last_used")
+    list_filter = ("active", "team")
+    raw_id_fields = ("owner",)
     search_fields = ("name", "prefix")
     readonly_fields = ("prefix", "created", "created_by", "last_used", "used_against_limits")
     fieldsets = (
         (None, {"fields": ("name", "prefix", "model_names", "active", "created", "created_by", "last_used")}),
+        (
+            "Whose (a team's key counts against the team's budgets too, and uses only the team's models)",
+            {"fields": ("team", "owner", "expires")},
+        ),
         (
             "Limits (blank for none; enforced by every admin server together)",
             {
@@ -51,7 +56,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         if not obj.pk or not any(obj.limits()):
             return "This key has no limits, so nothing is counted against them."
         try:
-            used = used_now(redis_client(), obj.key_hash)
+            used = used_now(redis_client(), obj.key_hash, obj.team_id)
         except redis.RedisError as error:
             return f"Redis could not be read: {error}"
         lines = []
@@ -106,7 +111,17 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 @admin.register(Usage)
 class UsageAdmin(RecordAdmin):
-    list_display = ("day", "key", "model_name", "requests", "prompt_tokens", "completion_tokens", "total_tokens")
+    list_display = (
+        "day",
+        "key",
+        "model_name",
+        "requests",
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "spend",
+    )
     list_filter = ("day", "model_name", "key")
     date_hierarchy = "day"
     # A RecordAdmin: usage is counted by the gateway, and a bill edited by hand is no bill.

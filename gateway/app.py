@@ -44,7 +44,7 @@ from .relay import timing
 from .request import HangUp, Request
 from .translation import Translation
 from .upstream import IDLE_S, upstream_socket
-from .usage import Recorder, one_line, prompt_estimate
+from .usage import Recorder, cost, micro_units, one_line, prompt_estimate
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -339,10 +339,11 @@ class Gateway(Forwarding):
             )
         self.key_flights[key.id] = flying + 1
         ticket = None
-        tokens = 0
+        tokens = micro = 0
         try:
-            # One Redis round trip for a key with limits, none for a key without (gateway/limits.py).
-            ticket = await self.limiter.admit(key.tag, key.limits) if key.limits else None
+            # One Redis round trip for a key with limits or a team's budgets, none for a key without
+            # (gateway/limits.py): the key's and its team's counted in the same script.
+            ticket = await self.limiter.admit(key.tag, key.limits, key.budget) if key.counted else None
             body = await read_body(receive, settings.GATEWAY_MAX_BODY)
             if len(body) > PARSE_INLINE_BYTES:
                 # Parsed in a thread, so the event loop's other requests go on between its steps;
@@ -350,15 +351,18 @@ class Gateway(Forwarding):
                 taken = await asyncio.get_running_loop().run_in_executor(self._parsers, self.take, path, key, body)
             else:
                 taken = self.take(path, key, body)
-            if ticket is not None and any(key.limits.tokens):
-                await self.limiter.reserve(ticket, key.limits, prompt_estimate(len(taken.body)) + taken.output)
-            tokens = await self.routed(scope, receive, send, started, key, taken)
+            if ticket is not None and (key.budget is not None or any(key.limits.tokens)):
+                prompt = prompt_estimate(len(taken.body))
+                # The most it may cost: its prompt by its size at the input price, all its max_tokens at the output's.
+                most = micro_units(cost(taken.route.prices, prompt, taken.output, 0))
+                await self.limiter.reserve(ticket, key.limits, prompt + taken.output, key.budget, most)
+            tokens, micro = await self.routed(scope, receive, send, started, key, taken)
         finally:
             self.key_flights[key.id] -= 1
             if not self.key_flights[key.id]:
                 del self.key_flights[key.id]
             if ticket is not None:
-                self.limiter.settle(ticket, tokens)
+                self.limiter.settle(ticket, tokens, micro)
 
     def take(self, path: str, key: routes.Key, body: bytes) -> Taken:
         """A body read: parsed, translated, checked against its model, and encoded again for the engine.
@@ -407,8 +411,9 @@ class Gateway(Forwarding):
             body = json.dumps(request).encode()
         return Taken(endpoint, request, translation, route, output, body, client_wants_usage)
 
-    async def routed(self, scope, receive, send, started: float, key: routes.Key, taken: Taken) -> int:
-        """Pass on a request that is admitted, read and checked; the tokens of its answer."""
+    async def routed(self, scope, receive, send, started: float, key: routes.Key, taken: Taken) -> tuple[int, int]:
+        """Pass on a request that is admitted, read and checked; the tokens of its answer, and its cost in
+        micro-units."""
         endpoint, request, route, translation = taken.endpoint, taken.request, taken.route, taken.translation
         self.observer.routed(scope, route.name, request, key.name)
         self.demand.arrived(route.name)
@@ -442,7 +447,7 @@ class Gateway(Forwarding):
                 raise
             # The client has a 200 and comments already: the refusal goes in the stream.
             await held.fail(refusal.status, refusal.message, refusal.kind, refusal.code)
-            return 0
+            return 0, 0
         finally:
             hang_up.close()
 
@@ -478,6 +483,11 @@ class Gateway(Forwarding):
             key = self.table.keys.get(digest)
         if key is None:
             raise Refusal(401, "This API key is not valid: it is unknown or was turned off.", code="invalid_api_key")
+        if key.expires is not None and key.expires <= time.time():
+            when = datetime.fromtimestamp(key.expires, UTC).strftime("%Y-%m-%d %H:%M UTC")
+            raise Refusal(401, f"This API key expired at {when}.", code="expired_api_key")
+        if key.refused:
+            raise Refusal(403, key.refused, kind="permission_error", code="key_owner_not_allowed")
         return key
 
     async def list_models(self, send, key: routes.Key, one: str, started: float) -> None:

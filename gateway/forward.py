@@ -23,7 +23,7 @@ from .endpoints import CHAT
 from .errors import Refusal
 from .intake import sentence_of
 from .relay import relay
-from .usage import Answer
+from .usage import Answer, cost, micro_units
 
 if TYPE_CHECKING:
     from .request import Request
@@ -36,7 +36,7 @@ COOLDOWN_S = 5.0
 
 
 class Forwarding:
-    async def answer(self, request: Request) -> int:
+    async def answer(self, request: Request) -> tuple[int, int]:
         """forward(), after waiting for a usable replica when there is none (gateway/hold.py)."""
         deadline = None
         unreachable = None
@@ -114,8 +114,9 @@ class Forwarding:
                 best, best_score = upstream, score
         return best
 
-    async def forward(self, request: Request) -> int:
-        """Pass the request to a replica and its answer back; returns the answer's tokens."""
+    async def forward(self, request: Request) -> tuple[int, int]:
+        """Pass the request to a replica and its answer back; returns the answer's tokens and its cost in
+        micro-units (gateway/limits.py MICRO), for its key's limits and its team's budgets."""
         scope, route = request.scope, request.route
         tried: set[int] = set()
         resent: set[int] = set()
@@ -203,8 +204,10 @@ class Forwarding:
                     # Counted however the answer ended: a stream cut short, by either side, is billed for
                     # what was relayed, since its usage chunk (the last) never came.
                     prompt, completion = answer.tokens(len(request.body))
-                    self.usage.add(request.key.id, route.name, prompt, completion)
-                    self.observer.answered(scope, replica, gateway_s, prompt, completion, answer.cached(), why)
-                return prompt + completion
+                    cached = answer.cached()
+                    spent = cost(route.prices, prompt, completion, cached)
+                    self.usage.add(request.key.id, route.name, prompt, completion, cached, spent)
+                    self.observer.answered(scope, replica, gateway_s, prompt, completion, cached, why)
+                return prompt + completion, micro_units(spent)
             finally:
                 self.in_flight[replica] -= 1

@@ -2,7 +2,7 @@
 
 A gateway host parses every client's input, so it is the one most likely to be taken
 over. Its role reads its routing table and writes usage; it cannot read staff's API
-tokens, users, sessions, a node's token hash (which signs that node's orders) or a
+tokens, users' passwords and addresses, sessions, a node's token hash (which signs that node's orders) or a
 pull's pass key. Where a table holds a secret, SELECT is granted column by column.
 `manage.py gateway_grants ROLE` prints (or, with --apply, runs) these statements;
 docs/fleet.md and tests/test_gateway_role.py use them.
@@ -13,8 +13,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from django.contrib.auth import get_user_model
 from django.db import models
 
+from accounts.models import Team, TeamMember
 from catalog.models import Model, Profile
 from fleet.models import Node, Replica
 
@@ -49,6 +51,13 @@ GRANTS = (
         select=("id", "name", "last_heartbeat", "replica_key"),
     ),
     Grant(ApiKey, "the keys' hashes, models and limits; when a key was last used", update=("last_used",)),
+    Grant(Team, "the teams' models and budgets, which their keys count against"),
+    Grant(TeamMember, "who is in which team: a key whose owner left its team is refused"),
+    Grant(
+        get_user_model(),
+        "whether a key's owner may still use llmgw; never a password, a name or an address",
+        select=("id", "is_active"),
+    ),
     Grant(TableChange, "the change log it re-reads by; it prunes marks older than ten minutes", delete=True),
     Grant(Usage, "usage, added per key, model and day", insert=True, update=True),
     Grant(UsageBatch, "the usage batches already written, so none is added twice", insert=True, delete=True),

@@ -36,7 +36,9 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field, fields
-from datetime import UTC, datetime
+from datetime import datetime, timedelta, tzinfo
+from decimal import Decimal
+from zoneinfo import ZoneInfo
 
 import hiredis
 import redis
@@ -52,86 +54,116 @@ STALE_IN_FLIGHT_S = 3600
 # How long Redis may stay silent before the requests waiting on it go on unchecked (at most twice this).
 TIMEOUT_S = 2.0
 
+# The counters the scripts are given, as KEYS: a key's requests this minute (1), tokens this minute (2),
+# today (3) and this month (4), its in-flight set (5); for a key of a team, also the team's requests this
+# minute (6), tokens this minute (7), today (8), this month (9), and money this month in micro-units (10).
+# A limit's number in a refusal is its counter's number here (WHAT, TEAM_WHAT).
+
 # Admits the requests of one key that came in one turn of a gateway's event loop, in order.
-# KEYS: requests this minute, tokens this minute, tokens today, tokens this month, the in-flight set.
-# ARGV: the four limits and the in-flight limit (0: none), now, STALE_IN_FLIGHT_S, then each request's id.
-# Answers six numbers a request: which limit refused it (0: none), requests, tokens minute, day, month, in flight.
+# ARGV: how many KEYS (5, or 10 with a team), each counter's limit (0: none; the 5th is the in-flight
+# limit), now, STALE_IN_FLIGHT_S, then each request's id. Answers 1 + KEYS numbers a request: which
+# limit refused it (0: none), then each counter (the 5th: the requests in flight).
 ADMIT = """
+local n = tonumber(ARGV[1])
 local used = {}
-for i = 1, 4 do used[i] = tonumber(redis.call('GET', KEYS[i]) or '0') end
-local now = tonumber(ARGV[6])
-redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - tonumber(ARGV[7]))
-local flying = redis.call('ZCARD', KEYS[5])
-local most = tonumber(ARGV[5])
+for i = 1, n do
+  if i ~= 5 then used[i] = tonumber(redis.call('GET', KEYS[i]) or '0') end
+end
+local now = tonumber(ARGV[n + 2])
+local stale = tonumber(ARGV[n + 3])
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - stale)
+used[5] = redis.call('ZCARD', KEYS[5])
 local answers, marks, admitted = {}, {}, 0
-for r = 8, #ARGV do
+for r = n + 4, #ARGV do
   local which = 0
-  for i = 1, 4 do
-    local limit = tonumber(ARGV[i])
+  for i = 1, n do
+    local limit = tonumber(ARGV[i + 1])
     if limit > 0 and used[i] >= limit then which = i break end
   end
-  if which == 0 and most > 0 and flying >= most then which = 5 end
   if which == 0 then
     admitted = admitted + 1
     used[1] = used[1] + 1
-    flying = flying + 1
+    used[5] = used[5] + 1
+    if n > 5 then used[6] = used[6] + 1 end
     marks[#marks + 1] = now
     marks[#marks + 1] = ARGV[r]
   end
-  local n = #answers
-  answers[n + 1], answers[n + 2], answers[n + 3] = which, used[1], used[2]
-  answers[n + 4], answers[n + 5], answers[n + 6] = used[3], used[4], flying
+  local a = #answers
+  answers[a + 1] = which
+  for i = 1, n do answers[a + 1 + i] = used[i] end
 end
 if admitted > 0 then
   if redis.call('INCRBY', KEYS[1], admitted) == admitted then redis.call('EXPIRE', KEYS[1], 120) end
+  if n > 5 and redis.call('INCRBY', KEYS[6], admitted) == admitted then redis.call('EXPIRE', KEYS[6], 120) end
   redis.call('ZADD', KEYS[5], unpack(marks))
-  redis.call('EXPIRE', KEYS[5], tonumber(ARGV[7]))
+  redis.call('EXPIRE', KEYS[5], stale)
 end
 return answers
 """
 
-# After the answers of one key. KEYS: tokens this minute, today, this month, the in-flight set.
-# ARGV: the answers' tokens together less what they had reserved (below 0 when they reserved
-# more), each window's expiry (set when its counter is made), then each request's id.
-SETTLE = """
-local tokens = tonumber(ARGV[1])
-if tokens ~= 0 then
-  for i = 1, 3 do
-    if redis.call('INCRBY', KEYS[i], tokens) == tokens then redis.call('EXPIRE', KEYS[i], tonumber(ARGV[i + 1])) end
+# Which window each counter of tokens or money is (1: minute, 2: day, 3: month), for its expiry.
+WINDOW_OF = "local window = {[2] = 1, [3] = 2, [4] = 3, [7] = 1, [8] = 2, [9] = 3, [10] = 3}"
+
+# After the answers of one key. KEYS: as ADMIT's. ARGV: the answers' tokens together less what they
+# had reserved (below 0 when they reserved more), their money likewise, each window's expiry (set when
+# its counter is made), then each request's id.
+SETTLE = (
+    WINDOW_OF
+    + """
+local deltas = {tonumber(ARGV[1]), tonumber(ARGV[2])}
+for _, i in ipairs({2, 3, 4, 7, 8, 9, 10}) do
+  local delta = deltas[i == 10 and 2 or 1]
+  if i <= #KEYS and delta ~= 0 then
+    local expiry = tonumber(ARGV[2 + window[i]])
+    if redis.call('INCRBY', KEYS[i], delta) == delta then redis.call('EXPIRE', KEYS[i], expiry) end
   end
 end
-return redis.call('ZREM', KEYS[4], unpack(ARGV, 5))
+return redis.call('ZREM', KEYS[5], unpack(ARGV, 6))
 """
+)
 
-# Reserves the most each request of one key may cost in its token windows, in the order they came.
-# KEYS: tokens this minute, today, this month. ARGV: the three limits (0: none), each window's
-# expiry, then each request's reservation. Answers four numbers a request: which window refused
-# it (2-4, as ADMIT numbers them; 0: none), then the three windows' tokens used and reserved.
-RESERVE = """
-local used, added = {}, 0
-for i = 1, 3 do used[i] = tonumber(redis.call('GET', KEYS[i]) or '0') end
+# Reserves the most each request of one key may cost in its windows of tokens (and its team's money),
+# in the order they came. KEYS: as ADMIT's. ARGV: how many KEYS, each counter's limit as ADMIT has them,
+# each window's expiry, then each request's tokens and money. Answers 1 + KEYS numbers a request:
+# which counter refused it (0: none), then each counter, with what is reserved.
+RESERVE = (
+    WINDOW_OF
+    + """
+local n = tonumber(ARGV[1])
+local counters = {2, 3, 4}
+if n > 5 then counters = {2, 3, 4, 7, 8, 9, 10} end
+local used = {}
+for i = 1, n do used[i] = 0 end
+for _, i in ipairs(counters) do used[i] = tonumber(redis.call('GET', KEYS[i]) or '0') end
+local added = {}
+for _, i in ipairs(counters) do added[i] = 0 end
 local answers = {}
-for r = 7, #ARGV do
-  local want = tonumber(ARGV[r])
+for r = n + 5, #ARGV, 2 do
+  local amount = {tonumber(ARGV[r]), tonumber(ARGV[r + 1])}
   local which = 0
-  for i = 1, 3 do
-    local limit = tonumber(ARGV[i])
-    if limit > 0 and used[i] + want > limit then which = i + 1 break end
+  for _, i in ipairs(counters) do
+    local limit = tonumber(ARGV[i + 1])
+    if limit > 0 and used[i] + amount[i == 10 and 2 or 1] > limit then which = i break end
   end
   if which == 0 then
-    added = added + want
-    for i = 1, 3 do used[i] = used[i] + want end
+    for _, i in ipairs(counters) do
+      local want = amount[i == 10 and 2 or 1]
+      used[i] = used[i] + want
+      added[i] = added[i] + want
+    end
   end
-  local n = #answers
-  answers[n + 1], answers[n + 2], answers[n + 3], answers[n + 4] = which, used[1], used[2], used[3]
+  local a = #answers
+  answers[a + 1] = which
+  for i = 1, n do answers[a + 1 + i] = used[i] end
 end
-if added > 0 then
-  for i = 1, 3 do
-    if redis.call('INCRBY', KEYS[i], added) == added then redis.call('EXPIRE', KEYS[i], tonumber(ARGV[i + 3])) end
+for _, i in ipairs(counters) do
+  if added[i] > 0 and redis.call('INCRBY', KEYS[i], added[i]) == added[i] then
+    redis.call('EXPIRE', KEYS[i], tonumber(ARGV[n + 1 + window[i]]))
   end
 end
 return answers
 """
+)
 
 # Each window's counter outlives its window a little, then goes.
 EXPIRES = {"minute": 120, "day": 2 * 86400, "month": 33 * 86400}
@@ -175,11 +207,58 @@ def of(values) -> Limits | None:
     return Limits(*values) if any(values) else None
 
 
+# Money is counted in Redis in millionths of the prices' currency: a price per million tokens is then
+# the micro-units one token costs, and an integer counter holds any spend exactly enough.
+MICRO = 1_000_000
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A team's budgets, shared by every key of the team, 0 for none. In the order of the scripts'
+    counters 6-10 (see ADMIT); spend in micro-units of the prices' currency."""
+
+    requests_per_minute: int = _says("requests per minute", "requests")
+    tokens_per_minute: int = _says("tokens per minute", "tokens")
+    tokens_per_day: int = _says("tokens per day", "tokens")
+    tokens_per_month: int = _says("tokens per month", "tokens")
+    spend_per_month: int = _says("spend per month", "")
+    team: str = field(default="", compare=True)  # its name, for refusals
+    tag: str = ""  # what its counters are filed under
+
+    def values(self) -> tuple[int, int, int, int, int]:
+        return astuple(self)[:5]
+
+
+BUDGET_FIELDS = tuple(f.name for f in fields(Budget))[:5]
+TEAM_WHAT = {number: f.metadata["says"] for number, f in enumerate(fields(Budget)[:5], 6)}
+
+
+def budget_of(team_id: int, name: str, values) -> Budget | None:
+    """A team's budgets from its stored values (spend a Decimal in the currency), None when it has none."""
+    *counts, spend = values
+    numbers = (*(int(v or 0) for v in counts), int((spend or 0) * MICRO))
+    return Budget(*numbers, team=name, tag=f"team{team_id}") if any(numbers) else None
+
+
+def zone() -> ZoneInfo:
+    return ZoneInfo(settings.BUDGET_TIME_ZONE)
+
+
+def calendar(now: float, where: tzinfo) -> tuple[str, str, float, float]:
+    """The day and the month `now` falls in, in the time zone `where` (as YYYYMMDD and YYYYMM), and the
+    Unix times they end: a calendar day and month of that zone, 23 or 25 hours long on a change of clocks."""
+    moment = datetime.fromtimestamp(now, where)
+    tomorrow = moment.date() + timedelta(days=1)
+    day_end = datetime(tomorrow.year, tomorrow.month, tomorrow.day, tzinfo=where).timestamp()
+    month_end = datetime(moment.year + moment.month // 12, moment.month % 12 + 1, 1, tzinfo=where).timestamp()
+    return moment.strftime("%Y%m%d"), moment.strftime("%Y%m"), day_end, month_end
+
+
 @dataclass(frozen=True, eq=False)  # eq=False: told apart by identity, a cheap key for a batch
 class Windows:
-    """The Redis keys of one key's windows at one moment, and when each window ends."""
+    """The Redis keys of one key's windows at one moment (and its team's), and when each window ends."""
 
-    keys: tuple[str, str, str, str, str]
+    keys: tuple[str, ...]  # 5, or 10 for a key of a team: the scripts' KEYS
     ends: tuple[float, float, float]  # the Unix times the minute, the day and the month end
 
     @property
@@ -192,17 +271,23 @@ class Windows:
         return tuple(end - now for end in self.ends)
 
     @classmethod
-    def at(cls, tag: str, now: float) -> Windows:
-        moment = datetime.fromtimestamp(now, UTC)
+    def at(cls, tag: str, now: float, team: str = "", where: tzinfo | None = None) -> Windows:
+        day, month, day_end, month_end = calendar(now, where or zone())
         minute = int(now // 60)
-        day = moment.strftime("%Y%m%d")
-        month = moment.strftime("%Y%m")
-        # The hash tag {tag} keeps a key's counters on one node of a Redis cluster, where a script needs them.
-        base = f"llmgw:limit:{{{tag}}}"
+        # The hash tag {...} keeps the counters one script reads on one node of a Redis cluster: a key's
+        # own, or for a key of a team, the team's and those of all its keys.
+        base = f"llmgw:limit:{{{team}}}:{tag}" if team else f"llmgw:limit:{{{tag}}}"
         keys = (f"{base}:r:{minute}", f"{base}:t:{minute}", f"{base}:td:{day}", f"{base}:tm:{month}", f"{base}:flight")
-        midnight = datetime(moment.year, moment.month, moment.day, tzinfo=UTC).timestamp() + 86400
-        next_month = datetime(moment.year + moment.month // 12, moment.month % 12 + 1, 1, tzinfo=UTC).timestamp()
-        return cls(keys, ((minute + 1) * 60, midnight, next_month))
+        if team:
+            shared = f"llmgw:team:{{{team}}}"
+            keys += (
+                f"{shared}:r:{minute}",
+                f"{shared}:t:{minute}",
+                f"{shared}:td:{day}",
+                f"{shared}:tm:{month}",
+                f"{shared}:sm:{month}",
+            )
+        return cls(keys, ((minute + 1) * 60, day_end, month_end))
 
 
 def tag_of(key_hash: str) -> str:
@@ -215,6 +300,7 @@ class Ticket:
     windows: Windows
     request_id: str
     reserved: int = 0  # tokens held in its windows until it settles
+    reserved_money: int = 0  # micro-units held in its team's spend
 
 
 def duration(seconds: float) -> str:
@@ -227,6 +313,35 @@ def duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m{secs}s"
     return f"{secs}s"
+
+
+def money(micro: int) -> str:
+    """Micro-units of the prices' currency as an amount: 12.5, 0.000125."""
+    text = f"{Decimal(micro) / MICRO:f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def team_refusal(budget: Budget, which: int, used: list[int], windows: Windows, wanted: tuple[int, int]) -> Refusal:
+    """The 429 for the team's budget `which` (6-10, as the scripts answer)."""
+    name, unit = TEAM_WHAT[which]
+    limit = budget.values()[which - 6]
+    retry = windows.resets()[{6: 0, 7: 0, 8: 1, 9: 2, 10: 2}[which]]
+    at = datetime.fromtimestamp(time.time() + retry, zone()).strftime("%Y-%m-%d %H:%M %Z")
+    when = f"it resets in {duration(retry)} (at {at})"
+    if which == 10:
+        spent = f"{money(used[which])} spent or reserved this month"
+        sentence = f"The team {budget.team} is over its monthly spend budget of {money(limit)}: {spent}"
+        if wanted[1]:
+            sentence += f", and this request may cost {money(wanted[1])} (its prompt by its size, and its max_tokens)"
+    else:
+        sentence = f"The team {budget.team} is over its budget of {limit} {name}: {used[which]} {unit} used"
+        if which in (7, 8, 9) and wanted[0]:
+            sentence += (
+                f" or reserved, and this request may use {wanted[0]} (its prompt by its size, and its max_tokens)"
+            )
+    sentence += f"; {when}."
+    headers = [(b"retry-after", str(max(1, int(retry + 0.999))).encode())]
+    return Refusal(429, sentence, kind="rate_limit_error", code="rate_limit_exceeded", headers=headers)
 
 
 def refusal(limits: Limits, which: int, used: list[int], windows: Windows, wanted: int = 0) -> Refusal:
@@ -396,23 +511,28 @@ class Limiter:
         self._connecting: asyncio.Task | None = None
         self._shas: dict[str, bytes] = {}
         # Waiting for the next send: admissions by key and limits, settlings by key.
-        self._admitting: dict[tuple[Windows, Limits], list[tuple[str, asyncio.Future]]] = {}
+        self._admitting: dict[tuple[Windows, Limits, Budget | None], list[tuple[str, asyncio.Future]]] = {}
         self._settling: dict[Windows, list] = {}
-        self._reserving: dict[tuple[Windows, Limits], list[tuple[int, asyncio.Future]]] = {}
+        self._reserving: dict[tuple[Windows, Limits, Budget | None], list[tuple[int, int, asyncio.Future]]] = {}
         self._send_soon = False
-        self._windows: dict[str, Windows] = {}
+        self._windows: dict[tuple[str, str], Windows] = {}
         self._ids = itertools.count()
         self._id_prefix = secrets.token_hex(4)
         self._warned_at = 0.0
+        self._zone = zone()
 
     # --- the two calls --------------------------------------------------------------------
 
-    async def admit(self, tag: str, limits: Limits) -> Ticket | None:
-        """A ticket to go on with, or a 429 Refusal raised. None when Redis could not be asked."""
-        windows = self.windows(tag, time.time())
+    async def admit(self, tag: str, limits: Limits | None, budget: Budget | None = None) -> Ticket | None:
+        """A ticket to go on with, or a 429 Refusal raised. None when Redis could not be asked.
+
+        `budget`: the key's team's, counted in the same script as the key's own limits.
+        """
+        limits = limits or NO_LIMITS
+        windows = self.windows(tag, time.time(), budget.tag if budget else "")
         request_id = f"{self._id_prefix}{next(self._ids):x}"
         future = asyncio.get_running_loop().create_future()
-        self._admitting.setdefault((windows, limits), []).append((request_id, future))
+        self._admitting.setdefault((windows, limits, budget), []).append((request_id, future))
         self._send_later()
         try:
             which, *used = await future
@@ -421,16 +541,20 @@ class Limiter:
             self._warn(error)
             return None
         if which:
-            raise refusal(limits, which, [0, *used], windows)
+            raise _refused(limits, budget, which, [0, *used], windows, (0, 0))
         return Ticket(windows, request_id)
 
-    async def reserve(self, ticket: Ticket, limits: Limits, tokens: int) -> None:
-        """Hold `tokens` in the key's token windows until the ticket settles, or raise the 429 (and end its flight).
+    async def reserve(
+        self, ticket: Ticket, limits: Limits | None, tokens: int, budget: Budget | None = None, micro: int = 0
+    ) -> None:
+        """Hold `tokens` in the key's (and its team's) token windows, and `micro` in its team's spend, until the
+        ticket settles; or raise the 429 (and end its flight).
 
         Unchecked (nothing reserved) when Redis cannot be asked, as admit() is.
         """
+        limits = limits or NO_LIMITS
         future = asyncio.get_running_loop().create_future()
-        self._reserving.setdefault((ticket.windows, limits), []).append((tokens, future))
+        self._reserving.setdefault((ticket.windows, limits, budget), []).append((tokens, micro, future))
         self._send_later()
         try:
             which, *used = await future
@@ -439,24 +563,26 @@ class Limiter:
             return
         if which:
             self.settle(ticket, 0)
-            raise refusal(limits, which, [0, 0, *used, 0], ticket.windows, wanted=tokens)
-        ticket.reserved = tokens
+            raise _refused(limits, budget, which, [0, *used], ticket.windows, (tokens, micro))
+        ticket.reserved, ticket.reserved_money = tokens, micro
 
-    def settle(self, ticket: Ticket, tokens: int) -> None:
-        """Count an answer's tokens in place of its reservation and end its flight; sent with the next batch."""
+    def settle(self, ticket: Ticket, tokens: int, micro: int = 0) -> None:
+        """Count an answer's tokens (and its cost, in micro-units) in place of its reservation and end its flight;
+        sent with the next batch."""
         batch = self._settling.get(ticket.windows)
         if batch is None:
-            batch = self._settling[ticket.windows] = [0]
+            batch = self._settling[ticket.windows] = [0, 0]
         batch[0] += tokens - ticket.reserved
-        ticket.reserved = 0
+        batch[1] += micro - ticket.reserved_money
+        ticket.reserved = ticket.reserved_money = 0
         batch.append(ticket.request_id)
         self._send_later()
 
-    def windows(self, tag: str, now: float) -> Windows:
+    def windows(self, tag: str, now: float, team: str = "") -> Windows:
         """The key's windows at `now`: worked out once a minute, not for every request."""
-        windows = self._windows.get(tag)
+        windows = self._windows.get((tag, team))
         if windows is None or not windows.minute_start <= now < windows.ends[0]:
-            windows = self._windows[tag] = Windows.at(tag, now)
+            windows = self._windows[(tag, team)] = Windows.at(tag, now, team, self._zone)
         return windows
 
     # --- sending --------------------------------------------------------------------------
@@ -477,24 +603,26 @@ class Limiter:
         settling, self._settling = self._settling, {}
         admitting, self._admitting = self._admitting, {}
         # Settlings first: a flight that ended makes room for a request in this same batch.
-        for windows, (tokens, *ids) in settling.items():
-            keys = windows.keys
+        for windows, (tokens, micro, *ids) in settling.items():
             for some in _chunks(ids):
-                self._call(pipe, SETTLE, (*keys[1:4], keys[4]), (tokens, *EXPIRES.values(), *some), self._settled)
-                tokens = 0
+                self._call(pipe, SETTLE, windows.keys, (tokens, micro, *EXPIRES.values(), *some), self._settled)
+                tokens = micro = 0
         now = f"{time.time():.3f}"
-        for (windows, limits), requests in admitting.items():
+        for (windows, limits, budget), requests in admitting.items():
+            counted = _counted(windows, limits, budget)
             for some in _chunks(requests):
                 ids = [request_id for request_id, _ in some]
                 futures = [future for _, future in some]
-                args = (*limits.values(), now, STALE_IN_FLIGHT_S, *ids)
-                self._call(pipe, ADMIT, windows.keys, args, functools.partial(_admitted, futures, 6))
+                args = (*counted, now, STALE_IN_FLIGHT_S, *ids)
+                self._call(pipe, ADMIT, windows.keys, args, functools.partial(_admitted, futures, counted[0] + 1))
         reserving, self._reserving = self._reserving, {}
-        for (windows, limits), requests in reserving.items():
+        for (windows, limits, budget), requests in reserving.items():
+            counted = _counted(windows, limits, budget)
             for some in _chunks(requests):
-                args = (*limits.tokens, *EXPIRES.values(), *(tokens for tokens, _ in some))
-                futures = [future for _, future in some]
-                self._call(pipe, RESERVE, windows.keys[1:4], args, functools.partial(_admitted, futures, 4))
+                amounts = [amount for tokens, micro, _ in some for amount in (tokens, micro)]
+                futures = [future for _, _, future in some]
+                args = (*counted, *EXPIRES.values(), *amounts)
+                self._call(pipe, RESERVE, windows.keys, args, functools.partial(_admitted, futures, counted[0] + 1))
         pipe.flush()  # written now, not a turn of the loop later
 
     def _call(self, pipe: Pipe, script: str, keys, args, then: Callable[[object], None]) -> None:
@@ -578,6 +706,22 @@ class Limiter:
         self._pipe = None
 
 
+NO_LIMITS = Limits()
+
+
+def _counted(windows: Windows, limits: Limits, budget: Budget | None) -> tuple[int, ...]:
+    """The scripts' first ARGV: how many counters, then each one's limit."""
+    if len(windows.keys) == 5:
+        return (5, *limits.values())
+    return (10, *limits.values(), *(budget or Budget()).values())
+
+
+def _refused(limits: Limits, budget: Budget | None, which: int, used, windows: Windows, wanted) -> Refusal:
+    if which >= 6:
+        return team_refusal(budget, which, used, windows, wanted)
+    return refusal(limits, which, used, windows, wanted=wanted[0])
+
+
 # Requests (or flights) one script is given at most: Lua's unpack() stops at a few thousand.
 BATCH = 200
 
@@ -596,10 +740,10 @@ def _admitted(futures: list[asyncio.Future], size: int, reply) -> None:
         _resolve(future, reply[size * i : size * i + size])
 
 
-def used_now(client: redis.Redis, key_hash: str) -> dict[str, int]:
+def used_now(client: redis.Redis, key_hash: str, team_id: int | None = None) -> dict[str, int]:
     """What a key has used in its current windows, read from Redis: for its admin page. Sync."""
     now = time.time()
-    windows = Windows.at(tag_of(key_hash), now)
+    windows = Windows.at(tag_of(key_hash), now, f"team{team_id}" if team_id else "")
     pipe = client.pipeline(transaction=False)
     for key in windows.keys[:4]:
         pipe.get(key)

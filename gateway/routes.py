@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 from django.db import connection
+from django.db.models import Exists, OuterRef, Q
 
+from accounts.models import TeamMember
 from catalog.models import Model, Profile, RoutingProfile
 from contracts import credentials
 from contracts.credentials import replica_nonce as nonce
 from fleet.models import Replica
 
 from . import prefix
-from .limits import Limits, tag_of
+from .limits import BUDGET_FIELDS, Budget, Limits, budget_of, tag_of
 from .limits import of as limits_of
 from .models import LIMIT_FIELDS, ApiKey, TableChange
 
@@ -42,6 +45,9 @@ class Route:
     created: int
     upstreams: tuple[Upstream, ...]
     kind: str = "chat"  # chat, embedding or rerank: which addresses it answers
+    # Per million input, cached input and output tokens, in micro-units a token (gateway/limits.py MICRO);
+    # None: free.
+    prices: tuple[Decimal, Decimal, Decimal] | None = None
     # Its ready replicas on a hash ring, for a model routed by prefix (routing profile "chat",
     # gateway/prefix.py); None routes by load alone.
     ring: prefix.Ring | None = field(default=None, repr=False, compare=False)
@@ -52,11 +58,21 @@ class Key:
     id: int
     name: str
     models: frozenset[str] | None  # None: every model
-    limits: Limits | None = None  # None: no limits, and no Redis on its requests
+    limits: Limits | None = None  # None: no limits, and no Redis on its requests (unless its team has budgets)
     tag: str = ""  # what its counters in Redis are filed under
+    budget: Budget | None = None  # its team's budgets; None: no team, or a team without budgets
+    team_id: int | None = None
+    owner_id: int | None = None
+    expires: float | None = None  # a Unix time; None: never
+    refused: str = ""  # why the key may not be used though it is active (its owner's state): a 403's sentence
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+    @property
+    def counted(self) -> bool:
+        """Whether its requests go to Redis: it has limits of its own, or its team has budgets."""
+        return self.limits is not None or self.budget is not None
 
 
 @dataclass
@@ -96,7 +112,7 @@ class TableReader:
         self.applied: set[int] = set()  # change ids within the window already applied
         self.pruned_at = None
         self.keys: dict[int, tuple[str, Key]] = {}  # id -> (hash, key), active keys only
-        # id -> (name, aliases, context_length, max_output, added_at, kind, routing_profile)
+        # id -> (name, aliases, context_length, max_output, added_at, kind, routing_profile, three prices)
         self.models: dict[int, tuple] = {}
         self.profiles: dict[int, tuple[int, str, int]] = {}  # id -> (model id, name, weight)
         # id -> (model name, profile, endpoint, secret), ready ones
@@ -151,7 +167,15 @@ class TableReader:
         for table, row_id in fresh:
             changed.setdefault(table, set()).add(row_id)
         keys = self.table.keys
-        if ids := changed.get("key"):
+        ids, teams, owners = changed.get("key", set()), changed.get("team", set()), changed.get("owner", set())
+        if teams or owners:
+            # A team's budgets or members, or an owner's state, changed: its keys are read again.
+            ids = ids | {
+                row_id for row_id, (_, key) in self.keys.items() if key.team_id in teams or key.owner_id in owners
+            }
+            found = ApiKey.objects.filter(active=True).filter(Q(team_id__in=teams) | Q(owner_id__in=owners))
+            ids |= set(found.values_list("pk", flat=True))
+        if ids:
             keys = dict(keys)  # a new dict: requests keep the one they started with
             for row_id in ids:
                 old = self.keys.pop(row_id, None)
@@ -195,7 +219,7 @@ class TableReader:
         routes: dict[str, Route] = {}
         models: list[Route] = []
         rings: dict[tuple, prefix.Ring] = {}
-        for model_id, (name, aliases, context_length, max_output, added_at, kind, routing) in sorted(
+        for model_id, (name, aliases, context_length, max_output, added_at, kind, routing, *prices) in sorted(
             self.models.items(), key=lambda item: item[1][0]
         ):
             upstreams = tuple(
@@ -211,6 +235,7 @@ class TableReader:
                 created=int(added_at.timestamp()),
                 upstreams=upstreams,
                 kind=kind,
+                prices=prices_of(*prices),
                 ring=self._ring(upstreams, rings) if routing == RoutingProfile.CHAT and kind == "chat" else None,
             )
             models.append(route)
@@ -228,18 +253,78 @@ class TableReader:
 
 
 def key_of(row: tuple) -> tuple[str, Key]:
-    pk, name, key_hash, model_names, *limits = row
-    return key_hash, Key(pk, name, frozenset(model_names) if model_names else None, limits_of(limits), tag_of(key_hash))
+    pk, name, key_hash, model_names, *rest = row
+    limits, rest = rest[: len(LIMIT_FIELDS)], rest[len(LIMIT_FIELDS) :]
+    team_id, team_name, team_models, *rest = rest
+    budgets, (expires, owner_id, owner_active, member) = rest[: len(BUDGET_FIELDS)], rest[len(BUDGET_FIELDS) :]
+    models = frozenset(model_names) if model_names else None
+    if team_id is not None and team_models:
+        # What a team's key may use: what both it and its team may.
+        models = frozenset(team_models) if models is None else models & frozenset(team_models)
+    refused = ""
+    if owner_id is not None and not owner_active:
+        refused = "This API key's owner can no longer use llmgw, and neither can their keys."
+    elif owner_id is not None and team_id is not None and not member:
+        refused = f"This API key's owner is no longer a member of the team {team_name}, whose key it is."
+    return key_hash, Key(
+        pk,
+        name,
+        models,
+        limits_of(limits),
+        tag_of(key_hash),
+        budget=budget_of(team_id, team_name, budgets) if team_id is not None else None,
+        team_id=team_id,
+        owner_id=owner_id,
+        expires=expires.timestamp() if expires else None,
+        refused=refused,
+    )
 
 
 def _key_rows(queryset) -> list[tuple]:
-    return list(queryset.order_by().values_list("pk", "name", "key_hash", "model_names", *LIMIT_FIELDS))
+    member = TeamMember.objects.filter(team_id=OuterRef("team_id"), user_id=OuterRef("owner_id"))
+    return list(
+        queryset.order_by()
+        .annotate(owner_in_team=Exists(member))
+        .values_list(
+            "pk",
+            "name",
+            "key_hash",
+            "model_names",
+            *LIMIT_FIELDS,
+            "team_id",
+            "team__name",
+            "team__model_names",
+            *(f"team__{name}" for name in BUDGET_FIELDS),
+            "expires",
+            "owner_id",
+            "owner__is_active",
+            "owner_in_team",
+        )
+    )
+
+
+def prices_of(price_input, price_cached_input, price_output) -> tuple[Decimal, Decimal, Decimal] | None:
+    """A model's prices (None: free); cached input at the input price when it has none of its own."""
+    if price_input is None and price_cached_input is None and price_output is None:
+        return None
+    cached = price_cached_input if price_cached_input is not None else price_input
+    return (price_input or Decimal(0), cached or Decimal(0), price_output or Decimal(0))
 
 
 def _model_rows(queryset) -> list[tuple]:
     return list(
         queryset.order_by().values_list(
-            "pk", "name", "aliases", "context_length", "max_output", "added_at", "kind", "routing_profile"
+            "pk",
+            "name",
+            "aliases",
+            "context_length",
+            "max_output",
+            "added_at",
+            "kind",
+            "routing_profile",
+            "price_input",
+            "price_cached_input",
+            "price_output",
         )
     )
 

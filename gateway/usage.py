@@ -21,8 +21,10 @@ import os
 import re
 import threading
 import uuid
-from datetime import date, timedelta
+from datetime import date, datetime, timedelta
+from decimal import ROUND_CEILING, Decimal
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 from django.conf import settings
 from django.db import transaction
@@ -30,10 +32,12 @@ from django.db.models import F
 from django.utils import timezone
 
 from .endpoints import ENDPOINTS
+from .limits import MICRO
 from .models import ApiKey, Usage, UsageBatch
 
 log = logging.getLogger("llmgw.gateway")
 
+ZERO = Decimal(0)
 USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -136,6 +140,21 @@ class Answer:
         return prompt_estimate(body_bytes), self.generated
 
 
+def cost(prices, prompt: int, completion: int, cached: int) -> Decimal:
+    """What an answer's tokens cost at a model's prices (routes.Route.prices, per million tokens; None: free),
+    in micro-units of the prices' currency: a price per million tokens is what one token costs in those."""
+    if prices is None:
+        return ZERO
+    price_input, price_cached, price_output = prices
+    cached = min(cached, prompt)
+    return (prompt - cached) * price_input + cached * price_cached + completion * price_output
+
+
+def micro_units(amount: Decimal) -> int:
+    """Micro-units counted in Redis, rounded up: a budget is never spent by fractions it does not see."""
+    return int(amount.to_integral_value(rounding=ROUND_CEILING))
+
+
 def prompt_estimate(body_bytes: int) -> int:
     """A prompt's tokens by the size of the body that carries it, rounded up."""
     return -(-body_bytes // BYTES_PER_TOKEN)
@@ -158,6 +177,7 @@ class Recorder:
         self._written = 0
         self._failing = False
         self._pruned = False
+        self._zone = ZoneInfo(settings.BUDGET_TIME_ZONE)
         self._open_journal()
 
     def _open_journal(self) -> None:
@@ -170,8 +190,11 @@ class Recorder:
         os.rename(making, self._path)
         self._written = 0
 
-    def add(self, key_id: int, model: str, prompt: int, completion: int) -> None:
-        line = json.dumps([key_id, model, timezone.localdate().isoformat(), prompt, completion]) + "\n"
+    def add(self, key_id: int, model: str, prompt: int, completion: int, cached: int = 0, micro=ZERO) -> None:
+        """Journal an answer's tokens and its cost in micro-units (cost()), on the day it ended in the budgets'
+        time zone (LLMGW_BUDGET_TIME_ZONE), the day its team's budget counts it in."""
+        day = datetime.now(self._zone).date().isoformat()
+        line = json.dumps([key_id, model, day, prompt, completion, cached, str(micro)]) + "\n"
         with self._lock:
             try:
                 os.write(self._fd, line.encode())
@@ -278,14 +301,18 @@ def drain(directory: Path) -> int:
 def _add_lines(counts: dict, data: bytes) -> None:
     for line in data.splitlines():
         try:
-            key_id, model, day, prompt, completion = json.loads(line)
-        except ValueError:
+            # A journal written before spend was counted has five fields a line.
+            key_id, model, day, prompt, completion, *rest = json.loads(line)
+            cached, micro = (int(rest[0]), Decimal(rest[1])) if rest else (0, ZERO)
+        except (ValueError, ArithmeticError, TypeError, IndexError):
             continue  # a line cut short by a machine that lost power: its answer is lost, not the batch
         where = (int(key_id), str(model), date.fromisoformat(day))
-        mine = counts.setdefault(where, [0, 0, 0])
+        mine = counts.setdefault(where, [0, 0, 0, 0, ZERO])
         mine[0] += 1
         mine[1] += int(prompt)
         mine[2] += int(completion)
+        mine[3] += cached
+        mine[4] += micro
 
 
 def _write(counts: dict) -> None:
@@ -293,7 +320,7 @@ def _write(counts: dict) -> None:
         return
     # A key deleted since its requests were counted takes its usage with it.
     live = set(ApiKey.objects.filter(pk__in={k for k, _, _ in counts}).values_list("pk", flat=True))
-    for (key_id, model, day), (requests, prompt, completion) in counts.items():
+    for (key_id, model, day), (requests, prompt, completion, cached, micro) in counts.items():
         if key_id not in live:
             continue
         row, _ = Usage.objects.get_or_create(key_id=key_id, model_name=model, day=day)
@@ -301,5 +328,7 @@ def _write(counts: dict) -> None:
             requests=F("requests") + requests,
             prompt_tokens=F("prompt_tokens") + prompt,
             completion_tokens=F("completion_tokens") + completion,
+            cached_tokens=F("cached_tokens") + cached,
+            spend=F("spend") + micro / MICRO,
         )
     ApiKey.objects.filter(pk__in=live).update(last_used=timezone.now())

@@ -187,6 +187,18 @@ GATEWAY_KEY_CONCURRENCY = env_int("LLMGW_GATEWAY_KEY_CONCURRENCY", 256, minimum=
 # Whether clients see how many of their prompt's tokens the engine had cached (cached_tokens): only where
 # every key is one tenant, since the cache is shared and its count tells one key what another sent.
 GATEWAY_SHOW_CACHED_TOKENS = env_bool("LLMGW_GATEWAY_SHOW_CACHED_TOKENS", False)
+# The time zone whose calendar days and months the gateway's daily and monthly limits and teams' budgets
+# count in (docs/teams.md): a month's budget resets at midnight on the 1st there.
+BUDGET_TIME_ZONE = env_str("LLMGW_BUDGET_TIME_ZONE", "UTC")
+try:
+    import zoneinfo as _zoneinfo
+
+    _zoneinfo.ZoneInfo(BUDGET_TIME_ZONE)
+except (ValueError, _zoneinfo.ZoneInfoNotFoundError):
+    raise ImproperlyConfigured(
+        f"LLMGW_BUDGET_TIME_ZONE is {BUDGET_TIME_ZONE!r}, which is not a time zone this machine knows; "
+        "write one like UTC or Europe/Paris."
+    ) from None
 # Engines' own body keys the gateway passes on (gateway/intake.py ENGINE_KEYS), comma-separated; none by default.
 GATEWAY_ENGINE_KEYS = frozenset(k.strip() for k in env_str("LLMGW_GATEWAY_ENGINE_KEYS", "").split(",") if k.strip())
 # Holding (docs/gateway.md): a request for a model with no ready replica, but one on its way,

@@ -37,6 +37,9 @@ class ModelSerializer(serializers.ModelSerializer):
             "quiet_s",
             "idle_s",
             "priority",
+            "price_input",
+            "price_cached_input",
+            "price_output",
             "profiles",
             "added_by",
             "added_at",
@@ -48,6 +51,10 @@ class ModelSerializer(serializers.ModelSerializer):
         # The routing profile's refusal is the catalog's sentence, the one the configuration file says.
         extra_kwargs = {
             "name": {"validators": []},
+            # A negative price would pay a team for its requests and lift its spend budget.
+            "price_input": {"min_value": 0},
+            "price_cached_input": {"min_value": 0},
+            "price_output": {"min_value": 0},
             "routing_profile": {
                 "error_messages": {"invalid_choice": routing_problem("{input}", RoutingProfile.choices)}
             },
