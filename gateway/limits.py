@@ -750,3 +750,13 @@ def used_now(client: redis.Redis, key_hash: str, team_id: int | None = None) -> 
     pipe.zcount(windows.keys[4], now - STALE_IN_FLIGHT_S, "+inf")
     values = [int(v or 0) for v in pipe.execute()]
     return dict(zip(LIMIT_FIELDS, values, strict=True))
+
+
+def team_used_now(client: redis.Redis, team_id: int) -> dict[str, int]:
+    """What a team's keys have used together in its current windows, read from Redis: for /me/. Sync.
+
+    The team's counters exist while it has a budget (a key of a team without one counts only its own).
+    """
+    windows = Windows.at("", time.time(), f"team{team_id}")
+    names = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "tokens_per_month", "spend_per_month")
+    return dict(zip(names, (int(v or 0) for v in client.mget(windows.keys[5:])), strict=True))

@@ -1,7 +1,7 @@
 """A team's budgets and what is left of each now, as /me/ and the API show them.
 
 The minute windows are read live from Redis, where the gateway's limiter counts them (the
-counters of the team's keys, gateway.limits.used_now); a day and a month are read from the
+counters the limiter keeps for the whole team, gateway.limits.team_used_now); a day and a month are read from the
 usage the gateways book (gateway.Usage: tokens and spend per key, model and day), since the
 day's and the month's counters of a key without limits of its own are not kept in Redis.
 A day and a month are those of LLMGW_BUDGET_TIME_ZONE, as the gateway counts them.
@@ -22,7 +22,7 @@ from django.db.models.functions import Coalesce
 
 from accounts.models import Team
 from fleet.live import redis_client
-from gateway.limits import used_now
+from gateway.limits import team_used_now
 from gateway.models import Usage
 
 log = logging.getLogger("llmgw.people")
@@ -86,14 +86,10 @@ def booked(rows, since: date) -> dict:
 
 
 def _minute_counts(team: Team) -> dict[str, int | None]:
-    totals = {"requests_per_minute": 0, "tokens_per_minute": 0}
+    """The team's requests and tokens this minute, as the gateways' limiter counts them in Redis."""
     try:
-        client = redis_client()
-        for key_hash in team.keys.filter(active=True).values_list("key_hash", flat=True):
-            used = used_now(client, key_hash)
-            for name in totals:
-                totals[name] += used[name]
+        used = team_used_now(redis_client(), team.pk)
     except redis.RedisError as error:
         log.warning("the team's minute windows could not be read from Redis: %s", error)
         return {"requests_per_minute": None, "tokens_per_minute": None}
-    return totals
+    return {"requests_per_minute": used["requests_per_minute"], "tokens_per_minute": used["tokens_per_minute"]}

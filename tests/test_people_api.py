@@ -4,10 +4,10 @@ Attacked as someone would: ids of another team's keys, members and teams guessed
 posted in bodies, answered as if they were not there.
 """
 
+import asyncio
 import csv
 import io
 import socket
-import time
 from datetime import date, timedelta
 
 import pytest
@@ -17,7 +17,7 @@ from rest_framework.test import APIClient
 
 from accounts.models import TeamMember
 from gateway.keys import hash_key
-from gateway.limits import Windows, tag_of
+from gateway.limits import BUDGET_FIELDS, Limiter, budget_of, tag_of
 from gateway.models import ApiKey
 from people.budgets import today
 
@@ -248,14 +248,24 @@ def test_a_key_named_like_a_formula_is_text_in_the_csv(org):
     assert line["key_name"].startswith("'=HYPERLINK")
 
 
-def test_a_teams_minute_budgets_left_are_read_live_from_the_limiters_counters_in_redis(org, redis_client):
+def test_a_teams_minute_budgets_left_are_read_live_from_the_limiters_counters_in_redis(org, redis_client, settings):
     org.red.requests_per_minute, org.red.tokens_per_minute, org.red.tokens_per_day = 10, 500, None
     org.red.save()
     clear_of_minute_boundary(10)
+
+    async def use(key, requests: int, tokens: int) -> None:
+        # As a gateway does: admitted by the limiter against the key's own limits and its team's budget.
+        limiter = Limiter(settings.REDIS_URL)
+        team = key.team
+        budget = budget_of(team.pk, team.name, [getattr(team, name) for name in BUDGET_FIELDS])
+        for _ in range(requests):
+            ticket = await limiter.admit(tag_of(key.key_hash), None, budget)
+            assert ticket is not None, "Redis answered the limiter"
+            limiter.settle(ticket, tokens // requests)
+        await limiter.close()  # sends the settlings and waits for their replies
+
     for key, requests, tokens in ((org.alice_key, 3, 120), (org.arthur_key, 1, 30), (org.bob_key, 9, 900)):
-        minute = Windows.at(tag_of(key.key_hash), time.time()).keys
-        redis_client.set(minute[0], requests)
-        redis_client.set(minute[1], tokens)
+        asyncio.run(use(key, requests, tokens))
     budgets = as_user(org.alice).get(f"{API}/teams/{org.red.pk}/").json()["budgets"]
     # Alice's and Arthur's keys count; Bob's, of another team, does not.
     assert budgets == [
