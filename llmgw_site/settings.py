@@ -180,7 +180,7 @@ GATEWAY_KEY_CONCURRENCY = env_int("LLMGW_GATEWAY_KEY_CONCURRENCY", 256, minimum=
 # Whether clients see how many of their prompt's tokens the engine had cached (cached_tokens): only where
 # every key is one tenant, since the cache is shared and its count tells one key what another sent.
 GATEWAY_SHOW_CACHED_TOKENS = env_bool("LLMGW_GATEWAY_SHOW_CACHED_TOKENS", False)
-# Engines' own body keys the gateway passes on (gateway/intake.py ENGINE_KEYS), comma-separated; none by default.
+# Body keys the gateway passes on besides those of each address's API (gateway/intake.py PASSED), comma-separated.
 GATEWAY_ENGINE_KEYS = frozenset(k.strip() for k in env_str("LLMGW_GATEWAY_ENGINE_KEYS", "").split(",") if k.strip())
 # Holding (docs/gateway.md): a request for a model with no ready replica, but one on its way,
 # waits this many seconds for it (0: refused at once, as before), in a queue of at most
