@@ -2,6 +2,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 from accounts import tokens
+from common.permissions import OPERATORS, VIEWERS, reads_llmgw
 
 
 class Command(BaseCommand):
@@ -19,4 +20,11 @@ class Command(BaseCommand):
             raise CommandError(f"there is no user called {username}")
         if not user.is_staff:
             raise CommandError(f"{username} is not staff, and the API is for staff only")
+        if not user.is_superuser and not reads_llmgw(user):
+            # A token that can do nothing looks like a broken API to whoever holds it.
+            self.stderr.write(
+                f'{username} is staff but in neither "{VIEWERS}" nor "{OPERATORS}" and not a superuser, so the API '
+                "answers this token 403 everywhere: put it in one of the groups in the admin, under Users "
+                "(docs/roles.md)."
+            )
         self.stdout.write(tokens.issue(user))
