@@ -75,7 +75,7 @@ CLIENT_ONLY = {"self", "extra_headers", "extra_query", "extra_body", "timeout"}
 
 @pytest.fixture
 def served(tmp_path, replicas):
-    """One replica of a chat, an embedding and a rerank model; make(**env) starts a gateway to it: (session, url)."""
+    """One replica of a chat, an embedding and a rerank model: (replica, make); make(**env) starts a gateway to it."""
     replica = replicas()
     add_model("chat")
     for name, kind in (("embedder", "embedding"), ("reranker", "rerank")):
