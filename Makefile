@@ -17,9 +17,12 @@ venv: $(STAMP)
 # the pinned source for this CPU the first time (about 6 minutes on two cores) by
 # scripts/build-engine.sh, never with -march=native (docs/engines.md says why), kept under
 # ~/.cache/llmgw/engines/ keyed by the instruction sets it was built with, and linked into
-# .venv/bin/. Run every time: `LLMGW_ENGINE_ISA=avx2 make engine` switches the link to the
-# AVX2-only build and `make engine` back, each a link once built (docs/testing.md).
+# .venv/bin/. A build first installs cmake and the compilers when missing, on a fresh Debian
+# (scripts/ensure-engine-tools.sh). Run every time: `LLMGW_ENGINE_ISA=avx2 make engine`
+# switches the link to the AVX2-only build and `make engine` back, each a link once built
+# (docs/testing.md).
 engine: $(STAMP)
+	@test -x "$$(sh scripts/build-engine.sh --where)" || sh scripts/ensure-engine-tools.sh
 	sh scripts/build-engine.sh $(PY)
 
 $(STAMP): requirements.txt requirements/control.txt requirements/node.txt

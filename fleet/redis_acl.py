@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+from pathlib import Path
 
 import redis
 from django.conf import settings
@@ -118,6 +120,22 @@ def acl_file(gateways: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_acl_file(path: Path, gateways: list[str]) -> None:
+    """The ACL file at `path`, made with mode 0600 whatever the umask, and put in place whole.
+
+    Created with its mode rather than chmod-ed after: between a write and a chmod, any user
+    of the host could open it, and an open file stays readable after the chmod.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(acl_file(gateways))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def url_for(user: str) -> str:
     """REDIS_URL for this control-plane-side principal: the control plane's own, with its user and password."""
     return credentials.redis_url_as(settings.REDIS_URL, user, principal_password(user))
@@ -139,8 +157,8 @@ def apply_node(client, name: str, token_hash: str) -> str | None:
             client.execute_command("ACL", "DELUSER", user)
     except redis.RedisError as error:
         return (
-            f"node {name}'s Redis user was not changed ({error}): run `manage.py redis_acl > /etc/redis/users.acl` "
-            "and `redis-cli ACL LOAD` where Redis runs with that aclfile"
+            f"node {name}'s Redis user was not changed ({error}): run `(umask 077; manage.py redis_acl > "
+            "/etc/redis/users.acl)` and `redis-cli ACL LOAD` where Redis runs with that aclfile"
         )
     try:
         client.execute_command("ACL", "SAVE")

@@ -36,7 +36,7 @@ from .anthropic_messages import Messages
 from .demand import Demand
 from .errors import ClientGone, Refusal
 from .forward import Forwarding
-from .intake import check_engine_keys, check_kind, check_limits, parse_request, read_body
+from .intake import check_keys, check_kind, check_limits, parse_request, read_body
 from .keys import hash_key
 from .limits import Limiter
 from .openai_responses import Responses
@@ -371,11 +371,13 @@ class Gateway(Forwarding):
         """
         endpoint = endpoints.ENDPOINTS[path]
         request = parse_request(body)
-        check_engine_keys(request, settings.GATEWAY_ENGINE_KEYS)
+        carried = check_keys(path, request, settings.GATEWAY_ENGINE_KEYS)
         translation = None
         if endpoint.translated:
             translation = TRANSLATIONS[endpoint.dialect](request)
             request = translation.chat
+            for name, value in carried.items():
+                request.setdefault(name, value)
         name = request["model"]
         route = self.table.routes.get(name)
         if route is None:

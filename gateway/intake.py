@@ -45,26 +45,71 @@ async def read_body(receive, limit: int) -> bytes:
 # conversation with tools is a few thousand. docs/gateway.md says more.
 MOST_CONTAINERS = 100_000
 
-# Keys of an engine's own (llama-server's) that reach around what the gateway bounds: the
-# output limit (n_predict outranks max_tokens in llama-server), the prompt cache and its slots
-# (an oracle of other keys' prompts), grammars compiled unchecked, the context shift, time
-# limits, adapters, several completions at once. Refused unless LLMGW_GATEWAY_ENGINE_KEYS names
-# them; OpenAI's own keys and samplers pass. docs/gateway.md says why each.
-ENGINE_KEYS = {
-    "n_predict": 'the output limit: send "max_tokens"',
-    "id_slot": "a slot of the engine's prompt cache, shared by every key",
-    "slot_id": "a slot of the engine's prompt cache, shared by every key",
-    "cache_prompt": "the engine's prompt cache, shared by every key",
-    "n_cache_reuse": "the engine's prompt cache, shared by every key",
-    "grammar": 'a grammar the engine compiles unchecked: send "response_format"',
-    "json_schema": 'a grammar the engine compiles unchecked: send "response_format"',
-    "n_keep": "the engine's context shift",
-    "n_discard": "the engine's context shift",
-    "t_max_predict_ms": "the engine's time limits",
-    "t_max_prompt_ms": "the engine's time limits",
-    "n_cmpl": "several completions at once",
-    "lora": "the engine's adapters",
+# What each address passes on: the keys of its API's request, as the official clients' create()
+# takes them (openai 3.x, anthropic 2.x; tests/test_gateway_engine_keys.py holds the lists to
+# the clients'), and a few samplers both engines read under one name. Any other key is refused
+# unless LLMGW_GATEWAY_ENGINE_KEYS names it: an engine's own keys reach around what the gateway
+# bounds (n_predict outranks max_tokens in llama-server; id_slot and cache_prompt make the
+# prompt cache an oracle of other keys' prompts; grammars are compiled unchecked; an
+# embedding's "content" or a rerank's "texts" is a prompt the length guard does not read), and
+# the engines add new ones with every release. docs/gateway.md has the table.
+SAMPLERS = frozenset("seed top_k min_p typical_p repeat_penalty repetition_penalty ignore_eos".split())
+CHAT_KEYS = frozenset(
+    """model messages stream stream_options max_tokens max_completion_tokens n stop temperature top_p
+    frequency_penalty presence_penalty logit_bias logprobs top_logprobs seed response_format tools tool_choice
+    parallel_tool_calls functions function_call reasoning_effort verbosity user metadata store service_tier
+    modalities audio prediction web_search_options prompt_cache_key prompt_cache_options prompt_cache_retention
+    safety_identifier moderation""".split()
+)
+COMPLETION_KEYS = frozenset(
+    # Not best_of: that many answers are made for each one returned, past what "n" reserves.
+    """model prompt suffix echo stream stream_options max_tokens n stop temperature top_p frequency_penalty
+    presence_penalty logit_bias logprobs seed user""".split()
+)
+# Translated (translation.py): what the translation reads, or leaves aside as meaningless here.
+MESSAGES_KEYS = frozenset(
+    """model messages system max_tokens stop_sequences stream temperature top_p top_k tools tool_choice
+    metadata thinking service_tier cache_control container diagnostics inference_geo output_config speed
+    user_profile_id workspace_id""".split()
+)
+RESPONSES_KEYS = frozenset(
+    """model input instructions max_output_tokens stream stream_options temperature top_p top_logprobs tools
+    tool_choice parallel_tool_calls max_tool_calls text reasoning metadata store include truncation
+    previous_response_id background background_options conversation prompt prompt_cache_key
+    prompt_cache_options prompt_cache_retention safety_identifier service_tier user context_management
+    moderation image access_programs""".split()
+)
+PASSED = {
+    "/v1/chat/completions": CHAT_KEYS | SAMPLERS,
+    "/v1/completions": COMPLETION_KEYS | SAMPLERS,
+    "/v1/embeddings": frozenset("model input dimensions encoding_format user".split()),
+    # The rerank of llama-server, vLLM, Jina and Cohere: not TEI's "texts", which the length guard does not read.
+    "/v1/rerank": frozenset("model query documents top_n return_documents".split()),
+    # The samplers go to the engine as they are, past the translation.
+    "/v1/messages": MESSAGES_KEYS | SAMPLERS,
+    "/v1/responses": RESPONSES_KEYS | SAMPLERS,
 }
+# Why some keys are refused, for the sentence a client gets; every other key is simply not on its address's list.
+REFUSED_BECAUSE = {
+    "n_predict": 'it reaches around the output limit: send "max_tokens"',
+    "id_slot": "it names a slot of the engine's prompt cache, which every key shares",
+    "slot_id": "it names a slot of the engine's prompt cache, which every key shares",
+    "cache_prompt": "it steers the engine's prompt cache, which every key shares",
+    "n_cache_reuse": "it steers the engine's prompt cache, which every key shares",
+    "grammar": 'it is a grammar the engine compiles unchecked: send "response_format"',
+    "json_schema": 'it is a grammar the engine compiles unchecked: send "response_format"',
+    "n_keep": "it steers the engine's context shift",
+    "n_discard": "it steers the engine's context shift",
+    "n_cmpl": 'it asks for several answers past "n"',
+    "best_of": 'it makes several answers for each one returned, past what "n" reserves',
+    "lora": "it picks the engine's adapters",
+    "content": 'it is an input the length guard does not read: send "input"',
+    "texts": 'it is an input the length guard does not read: send "documents"',
+}
+# OpenAI's own bounds on the alternatives an answer lists per token: each is a row of the
+# vocabulary the engine sorts and the gateway relays, so a larger count multiplies both.
+MOST_LOGPROBS = {"top_logprobs": 20}
+MOST_COMPLETION_LOGPROBS = 5
 
 
 def parse_request(body: bytes) -> dict:
@@ -94,18 +139,36 @@ def parse_request(body: bytes) -> dict:
     return request
 
 
-def check_engine_keys(request: dict, allowed: Iterable[str]) -> None:
-    """Refuse an engine's own key that would reach around a bound (ENGINE_KEYS), unless the operator allows it."""
-    for key in request.keys() & ENGINE_KEYS.keys():
-        if key in allowed:
+def check_keys(path: str, request: dict, allowed: Iterable[str]) -> dict:
+    """Refuse a key `path` does not pass on (PASSED) unless the operator allows it; those the operator allows.
+
+    What is returned is what a translated request carries to the engine as it is, past its
+    translation: the operator's keys and the samplers, which no translation reads.
+    """
+    passed = PASSED.get(path, frozenset())
+    allowed = frozenset(allowed)
+    for key in request:
+        if key in passed or key in allowed:
             continue
+        why = f" ({REFUSED_BECAUSE[key]})" if key in REFUSED_BECAUSE else ""
         raise Refusal(
             400,
-            f'"{key}" is an engine\'s own key, which this gateway does not pass on: it reaches around '
-            f"{ENGINE_KEYS[key]}.",
+            f'"{key}" is not passed to the engine{why}; the operator can allow it with LLMGW_GATEWAY_ENGINE_KEYS.',
             param=key,
             code="engine_key_refused",
         )
+    check_logprobs(path, request)
+    return {key: request[key] for key in request.keys() & (allowed | SAMPLERS)}
+
+
+def check_logprobs(path: str, request: dict) -> None:
+    most = dict(MOST_LOGPROBS)
+    if path == "/v1/completions":  # a count there; chat's "logprobs" is true or false
+        most["logprobs"] = MOST_COMPLETION_LOGPROBS
+    for key, bound in most.items():
+        value = request.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= bound:
+            raise Refusal(400, f'"{key}" is {value}; it must be from 0 to {bound}.', param=key)
 
 
 def check_kind(path: str, route: routes.Route) -> None:

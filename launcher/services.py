@@ -29,6 +29,24 @@ class StartError(Exception):
     """Something llmgw cannot start without; the message says what and how to fix it."""
 
 
+def private_database() -> None:
+    """The SQLite file of one machine made 0600 before its first connection, whatever the umask.
+
+    It holds sessions, node token hashes (each node's signing key) and API key hashes, and
+    SQLite makes its file 0644 under the usual umask; its WAL and shared memory take the
+    file's mode. A file made before is left as it is.
+    """
+    db = settings.DATABASES["default"]
+    if db["ENGINE"] != "django.db.backends.sqlite3":
+        return
+    path = Path(db["NAME"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        pass
+
+
 def redis_answers(url: str) -> bool:
     try:
         return bool(pooled_client(url, timeout=1).ping())
@@ -90,6 +108,9 @@ def start_private_redis(
         stdout=open(data_dir / "redis.log", "ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        # What Redis writes (the users file at each ACL SAVE, its snapshot of limits and progress)
+        # is made 0600: Redis creates its files 0644 under the usual umask.
+        umask=0o077,
     )
     for _ in range(50):
         if redis_answers(answers_url or url):

@@ -129,6 +129,8 @@ BYTES_HEADER_TIMEOUT_S = env_int("LLMGW_BYTES_HEADER_TIMEOUT_S", 10, minimum=1)
 # gunicorn's worker heartbeat timeout; it bounds a stuck worker, not a long download (the hub beats between sends).
 BYTES_WORKER_TIMEOUT_S = env_int("LLMGW_BYTES_WORKER_TIMEOUT_S", 120, minimum=1)
 BYTES_WORKERS = env_int("LLMGW_BYTES_WORKERS", 2, minimum=1)
+# The byte listener's access log, gunicorn's, on stdout: true or false (it was on for any value, "false" too).
+BYTES_ACCESS_LOG = env_bool("LLMGW_ACCESS_LOG", False)
 # How long a byte-listener process believes a node's token hash once read (fleet.enrolment.EnrolledNodes):
 # a revoked token is refused within this many seconds. 0 reads the database for every pass.
 BYTES_PASS_CACHE_S = env_float("LLMGW_BYTES_PASS_CACHE_S", 2.0)
@@ -199,7 +201,7 @@ except (ValueError, _zoneinfo.ZoneInfoNotFoundError):
         f"LLMGW_BUDGET_TIME_ZONE is {BUDGET_TIME_ZONE!r}, which is not a time zone this machine knows; "
         "write one like UTC or Europe/Paris."
     ) from None
-# Engines' own body keys the gateway passes on (gateway/intake.py ENGINE_KEYS), comma-separated; none by default.
+# Body keys the gateway passes on besides those of each address's API (gateway/intake.py PASSED), comma-separated.
 GATEWAY_ENGINE_KEYS = frozenset(k.strip() for k in env_str("LLMGW_GATEWAY_ENGINE_KEYS", "").split(",") if k.strip())
 # Holding (docs/gateway.md): a request for a model with no ready replica, but one on its way,
 # waits this many seconds for it (0: refused at once, as before), in a queue of at most
@@ -221,7 +223,10 @@ METRICS_TOKEN = env_str("LLMGW_METRICS_TOKEN", "")
 METRICS_ALLOW = [a.strip() for a in env_str("LLMGW_METRICS_ALLOW", "").split(",") if a.strip()]
 GATEWAY_METRICS = env_bool("LLMGW_GATEWAY_METRICS", True)
 METRICS_KEY_LABELS = env_bool("LLMGW_METRICS_KEY_LABELS", False)
+# `-` (stdout) or a file; unset, or false, off, no or 0, is off (not a file named "false").
 GATEWAY_ACCESS_LOG = env_str("LLMGW_GATEWAY_ACCESS_LOG", "")
+if GATEWAY_ACCESS_LOG.strip().lower() in {"false", "off", "no", "0"}:
+    GATEWAY_ACCESS_LOG = ""
 AGENT_METRICS_ADDR = env_str("LLMGW_AGENT_METRICS_ADDR", "")
 AGENT_METRICS_TOKEN = env_str("LLMGW_AGENT_METRICS_TOKEN", "")
 

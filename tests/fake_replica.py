@@ -16,6 +16,10 @@ from aiohttp import web
 
 from .services import free_port
 
+# The body keys that steer it ("hold", "delay", ...): its own engine keys, which a gateway passes
+# on only when its operator allows them (LLMGW_GATEWAY_ENGINE_KEYS), as the tests' gateways do.
+STEERING_KEYS = ("hold", "hold_after", "delay", "gap")
+
 
 class FakeReplica:
     def __init__(self, name: str = "fake") -> None:

@@ -377,8 +377,12 @@ def test_completions_and_embeddings_reach_the_same_addresses_on_the_replica(gate
     _, secret = create_key("k")
     session = client(secret)
     until_routed(session, gateway.url, "embed")
-    for path, model in (("/v1/completions", "chat"), ("/v1/embeddings", "embed"), ("/v1/chat/completions", "chat")):
-        assert session.post(gateway.url + path, json={"model": model, "input": "x"}).status_code == 200
+    for path, body in (
+        ("/v1/completions", {"model": "chat", "prompt": "x"}),
+        ("/v1/embeddings", {"model": "embed", "input": "x"}),
+        ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}]}),
+    ):
+        assert session.post(gateway.url + path, json=body).status_code == 200
     assert replica.paths == ["/v1/completions", "/v1/embeddings", "/v1/chat/completions"]
 
 

@@ -97,35 +97,6 @@ def test_a_request_without_max_tokens_reaches_the_engine_with_the_models_output_
     assert messages.status_code == 400 and "output limit of chat, which is 64 tokens" in messages.text
 
 
-def test_engine_keys_that_reach_around_the_bounds_are_refused_unless_the_operator_allows_them(
-    gateway, gateway_with, replicas
-):
-    add_model(max_output=64)
-    replica = replicas()
-    add_replica("chat", replica.base)
-    _, secret = create_key("k")
-    session = client(secret)
-    until_routed(session, gateway.url)
-
-    for key, value in (("n_predict", 100000), ("id_slot", 0), ("cache_prompt", True), ("grammar", "root ::= [a]*")):
-        refused = chat(session, gateway.url, **{key: value})
-        assert refused.status_code == 400, (key, refused.text)
-        error = error_of(refused)
-        assert error["param"] == key and error["code"] == "engine_key_refused"
-        assert error["message"].startswith(f'"{key}" is an engine\'s own key, which this gateway does not pass on')
-    embedding = session.post(
-        gateway.url + "/v1/embeddings", json={"model": "chat", "input": "hi", "id_slot": 1}, timeout=30
-    )
-    assert embedding.status_code == 400 and error_of(embedding)["param"] == "id_slot"
-    assert replica.requests == []
-
-    allowing = gateway_with(LLMGW_GATEWAY_ENGINE_KEYS="cache_prompt")
-    until_routed(session, allowing)
-    assert chat(session, allowing, cache_prompt=False).status_code == 200
-    assert replica.requests[-1]["cache_prompt"] is False
-    assert chat(session, allowing, n_predict=5).status_code == 400
-
-
 def test_the_prompt_guard_reads_tools_and_every_input_of_an_embedding_not_only_messages(gateway, replicas):
     add_model(context_length=16)  # at most 16 x 256 = 4,096 characters can fit
     embedder = add_model("embedder", context_length=16)

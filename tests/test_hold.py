@@ -70,6 +70,8 @@ def ask(url: str, secret: str, model="chat", stream=False, path="/v1/chat/comple
         body = {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
     elif path == "/v1/responses":
         body = {"model": model, "input": "hi"}
+    elif path == "/v1/completions":
+        body = {"model": model, "prompt": "hi"}
     else:
         body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
     body.update(extra)
@@ -200,7 +202,7 @@ def test_a_streamed_request_gets_comments_while_it_waits_then_an_error_event_in_
     snapshot = {"state": "fetching", "bytes_done": 43, "bytes_total": 100, "node": "n1", "source": source}
     redis_client.hset(contracts_progress.progress_key("n1"), source, json.dumps(snapshot))
     _, secret = create_key("k")
-    with ask(gateway.url, secret, stream=True, path=path, prompt="hi") as response:
+    with ask(gateway.url, secret, stream=True, path=path) as response:
         assert response.status_code == 200 and response.headers["content-type"] == "text/event-stream"
         lines = sse(response)
     comments = [line for line in lines if line.startswith(":")]

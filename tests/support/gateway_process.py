@@ -16,6 +16,7 @@ from pathlib import Path
 import requests
 
 from .. import services
+from ..fake_replica import STEERING_KEYS
 from ..services import free_port
 from .processes import Process, process_env, wait_until
 
@@ -30,6 +31,8 @@ def start_gateway(
     """
     port = free_port()
     settings_env.setdefault("LLMGW_GATEWAY_SPOOL", log_dir / f"{name}-spool")
+    # The fake replica's steering keys are its engine keys, allowed as an operator allows an engine's.
+    settings_env.setdefault("LLMGW_GATEWAY_ENGINE_KEYS", ",".join(STEERING_KEYS))
     env = process_env(LLMGW_GATEWAY_ADDR=f"127.0.0.1:{port}", LLMGW_GATEWAY_REFRESH_MS=100, **settings_env)
     argv = [sys.executable, "manage.py", "gateway"] + (["--workers", str(workers)] if workers != 1 else [])
     process = Process(name, argv, env, log_dir)

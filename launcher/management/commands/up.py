@@ -69,8 +69,7 @@ class Command(AuditedCommand):  # changes it makes are written as this command's
         data_dir = settings.VAR_DIR / "redis"
         data_dir.mkdir(parents=True, exist_ok=True)
         aclfile = data_dir / "users.acl"
-        aclfile.write_text(redis_acl.acl_file([LOCAL_GATEWAY]))
-        aclfile.chmod(0o600)
+        redis_acl.write_acl_file(aclfile, [LOCAL_GATEWAY])
         plain = settings.REDIS_URL
         control = redis_acl.url_for(redis_acl.CONTROL_USER)
         process = services.start_private_redis(plain, data_dir, aclfile=aclfile, answers_url=control)
@@ -81,6 +80,7 @@ class Command(AuditedCommand):  # changes it makes are written as this command's
 
     def handle(self, *args, node, **options):
         processes = services.ProcessGroup()
+        services.private_database()
         try:
             services.check_addresses(
                 {

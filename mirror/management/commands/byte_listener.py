@@ -49,6 +49,6 @@ class Command(BaseCommand):
             "--name",
             "llmgw-bytes",
         ]
-        if os.environ.get("LLMGW_ACCESS_LOG"):
+        if settings.BYTES_ACCESS_LOG:
             argv += ["--access-logfile", "-"]
         os.execve(sys.executable, argv, env)
