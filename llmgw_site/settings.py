@@ -234,6 +234,8 @@ INSTALLED_APPS = [
     "gateway",
     # Its migration makes the staff groups (docs/roles.md).
     "common",
+    # A page to talk to a model through the gateway (docs/playground.md).
+    "playground",
 ]
 
 MIDDLEWARE = [

@@ -26,5 +26,6 @@ urlpatterns = [
     path("metrics", metrics_view, name="metrics"),
     path("api/", include(api_patterns)),
     path("fleet/", include("fleet.urls")),
+    path("playground/", include("playground.urls")),
     path("", include("serving.urls")),
 ]
