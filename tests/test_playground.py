@@ -77,7 +77,10 @@ def engine_busy(endpoint: str) -> bool:
     return any(slot["is_processing"] for slot in slots)
 
 
-def test_an_answer_streams_token_by_token_with_its_timings_and_two_models_answer_side_by_side(playground):
+# One test for the whole visit: each new one would start another gateway and browser (about 9 s).
+def test_an_answer_streams_with_its_timings_two_models_answer_side_by_side_stop_frees_the_slot_and_a_refusal_is_said(
+    playground, engine
+):
     page = playground
     key = ApiKey.objects.get(name="playground: ann")
     assert key.owner.username == "ann"
@@ -122,9 +125,17 @@ def test_an_answer_streams_token_by_token_with_its_timings_and_two_models_answer
     assert "from openai import OpenAI" in python and repr(MODEL) in python
     assert "llmgw-" not in curl + python
 
+    # Stop hangs up: the relay closes its request, the gateway its engine's, and the slot is free again.
+    page.uncheck("#compare")
+    send(page, "Count from 1 to 1000, one number a line.", max_tokens=1500)
+    page.wait_for_function("Number(document.querySelector('#answer-a').dataset.chunks || 0) > 5")
+    assert engine_busy(engine), "the long answer never took the engine's slot"
+    page.click("#stop")
+    page.wait_for_selector("#answer-a[data-state=stopped]")
+    wait_until(lambda: not engine_busy(engine), timeout=10, what="the engine to free the slot of the stopped answer")
+
     # Over its limit, the page's key is refused by the gateway, and the page says the gateway's sentence.
     ApiKey.objects.filter(pk=key.pk).update(tokens_per_day=1)
-    page.uncheck("#compare")
 
     def refused() -> bool:
         send(page, QUESTION, max_tokens=4)
@@ -139,14 +150,3 @@ def playground_gateway(page) -> str:
     from django.conf import settings
 
     return settings.GATEWAY_URL
-
-
-def test_stop_hangs_up_and_the_engine_frees_its_slot(playground, engine):
-    page = playground
-    send(page, "Count from 1 to 1000, one number a line.", max_tokens=1500)
-    page.wait_for_function("Number(document.querySelector('#answer-a').dataset.chunks || 0) > 5")
-    assert engine_busy(engine), "the long answer never took the engine's slot"
-    page.click("#stop")
-    page.wait_for_selector("#answer-a[data-state=stopped]")
-    wait_until(lambda: not engine_busy(engine), timeout=10, what="the engine to free the slot of the stopped answer")
-    assert page.get_attribute("#answer-a", "data-state") == "stopped"
