@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import requests
+from django.test import Client
 
 from agent import engines
 from catalog.models import Model, Profile
@@ -24,7 +25,7 @@ from .staff_browser import chromium_page, log_in_as_staff
 from .support.gateway import client, until_routed
 from .support.waiting import wait_until
 
-pytestmark = [pytest.mark.engine, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.django_db(transaction=True)]
 
 TWIN = MODEL + "-twin"
 
@@ -77,6 +78,8 @@ def engine_busy(endpoint: str) -> bool:
     return any(slot["is_processing"] for slot in slots)
 
 
+@pytest.mark.engine
+@pytest.mark.browser
 # One test for the whole visit: each new one would start another gateway and browser (about 9 s).
 def test_an_answer_streams_with_its_timings_two_models_answer_side_by_side_stop_frees_the_slot_and_a_refusal_is_said(
     playground, engine
@@ -150,3 +153,27 @@ def playground_gateway(page) -> str:
     from django.conf import settings
 
     return settings.GATEWAY_URL
+
+
+@pytest.mark.parametrize(
+    ("form", "sentence"),
+    [
+        ({"model": "not-in-the-catalog", "prompt": "hi"}, "not-in-the-catalog is not a model this key may use."),
+        ({"model": "allowed", "prompt": "  "}, "Write a message to send."),
+        ({"model": "allowed", "prompt": "hi", "temperature": "hot"}, "Temperature is a number"),
+        ({"model": "allowed", "prompt": "hi", "temperature": "9"}, "Temperature is between 0 and 2."),
+        ({"model": "allowed", "prompt": "hi", "max_tokens": "0"}, "The output limit is between 1 and"),
+    ],
+)
+def test_a_form_the_page_would_not_send_gets_a_sentence_and_nothing_reaches_the_gateway(admin_client, form, sentence):
+    Model.objects.create(name="allowed", source="http://127.0.0.1:1/m/", context_length=2048)
+    answer = admin_client.post("/playground/stream/", form)
+    assert answer.status_code == 400 and answer.content.decode().startswith(sentence), answer.content
+
+
+def test_a_person_not_signed_in_is_sent_to_sign_in_and_no_key_is_made():
+    browser = Client()
+    for path in ("/playground/", "/playground/stream/", "/playground/code/"):
+        answer = browser.post(path) if path != "/playground/" else browser.get(path)
+        assert answer.status_code == 302 and "/admin/login/" in answer["Location"], path
+    assert not ApiKey.objects.filter(name__startswith="playground:").exists()
