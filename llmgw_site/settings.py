@@ -263,6 +263,8 @@ INSTALLED_APPS = [
     "auditlog",
     # Its migration makes the staff groups (docs/roles.md).
     "common",
+    # A page to talk to a model through the gateway (docs/playground.md).
+    "playground",
 ]
 
 MIDDLEWARE = [

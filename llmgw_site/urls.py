@@ -32,5 +32,6 @@ urlpatterns = [
     path("api/", include(api_patterns)),
     path("fleet/", include("fleet.urls")),
     path("me/", include("people.urls")),
+    path("playground/", include("playground.urls")),
     path("", include("serving.urls")),
 ]
