@@ -55,9 +55,10 @@ EVERY_STAFF = {
     "",  # / → /admin/
 }
 # What a read needs besides its address, by the address's name.
-# /me/ and /api/people/: for everyone signed in, staff or not, each seeing the rows people/access.py gives
-# them; tests/test_me_page.py and tests/test_people_api.py attack those, not this walk of staff roles.
-EVERY_SIGNED_IN = ("people:", "people-")
+# /me/, /api/people/ and /playground/: for everyone signed in, staff or not, each seeing the rows
+# people/access.py gives them and using models through their own key; tests/test_me_page.py,
+# tests/test_people_api.py and tests/test_playground.py attack those, not this walk of staff roles.
+EVERY_SIGNED_IN = ("people:", "people-", "playground:")
 QUERIES = {
     "api-progress": "?source=http://127.0.0.1:8001/tiny/v1/",
     "fleet:progress": "?source=http://127.0.0.1:8001/tiny/v1/",
