@@ -114,9 +114,10 @@ def test_a_person_signs_in_through_the_provider_makes_a_key_on_me_and_gets_an_an
         assert "alice-walk" not in page.content()
         screenshot(page, "walk-another-team")
 
-        # Bob guesses Alice's key's id: revoking it and reading it in the API are both "not found".
+        # Bob guesses Alice's key's id: revoking it on /me/ or in the API and reading it there are "not found".
         assert post_as_the_browser(page, f"{admin}/me/keys/{key.pk}/revoke/").status == 404
         assert page.request.get(f"{admin}/api/people/keys/{key.pk}/").status == 404
+        assert post_as_the_browser(page, f"{admin}/api/people/keys/{key.pk}/revoke/").status == 404
         key.refresh_from_db()
         assert key.active
         assert session.post(gateway.url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
