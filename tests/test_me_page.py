@@ -12,8 +12,6 @@ import pytest
 from django.test import Client
 
 from accounts.models import TeamMember
-from catalog.models import Model, Profile
-from fleet.models import Node, Replica
 from gateway.keys import hash_key
 from gateway.models import ApiKey
 from people.budgets import today
@@ -23,6 +21,7 @@ from .staff_browser import chromium_page, screenshot
 from .support.gateway import client as gateway_client
 from .support.gateway import until_routed
 from .support.people import PASSWORD, key_of, person, two_teams, used
+from .support.tiny_engine import serving_tiny_model
 
 KEY = re.compile(r"llmgw-[A-Za-z0-9_-]{40,}")
 
@@ -197,17 +196,7 @@ def test_a_person_signs_in_makes_a_key_on_me_sees_it_once_and_the_real_engine_an
     org.red.model_names = [real_model.MODEL]
     org.red.tokens_per_day = None
     org.red.save()
-    process, endpoint, _ = real_model.start_engine(tiny_gguf, tmp_path)
-    try:
-        model = Model.objects.create(name=real_model.MODEL, source="http://127.0.0.1:1/tiny/", context_length=2048)
-        Profile.objects.create(model=model, name="cpu", engine="llamacpp")
-        Replica.objects.create(
-            model_name=real_model.MODEL,
-            profile_name="cpu",
-            node=Node.objects.create(name="n1"),
-            state="ready",
-            endpoint=endpoint,
-        )
+    with serving_tiny_model(tiny_gguf, tmp_path):
         with chromium_page() as page:
             page.goto(live_server.url + "/me/")
             page.fill("#id_username", "alice")
@@ -238,7 +227,3 @@ def test_a_person_signs_in_makes_a_key_on_me_sees_it_once_and_the_real_engine_an
         key = ApiKey.objects.get(name="alice-browser")
         assert as_user(org.bob).post(f"/me/keys/{key.pk}/revoke/").status_code == 404
         assert "alice-browser" not in text(as_user(org.bob).get("/me/"))
-    finally:
-        from agent import engines
-
-        engines.stop_group(process.pid, grace=5)

@@ -23,18 +23,24 @@ from common.permissions import OPERATORS, VIEWERS
 
 from .services import free_port
 from .staff_browser import PASSWORD as LOCAL_PASSWORD
-from .staff_browser import chromium_page
-from .support.oidc_provider.start import start_provider
+from .support import oidc
+from .support.oidc import (
+    PASSWORD,
+    PROVIDER_NAME,
+    consent,
+    oidc_env,
+    signed_in_as,
+    start_admin_signing_in_through,
+    start_sign_in,
+)
 from .support.processes import BASE_DIR, process_env, start_admin_server
 from .support.roles import groups
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-CLIENT_ID = "llmgw"
-CLIENT_SECRET = "llmgw's secret at the test provider"
-PASSWORD = "a password at the provider"
-PROVIDER_NAME = "Test provider"
+# The shared fixtures (one provider and one browser for the module), where pytest looks for them.
+provider, browser_page, page = oidc.provider, oidc.browser_page, oidc.page
 # Short, so the test sees a disabled person lose the pages; long enough that most steps do not refresh.
 RENEW_S = 3
 MAPPING = sign_in.Mapping(
@@ -45,75 +51,12 @@ MAPPING = sign_in.Mapping(
 )
 
 
-def oidc_env(issuer: str) -> dict[str, str]:
-    return {
-        "LLMGW_OIDC_ISSUER": issuer,
-        "LLMGW_OIDC_CLIENT_ID": CLIENT_ID,
-        "LLMGW_OIDC_CLIENT_SECRET": CLIENT_SECRET,
-        "LLMGW_OIDC_PROVIDER_NAME": PROVIDER_NAME,
-        "LLMGW_OIDC_STAFF_GROUPS": "llmgw-staff",
-        "LLMGW_OIDC_OPERATOR_GROUPS": "llmgw-operators",
-        "LLMGW_OIDC_TEAM_PREFIX": "llmgw-team-",
-        "LLMGW_OIDC_TEAM_ADMIN_SUFFIX": "-admins",
-        "LLMGW_OIDC_RENEW_S": str(RENEW_S),
-    }
-
-
-@pytest.fixture(scope="module")
-def provider(tmp_path_factory):
-    running = start_provider(tmp_path_factory.mktemp("oidc-provider"))
-    yield running
-    running.stop()
-
-
 @pytest.fixture(scope="module")
 def admin(provider, tmp_path_factory, django_db_setup) -> str:
     """llmgw's admin server signing in through the provider, which knows it as a client: its URL."""
-    process, url = start_admin_server(tmp_path_factory.mktemp("admin-oidc"), **oidc_env(provider.issuer))
-    provider.set(
-        client={"client_id": CLIENT_ID, "client_secret": CLIENT_SECRET, "redirect_uri": url + "/oidc/callback/"}
-    )
+    process, url = start_admin_signing_in_through(provider, tmp_path_factory.mktemp("admin-oidc"), RENEW_S)
     yield url
     process.stop()
-
-
-@pytest.fixture(scope="module")
-def browser_page():
-    with chromium_page() as page:
-        yield page
-
-
-@pytest.fixture
-def page(browser_page):
-    """The module's browser with no cookies: signed in nowhere, at llmgw or the provider."""
-    browser_page.context.clear_cookies()
-    return browser_page
-
-
-def start_sign_in(page, admin: str, provider, username: str, password: str = PASSWORD) -> None:
-    """From llmgw's login page to the provider's, and its login form filled and sent."""
-    page.goto(admin + "/admin/login/?next=/admin/")
-    page.get_by_role("link", name=f"Sign in with {PROVIDER_NAME}").click()
-    page.wait_for_url(provider.url + "/accounts/login/**")
-    page.fill("#id_username", username)
-    page.fill("#id_password", password)
-    page.click("button[type=submit]")
-
-
-def consent(page, provider) -> str:
-    """The provider's consent screen, allowed: the permissions it listed."""
-    page.wait_for_url(provider.url + "/o/authorize/**")
-    asked = page.locator("#authorizationForm").inner_text()
-    page.click("input[name=allow]")
-    return asked
-
-
-def signed_in_as(page, admin: str):
-    """The user llmgw's session cookie in this browser is signed in as, or None."""
-    cookie = next((c for c in page.context.cookies(admin) if c["name"] == "sessionid"), None)
-    session = Session.objects.filter(pk=cookie["value"]).first() if cookie else None
-    user_id = session.get_decoded().get("_auth_user_id") if session else None
-    return get_user_model().objects.filter(pk=user_id).first() if user_id else None
 
 
 def memberships(user) -> set[tuple[str, str, bool]]:
