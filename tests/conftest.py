@@ -129,6 +129,25 @@ def redis_client():
 
 
 @pytest.fixture
+def clean_redis():
+    """The tests' Redis emptied before the test (every key, not only llmgw's progress keys)."""
+    from fleet.live import redis_client
+
+    redis_client().flushdb()
+
+
+@pytest.fixture
+def staff_client():
+    """Django's test client logged in as "ann", a superuser."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    client = Client()
+    client.force_login(get_user_model().objects.create_superuser("ann", "", "a long password"))
+    return client
+
+
+@pytest.fixture
 def replicas():
     """Make fake replicas (`replicas(name)`, real HTTP servers in this process); all stopped afterwards."""
     from .fake_replica import FakeReplica
