@@ -14,6 +14,18 @@ import pytest
 
 from .support.processes import start_byte_listener, start_celery_worker
 
+# Emptied by every flush, then made again row by row by post_migrate (create_contenttypes,
+# create_permissions): about half of a `transactional_db` test's teardown. They hold no test's
+# data, and post_migrate still makes any that are missing, so the tables are the same after.
+KEPT_BY_FLUSH = {"django_content_type", "auth_permission"}
+
+
+def _flush_keeping_types(style, connection, reset_sequences=True, allow_cascade=False):
+    """django.core.management.sql.sql_flush, but leaving KEPT_BY_FLUSH's tables as they are."""
+    tables = connection.introspection.django_table_names(only_existing=True, include_views=False)
+    kept = [table for table in tables if table not in KEPT_BY_FLUSH]
+    return connection.ops.sql_flush(style, kept, reset_sequences=reset_sequences, allow_cascade=allow_cascade)
+
 
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup, django_db_blocker):
@@ -21,7 +33,13 @@ def django_db_setup(django_db_setup, django_db_blocker):
 
     A connection some thread of the test process opened (Django keeps one per thread), or a
     process a failed test left behind, would otherwise keep DROP DATABASE from running.
+
+    The flush after each `transactional_db` test keeps the content types and permissions
+    (`_flush_keeping_types`).
     """
+    from django.core.management.commands import flush
+
+    flush.sql_flush = _flush_keeping_types
     yield
     from django.db import connection
 
@@ -243,6 +261,25 @@ def staff_page(live_server):
     with chromium_page() as page:
         log_in_as_staff(page, live_server)
         yield page
+
+
+@pytest.fixture(scope="module")
+def real_model_weights() -> Path:
+    """The real model's GGUF (tests/real_model.py)."""
+    from . import real_model
+
+    return real_model.gguf()
+
+
+@pytest.fixture
+def proxy(byte_listener, settings):
+    """The byte listener behind a proxy that counts and misbehaves; the node is configured with it."""
+    from .support.processes import CountingProxy
+
+    counting = CountingProxy(byte_listener)
+    settings.BYTES_URL = counting.url
+    yield counting
+    counting.stop()
 
 
 @pytest.fixture
