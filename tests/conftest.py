@@ -35,12 +35,17 @@ def django_db_setup(django_db_setup, django_db_blocker):
     process a failed test left behind, would otherwise keep DROP DATABASE from running.
 
     The flush after each `transactional_db` test keeps the content types and permissions
-    (`_flush_keeping_types`).
+    (`_flush_keeping_types`), and passwords are hashed with fewer rounds (tests/support/passwords.py).
     """
+    from django.conf import settings
     from django.core.management.commands import flush
+    from django.test.utils import override_settings
 
     flush.sql_flush = _flush_keeping_types
-    yield
+    # tests/support/passwords.py says why; the default stays second, so hashes it made still check.
+    hashers = ["tests.support.passwords.FewRoundsPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
+    with override_settings(PASSWORD_HASHERS=hashers):
+        yield
     from django.db import connection
 
     with django_db_blocker.unblock():
@@ -324,7 +329,17 @@ PROCESS_FIXTURES = {
     "vllm_stand_in",  # vLLM's stand-in, started as an engine
 }
 PROCESS_MARKERS = {"browser", "engine"}
-PROCESS_STARTERS = {"Process", "Popen", "CountingProxy", "chromium_page", "Fleet", "Host", "build_fleet", "Supervisor"}
+PROCESS_STARTERS = {
+    "Process",
+    "Popen",
+    "CountingProxy",
+    "AclRedis",
+    "chromium_page",
+    "Fleet",
+    "Host",
+    "build_fleet",
+    "Supervisor",
+}
 PROCESS_MODULES = {"subprocess", "tests.fleet_netns", "tests.netns", "multiprocessing"}
 
 
