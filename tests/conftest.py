@@ -14,6 +14,18 @@ import pytest
 
 from .support.processes import start_byte_listener, start_celery_worker
 
+# Emptied by every flush, then made again row by row by post_migrate (create_contenttypes,
+# create_permissions): about half of a `transactional_db` test's teardown. They hold no test's
+# data, and post_migrate still makes any that are missing, so the tables are the same after.
+KEPT_BY_FLUSH = {"django_content_type", "auth_permission"}
+
+
+def _flush_keeping_types(style, connection, reset_sequences=True, allow_cascade=False):
+    """django.core.management.sql.sql_flush, but leaving KEPT_BY_FLUSH's tables as they are."""
+    tables = connection.introspection.django_table_names(only_existing=True, include_views=False)
+    kept = [table for table in tables if table not in KEPT_BY_FLUSH]
+    return connection.ops.sql_flush(style, kept, reset_sequences=reset_sequences, allow_cascade=allow_cascade)
+
 
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup, django_db_blocker):
@@ -21,8 +33,19 @@ def django_db_setup(django_db_setup, django_db_blocker):
 
     A connection some thread of the test process opened (Django keeps one per thread), or a
     process a failed test left behind, would otherwise keep DROP DATABASE from running.
+
+    The flush after each `transactional_db` test keeps the content types and permissions
+    (`_flush_keeping_types`), and passwords are hashed with fewer rounds (tests/support/passwords.py).
     """
-    yield
+    from django.conf import settings
+    from django.core.management.commands import flush
+    from django.test.utils import override_settings
+
+    flush.sql_flush = _flush_keeping_types
+    # tests/support/passwords.py says why; the default stays second, so hashes it made still check.
+    hashers = ["tests.support.passwords.FewRoundsPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
+    with override_settings(PASSWORD_HASHERS=hashers):
+        yield
     from django.db import connection
 
     with django_db_blocker.unblock():
@@ -129,6 +152,25 @@ def redis_client():
 
 
 @pytest.fixture
+def clean_redis():
+    """The tests' Redis emptied before the test (every key, not only llmgw's progress keys)."""
+    from fleet.live import redis_client
+
+    redis_client().flushdb()
+
+
+@pytest.fixture
+def staff_client():
+    """Django's test client logged in as "ann", a superuser."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    client = Client()
+    client.force_login(get_user_model().objects.create_superuser("ann", "", "a long password"))
+    return client
+
+
+@pytest.fixture
 def replicas():
     """Make fake replicas (`replicas(name)`, real HTTP servers in this process); all stopped afterwards."""
     from .fake_replica import FakeReplica
@@ -226,6 +268,25 @@ def staff_page(live_server):
         yield page
 
 
+@pytest.fixture(scope="module")
+def real_model_weights() -> Path:
+    """The real model's GGUF (tests/real_model.py)."""
+    from . import real_model
+
+    return real_model.gguf()
+
+
+@pytest.fixture
+def proxy(byte_listener, settings):
+    """The byte listener behind a proxy that counts and misbehaves; the node is configured with it."""
+    from .support.processes import CountingProxy
+
+    counting = CountingProxy(byte_listener)
+    settings.BYTES_URL = counting.url
+    yield counting
+    counting.stop()
+
+
 @pytest.fixture
 def agent_n1(tmp_path, mirror_root, byte_listener):
     """`manage.py agent --node n1`, enrolled with a token from the control plane, and nothing else."""
@@ -268,7 +329,17 @@ PROCESS_FIXTURES = {
     "vllm_stand_in",  # vLLM's stand-in, started as an engine
 }
 PROCESS_MARKERS = {"browser", "engine"}
-PROCESS_STARTERS = {"Process", "Popen", "CountingProxy", "chromium_page", "Fleet", "Host", "build_fleet", "Supervisor"}
+PROCESS_STARTERS = {
+    "Process",
+    "Popen",
+    "CountingProxy",
+    "AclRedis",
+    "chromium_page",
+    "Fleet",
+    "Host",
+    "build_fleet",
+    "Supervisor",
+}
 PROCESS_MODULES = {"subprocess", "tests.fleet_netns", "tests.netns", "multiprocessing"}
 
 

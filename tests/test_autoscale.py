@@ -17,14 +17,9 @@ from fleet.placement import Scaling
 from .support.factories import add_node as node
 from .support.factories import add_served_model as serve
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_redis")]
 
 SOURCE = "http://127.0.0.1:8001/tiny/v1/"
-
-
-@pytest.fixture(autouse=True)
-def clean_redis():
-    redis_client().flushdb()
 
 
 def load(models: dict | None = None, replicas: dict | None = None, at: float | None = None, field: str = "g1"):

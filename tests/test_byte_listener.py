@@ -16,7 +16,7 @@ CONTENT = bytes(range(256)) * 40  # 10,240 bytes, every offset distinguishable
 
 
 @pytest.fixture
-def weights(mirror_root):
+def mirror_version(mirror_root):
     put(mirror_root, "m", "v1", {"model.gguf": CONTENT, "b.bin": b"x" * 10})
     return mirror_root / "m" / "v1"
 
@@ -35,7 +35,7 @@ def raw_get(base: str, raw_path: str) -> tuple[int, bytes]:
     return int(head.split(b" ")[1]), body
 
 
-def test_a_whole_file_is_served_with_its_validators(byte_listener, weights):
+def test_a_whole_file_is_served_with_its_validators(byte_listener, mirror_version):
     r = as_node.get(byte_listener + "m/v1/model.gguf")
     assert r.status_code == 200
     assert r.content == CONTENT
@@ -45,7 +45,7 @@ def test_a_whole_file_is_served_with_its_validators(byte_listener, weights):
     assert r.headers["Last-Modified"].endswith("GMT")
 
 
-def test_head_gives_the_headers_and_no_body(byte_listener, weights):
+def test_head_gives_the_headers_and_no_body(byte_listener, mirror_version):
     r = as_node.head(byte_listener + "m/v1/model.gguf")
     assert r.status_code == 200
     assert r.headers["Content-Length"] == str(len(CONTENT))
@@ -61,7 +61,7 @@ def test_head_gives_the_headers_and_no_body(byte_listener, weights):
         ("bytes=10200-99999", 10200, 10239),
     ],
 )
-def test_a_single_range_is_answered_206_with_exactly_those_bytes(byte_listener, weights, header, start, end):
+def test_a_single_range_is_answered_206_with_exactly_those_bytes(byte_listener, mirror_version, header, start, end):
     r = as_node.get(byte_listener + "m/v1/model.gguf", headers={"Range": header})
     assert r.status_code == 206
     assert r.content == CONTENT[start : end + 1]
@@ -69,31 +69,31 @@ def test_a_single_range_is_answered_206_with_exactly_those_bytes(byte_listener, 
     assert r.headers["Content-Length"] == str(end - start + 1)
 
 
-def test_a_range_past_the_end_is_416_with_the_size(byte_listener, weights):
+def test_a_range_past_the_end_is_416_with_the_size(byte_listener, mirror_version):
     r = as_node.get(byte_listener + "m/v1/model.gguf", headers={"Range": "bytes=20000-"})
     assert r.status_code == 416
     assert r.headers["Content-Range"] == f"bytes */{len(CONTENT)}"
     assert "outside" in r.json()["error"]
 
 
-def test_if_range_with_the_current_etag_gets_the_range(byte_listener, weights):
+def test_if_range_with_the_current_etag_gets_the_range(byte_listener, mirror_version):
     etag = as_node.head(byte_listener + "m/v1/model.gguf").headers["ETag"]
     r = as_node.get(byte_listener + "m/v1/model.gguf", headers={"Range": "bytes=5-9", "If-Range": etag})
     assert r.status_code == 206
     assert r.content == CONTENT[5:10]
 
 
-def test_if_range_with_a_stale_validator_gets_the_whole_new_file(byte_listener, weights):
+def test_if_range_with_a_stale_validator_gets_the_whole_new_file(byte_listener, mirror_version):
     head = as_node.head(byte_listener + "m/v1/model.gguf").headers
-    (weights / "model.gguf").write_bytes(b"new content, longer than before" * 10)
-    os.utime(weights / "model.gguf", (1_900_000_000, 1_900_000_000))
+    (mirror_version / "model.gguf").write_bytes(b"new content, longer than before" * 10)
+    os.utime(mirror_version / "model.gguf", (1_900_000_000, 1_900_000_000))
     for validator in (head["ETag"], head["Last-Modified"]):
         r = as_node.get(byte_listener + "m/v1/model.gguf", headers={"Range": "bytes=5-9", "If-Range": validator})
         assert r.status_code == 200
         assert r.content == b"new content, longer than before" * 10
 
 
-def test_a_client_with_the_current_file_is_told_it_has_not_changed(byte_listener, weights):
+def test_a_client_with_the_current_file_is_told_it_has_not_changed(byte_listener, mirror_version):
     url = byte_listener + "m/v1/model.gguf"
     head = as_node.head(url).headers
     for validator in ({"If-None-Match": head["ETag"]}, {"If-Modified-Since": head["Last-Modified"]}):
@@ -104,10 +104,10 @@ def test_a_client_with_the_current_file_is_told_it_has_not_changed(byte_listener
     assert as_node.get(url, headers={"If-Match": '"other"'}).status_code == 412
 
 
-def test_the_manifest_follows_a_hand_copy_at_once(byte_listener, weights):
+def test_the_manifest_follows_a_hand_copy_at_once(byte_listener, mirror_version):
     before = as_node.get(byte_listener + "m/v1/").json()
     assert [f["name"] for f in before["files"]] == ["b.bin", "model.gguf"]
-    (weights / "c.safetensors").write_bytes(b"123")
+    (mirror_version / "c.safetensors").write_bytes(b"123")
     after = as_node.get(byte_listener + "m/v1/").json()
     assert after["model"] == "m" and after["version"] == "v1"
     assert {f["name"]: f["bytes"] for f in after["files"]} == {
@@ -118,16 +118,16 @@ def test_the_manifest_follows_a_hand_copy_at_once(byte_listener, weights):
     assert after["bytes"] == 10 + len(CONTENT) + 3
 
 
-def test_unfinished_and_hidden_files_are_not_part_of_a_version(byte_listener, weights):
-    (weights / "model-2.gguf.part").write_bytes(b"half")
-    (weights / ".DS_Store").write_bytes(b"junk")
+def test_unfinished_and_hidden_files_are_not_part_of_a_version(byte_listener, mirror_version):
+    (mirror_version / "model-2.gguf.part").write_bytes(b"half")
+    (mirror_version / ".DS_Store").write_bytes(b"junk")
     names = [f["name"] for f in as_node.get(byte_listener + "m/v1/").json()["files"]]
     assert names == ["b.bin", "model.gguf"]
     assert as_node.get(byte_listener + "m/v1/model-2.gguf.part").status_code == 404
     assert as_node.get(byte_listener + "m/v1/.DS_Store").status_code == 404
 
 
-def test_the_manifest_carries_a_hash_only_while_it_matches_the_file(byte_listener, weights):
+def test_the_manifest_carries_a_hash_only_while_it_matches_the_file(byte_listener, mirror_version):
     from mirror import scan
     from mirror.models import MirrorFile
 
@@ -136,13 +136,13 @@ def test_the_manifest_carries_a_hash_only_while_it_matches_the_file(byte_listene
         scan.hash_file(file_id)
     files = {f["name"]: f for f in as_node.get(byte_listener + "m/v1/").json()["files"]}
     assert files["model.gguf"]["sha256"] == MirrorFile.objects.get(name="model.gguf").sha256
-    (weights / "model.gguf").write_bytes(b"changed")
+    (mirror_version / "model.gguf").write_bytes(b"changed")
     files = {f["name"]: f for f in as_node.get(byte_listener + "m/v1/").json()["files"]}
     assert "sha256" not in files["model.gguf"]
     assert "sha256" in files["b.bin"]
 
 
-def test_listings_name_models_and_versions(byte_listener, weights, mirror_root):
+def test_listings_name_models_and_versions(byte_listener, mirror_version, mirror_root):
     put(mirror_root, "m", "v2", {"x.gguf": b"1"})
     models = as_node.get(byte_listener).json()["models"]
     assert [m["name"] for m in models] == ["m"]
@@ -168,7 +168,7 @@ def test_listings_name_models_and_versions(byte_listener, weights, mirror_root):
         "/nope/",
     ],
 )
-def test_no_path_reaches_outside_the_root(byte_listener, weights, raw_path):
+def test_no_path_reaches_outside_the_root(byte_listener, mirror_version, raw_path):
     status, body = raw_get(byte_listener, raw_path)
     assert status in (404, 400)
     assert b"root:" not in body
@@ -176,10 +176,10 @@ def test_no_path_reaches_outside_the_root(byte_listener, weights, raw_path):
         assert b'"error"' in body
 
 
-def test_a_symlink_out_of_the_root_is_refused(byte_listener, weights, mirror_root, tmp_path):
+def test_a_symlink_out_of_the_root_is_refused(byte_listener, mirror_version, mirror_root, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_bytes(b"do not serve me")
-    (weights / "escape.gguf").symlink_to(secret)
+    (mirror_version / "escape.gguf").symlink_to(secret)
     (mirror_root / "m" / "outside").symlink_to(tmp_path)
     r = as_node.get(byte_listener + "m/v1/escape.gguf")
     assert r.status_code == 404
@@ -189,15 +189,17 @@ def test_a_symlink_out_of_the_root_is_refused(byte_listener, weights, mirror_roo
     assert as_node.get(byte_listener + "m/outside/secret.txt").status_code == 404
 
 
-def test_a_symlink_inside_the_mirror_serves_only_what_the_mirror_would_serve(byte_listener, weights, mirror_root):
+def test_a_symlink_inside_the_mirror_serves_only_what_the_mirror_would_serve(
+    byte_listener, mirror_version, mirror_root
+):
     (mirror_root / ".env").write_bytes(b"DJANGO_SECRET_KEY=hidden")
-    (weights / "model.gguf.part").write_bytes(b"half a download")
+    (mirror_version / "model.gguf.part").write_bytes(b"half a download")
     (mirror_root / "m" / "v1" / "nested").mkdir()
     (mirror_root / "m" / "v1" / "nested" / "deep.bin").write_bytes(b"not a version's file")
-    (weights / "link").symlink_to(mirror_root / ".env")
-    (weights / "part-link").symlink_to(weights / "model.gguf.part")
-    (weights / "deep-link").symlink_to(weights / "nested" / "deep.bin")
-    (weights / "alias.gguf").symlink_to(weights / "model.gguf")
+    (mirror_version / "link").symlink_to(mirror_root / ".env")
+    (mirror_version / "part-link").symlink_to(mirror_version / "model.gguf.part")
+    (mirror_version / "deep-link").symlink_to(mirror_version / "nested" / "deep.bin")
+    (mirror_version / "alias.gguf").symlink_to(mirror_version / "model.gguf")
     (mirror_root / "m" / "hidden-version").symlink_to(mirror_root / "m" / "v1" / "nested")
     for name in ("link", "part-link", "deep-link"):
         r = as_node.get(byte_listener + "m/v1/" + name)
@@ -210,13 +212,13 @@ def test_a_symlink_inside_the_mirror_serves_only_what_the_mirror_would_serve(byt
     assert as_node.get(byte_listener + "m/hidden-version/").status_code == 404
 
 
-def test_only_get_and_head_are_answered(byte_listener, weights):
+def test_only_get_and_head_are_answered(byte_listener, mirror_version):
     r = as_node.post(byte_listener + "m/v1/model.gguf", data=b"x")
     assert r.status_code == 405
     assert "GET and HEAD" in r.json()["error"]
 
 
-def test_the_byte_listener_has_no_admin_and_no_api(byte_listener, weights):
+def test_the_byte_listener_has_no_admin_and_no_api(byte_listener, mirror_version):
     for path in ("admin/", "api/mirror/versions/", "api/schema/"):
         r = as_node.get(byte_listener + path)
         assert r.status_code == 404

@@ -48,15 +48,12 @@ STREAMS = 16
 PROMPTS = [real_model.QUESTION, "Name three colours.", "Count from 1 to 10.", "Say hello."]
 
 
-@pytest.fixture(scope="module")
-def weights():
-    return real_model.gguf()
-
-
-def start(weights, log_dir, slots: int, secret: str = "", pool: int = POOL):
+def start(real_model_weights, log_dir, slots: int, secret: str = "", pool: int = POOL):
     """The real engine with `slots` slots over a pool of 2,048, as the agent starts it."""
     port = engines.free_port()
-    argv = engines.command("llamacpp", weights, port, ["--ctx-size", str(pool), "--parallel", str(slots)], model=MODEL)
+    argv = engines.command(
+        "llamacpp", real_model_weights, port, ["--ctx-size", str(pool), "--parallel", str(slots)], model=MODEL
+    )
     log_path = log_dir / "engine.log"
     process = engines.spawn(argv, log_path, engines.engine_env("llamacpp", secret))
     if not engines.wait_until_answers(process, port, timeout=180):
@@ -66,15 +63,15 @@ def start(weights, log_dir, slots: int, secret: str = "", pool: int = POOL):
 
 
 @pytest.fixture(scope="module")
-def four_slots(weights, tmp_path_factory):
-    process, port = start(weights, tmp_path_factory.mktemp("four"), SLOTS)
+def four_slots(real_model_weights, tmp_path_factory):
+    process, port = start(real_model_weights, tmp_path_factory.mktemp("four"), SLOTS)
     yield port
     engines.stop_group(process.pid, grace=5)
 
 
 @pytest.fixture(scope="module")
-def one_slot(weights, tmp_path_factory):
-    process, port = start(weights, tmp_path_factory.mktemp("one"), 1)
+def one_slot(real_model_weights, tmp_path_factory):
+    process, port = start(real_model_weights, tmp_path_factory.mktemp("one"), 1)
     yield port
     engines.stop_group(process.pid, grace=5)
 
@@ -192,7 +189,7 @@ def test_a_request_longer_than_a_slots_share_of_the_pool_gets_a_sentence_not_a_t
 
 @pytest.mark.django_db(transaction=True)
 def test_the_engines_count_reaches_the_replicas_page_the_overview_and_metrics_when_its_node_signed_it(
-    weights, tmp_path, admin_client, settings
+    real_model_weights, tmp_path, admin_client, settings
 ):
     token = issue_token("n1")
     node = Node.objects.get(name="n1")
@@ -202,12 +199,12 @@ def test_the_engines_count_reaches_the_replicas_page_the_overview_and_metrics_wh
     key = signing.token_hash(token)
     secret = credentials.replica_secret(key, replica.pk, "n")
     # Slots of 1,024 tokens: answers long enough to be read while they run.
-    process, port = start(weights, tmp_path, SLOTS, secret, pool=4 * 1024)
+    process, port = start(real_model_weights, tmp_path, SLOTS, secret, pool=4 * 1024)
     broker = redis.Redis.from_url(settings.REDIS_URL)
     broker.delete(contract.stats_key("n1"))
     try:
         cache = tmp_path / "cache"
-        engine_state.want(cache, replica.pk, "llamacpp", "http://x/m/v1/", weights, [], MODEL, nonce="n")
+        engine_state.want(cache, replica.pk, "llamacpp", "http://x/m/v1/", real_model_weights, [], MODEL, nonce="n")
         with engine_state.locked_state(cache) as state:
             state["replicas"][str(replica.pk)].update(pid=process.pid, port=port, ready=True)
         reader = agent_stats.StatsReader(cache, "n1", key)

@@ -33,15 +33,6 @@ def four_files(mirror_root):
     return files
 
 
-@pytest.fixture
-def proxy(byte_listener, settings):
-    """The byte listener behind a proxy that counts and misbehaves; the node is configured with it."""
-    p = CountingProxy(byte_listener)
-    settings.BYTES_URL = p.url
-    yield p
-    p.stop()
-
-
 def test_a_four_file_set_is_fetched_whole_into_one_directory(proxy, four_files, cache):
     source = proxy.url + "m/v1/"
     directory = fetch_source(source, cache)

@@ -24,6 +24,7 @@ load balancer would, and every one of its requests must be answered.
 
 from __future__ import annotations
 
+import datetime
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,8 @@ from . import netns
 
 if reason := netns.unavailable():
     pytest.skip(reason, allow_module_level=True)
+
+from django.utils import timezone  # noqa: E402
 
 from agent.fetch import cache_path  # noqa: E402
 from fleet.enrolment import issue_token  # noqa: E402
@@ -358,9 +361,16 @@ def test_the_control_plane_killed_and_started_again_while_replicas_serve_answers
         control.start_worker()
         control.start_admin()
         control.start_gateway(0)
-        # Reconcile passes on the new worker, with the nodes' reports of what they run: eight
-        # seconds of them (one a second) to prove an absence, that none of them places anything again.
-        time.sleep(8)
+        # Reconcile passes on the new worker, with the nodes' reports of what they run: five
+        # seconds of reports the new worker collected (a heartbeat and a pass a second) to prove
+        # an absence, that none of them places anything again. Polled, not slept: a worker slow
+        # to start under load still gets its five seconds of passes.
+        collecting_from = timezone.now() + datetime.timedelta(seconds=5)
+        wait_until(
+            lambda: NodeRow.objects.filter(last_heartbeat__gte=collecting_from).count() == len(nodes),
+            120,
+            what=lambda: f"five seconds of heartbeats the new worker collected: {state(nodes)}",
+        )
         control.gateways[1].kill()
         time.sleep(3)  # a fixed pause on purpose: gateway 1 stays down a while, the other answering
         control.start_gateway(1)

@@ -30,7 +30,7 @@ from gateway.models import ApiKey, Usage
 from . import netns
 from .services import free_port
 from .support.factories import add_model, add_replica
-from .support.gateway import chat, client, until_routed
+from .support.gateway import chat, clear_of_minute_boundary, client, until_routed
 from .support.processes import BASE_DIR, Process, process_env, wait_until
 
 if reason := netns.unavailable():
@@ -152,13 +152,6 @@ def start_nginx(work: Path, gateways: list[str]) -> tuple[subprocess.Popen, str]
 
 def usage_requests(key) -> int:
     return Usage.objects.filter(key=key).aggregate(total=Sum("requests"))["total"] or 0
-
-
-def clear_of_minute_boundary(needed_s: float = 20) -> None:
-    """Fixed windows: a burst that straddles a new minute is counted in two. Begin it early in a minute."""
-    into = time.time() % 60
-    if into > 60 - needed_s:
-        time.sleep(60 - into + 0.2)  # nothing to poll: the clock has to pass the minute
 
 
 def test_one_of_two_gateways_on_two_hosts_killed_under_load_behind_nginx_fails_no_new_request(hosts, replicas):

@@ -6,10 +6,8 @@ import datetime
 import io
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.test import Client
 
 from gateway.keys import hash_key
 from gateway.models import ApiKey, Usage
@@ -51,14 +49,6 @@ def test_a_duplicate_name_or_an_unknown_key_is_a_sentence_not_a_traceback():
 
 # The usage inline's management form, which every admin form post carries.
 NO_USAGE_ROWS = {"usage-TOTAL_FORMS": "0", "usage-INITIAL_FORMS": "0"}
-
-
-@pytest.fixture
-def staff_client() -> Client:
-    user = get_user_model().objects.create_user("ann", password="a long password", is_staff=True, is_superuser=True)
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 def test_a_key_added_in_the_admin_is_shown_once_and_works_by_its_hash(staff_client):

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
 
 import anthropic
@@ -20,10 +19,9 @@ import openai
 import pytest
 import requests
 
-from agent import engine_state, engines
+from agent import engines
 from catalog.models import Model, Profile
 from contracts import demand
-from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from gateway.keys import create_key
 from mirror import scan
@@ -32,24 +30,9 @@ from . import real_model
 from .real_model import MODEL, ask, streamed_whole
 from .support.gateway import until_routed
 from .support.mirror import settle
-from .support.processes import Process, node_env, wait_until
+from .support.processes import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture
-def agent_n1(tmp_path, mirror_root, byte_listener):
-    token = issue_token("n1")
-    cache = tmp_path / "cache-n1"
-    env = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)  # no database
-    agent = Process(
-        "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
-    )
-    yield agent
-    agent.stop()
-    for entry in engine_state.read_state(cache)["replicas"].values():
-        if entry.get("pid") and engines.group_alive(entry["pid"]):
-            engines.stop_group(entry["pid"], grace=3)
 
 
 def test_a_streamed_request_for_a_model_at_zero_wakes_it_and_waits_while_its_replica_is_fetched_and_started(
@@ -66,7 +49,7 @@ def test_a_streamed_request_for_a_model_at_zero_wakes_it_and_waits_while_its_rep
         lambda: "llamacpp" in (Node.objects.filter(name="n1").values_list("engines", flat=True).first() or []),
         timeout=120,
         interval=0.5,
-        what=f"n1's heartbeat\n{agent_n1.output()[-3000:]}",
+        what=f"n1's heartbeat\n{agent_n1[0].output()[-3000:]}",
     )
     source = f"{byte_listener}{MODEL}/instruct-q4_1/{weights.name}"
     model = Model.objects.create(name=MODEL, source=source, context_length=2048, scaling_min=0, scaling_max=1)

@@ -11,7 +11,6 @@ from catalog.models import Model, Profile
 from contracts import signing
 from fleet import autoscale, reconcile, room
 from fleet import memory as measured_memory
-from fleet.live import redis_client
 from fleet.models import MeasuredMemory, Node, Replica
 from fleet.placement import ModelView, NodeView, ProfileView, ReplicaView, place
 from fleet.tasks import heartbeat
@@ -19,14 +18,9 @@ from fleet.tasks import heartbeat
 from .support.factories import add_node as node
 from .support.factories import add_served_model as serve
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_redis")]
 
 SOURCE = "http://127.0.0.1:8001/tiny/v1/"
-
-
-@pytest.fixture(autouse=True)
-def clean_redis():
-    redis_client().flushdb()
 
 
 def beat(node_name: str, replica_memory: dict, available: int = 10 * GB) -> None:

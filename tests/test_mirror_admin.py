@@ -12,13 +12,6 @@ from .support.mirror import put
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def staff_client(client, django_user_model):
-    user = django_user_model.objects.create_user("ann", password="a long password", is_staff=True, is_superuser=True)
-    client.force_login(user)
-    return client
-
-
 def test_the_version_list_shows_files_size_state_and_last_scan(staff_client, mirror_root):
     put(mirror_root, "llama", "q4", {"a.gguf": b"1" * 3000, "b.gguf": b"2" * 2000})
     put(mirror_root, "llama", "q8", {"a.gguf": b"3" * 10})

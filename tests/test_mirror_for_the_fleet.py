@@ -43,7 +43,7 @@ WEIGHTS = bytes(range(256)) * 400  # 102,400 bytes
 
 
 @pytest.fixture
-def weights(mirror_root):
+def two_files(mirror_root):
     return put(mirror_root, "m", "v1", {"a.bin": WEIGHTS, "b.bin": WEIGHTS[::-1]})
 
 
@@ -57,7 +57,7 @@ def refusal(response: requests.Response) -> str:
 # --- strangers and nodes ----------------------------------------------------------------------
 
 
-def test_an_anonymous_read_of_a_mirror_file_gets_401_and_a_sentence(byte_listener, weights):
+def test_an_anonymous_read_of_a_mirror_file_gets_401_and_a_sentence(byte_listener, two_files):
     for method, path in (("GET", "m/v1/a.bin"), ("HEAD", "m/v1/a.bin"), ("GET", "m/v1/"), ("GET", ""), ("GET", "m/")):
         response = requests.request(method, byte_listener + path, auth=NoAuth(), timeout=5)
         assert response.status_code == 401, (method, path)
@@ -69,7 +69,7 @@ def test_an_anonymous_read_of_a_mirror_file_gets_401_and_a_sentence(byte_listene
     assert refusal(requests.get(byte_listener + "nope/", auth=NoAuth(), timeout=5)) == sentence
 
 
-def test_an_enrolled_node_reads_with_its_pass_and_a_wrong_one_is_refused(byte_listener, weights, fleet_node):
+def test_an_enrolled_node_reads_with_its_pass_and_a_wrong_one_is_refused(byte_listener, two_files, fleet_node):
     name, token = fleet_node
     assert as_node.get(byte_listener + "m/v1/a.bin", timeout=5).content == WEIGHTS
     ranged = as_node.get(byte_listener + "m/v1/a.bin", headers={"Range": "bytes=10-19"}, timeout=5)
@@ -89,7 +89,7 @@ def test_an_enrolled_node_reads_with_its_pass_and_a_wrong_one_is_refused(byte_li
     assert "not one of node ghost's" in refusal(with_pass(credentials.bytes_pass(key, "ghost")))
 
 
-def test_a_public_mirror_serves_anyone(mirror_root, weights, tmp_path, django_db_setup):
+def test_a_public_mirror_serves_anyone(mirror_root, two_files, tmp_path, django_db_setup):
     process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_PUBLIC="true")
     try:
         assert requests.get(url + "m/v1/a.bin", auth=NoAuth(), timeout=5).content == WEIGHTS
@@ -102,7 +102,7 @@ def test_a_public_mirror_serves_anyone(mirror_root, weights, tmp_path, django_db
 
 
 def test_a_public_mirror_serves_a_revoked_node_its_set_through_libtorrent_though_the_tracker_refuses_it(
-    mirror_root, weights, tmp_path, settings, monkeypatch
+    mirror_root, two_files, tmp_path, settings, monkeypatch
 ):
     process, url = start_byte_listener(mirror_root, tmp_path, LLMGW_BYTES_PUBLIC="true")
     token = issue_token("gone")
@@ -120,7 +120,7 @@ def test_a_public_mirror_serves_a_revoked_node_its_set_through_libtorrent_though
 
 
 def test_a_node_fetches_a_set_with_its_pass_and_never_sends_it_to_another_host(
-    byte_listener, weights, settings, tmp_path
+    byte_listener, two_files, settings, tmp_path
 ):
     settings.BYTES_URL = byte_listener
     directory = fetch_source(byte_listener + "m/v1/", tmp_path / "cache")
@@ -315,7 +315,7 @@ def test_a_real_agent_whose_token_is_revoked_while_it_waits_to_resume_ends_its_f
 # --- manage.py fetch --------------------------------------------------------------------------
 
 
-def test_the_fetch_command_takes_the_nodes_pass_from_the_environment(byte_listener, weights, tmp_path, fleet_node):
+def test_the_fetch_command_takes_the_nodes_pass_from_the_environment(byte_listener, two_files, tmp_path, fleet_node):
     name, token = fleet_node
     argv = [sys.executable, "manage.py", "fetch", byte_listener + "m/v1/a.bin", "--cache", str(tmp_path), "--quiet"]
     env = node_env(LLMGW_BYTES_URL=byte_listener, LLMGW_NODE_NAME=name, LLMGW_NODE_TOKEN=token)
@@ -332,7 +332,7 @@ def test_the_fetch_command_takes_the_nodes_pass_from_the_environment(byte_listen
         assert "Traceback" not in refused.stderr
 
 
-def test_node_token_revoke_turns_the_pass_off(byte_listener, weights, fleet_node):
+def test_node_token_revoke_turns_the_pass_off(byte_listener, two_files, fleet_node):
     name, _ = fleet_node
     assert as_node.get(byte_listener + "m/v1/a.bin", timeout=5).status_code == 200
     done = subprocess.run(

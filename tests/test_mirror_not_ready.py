@@ -27,7 +27,7 @@ from mirror.readiness import source_being_written
 from serving.services import plan_for
 
 from .support.mirror import put
-from .support.processes import BASE_DIR, CountingProxy, as_node, node_env, start_byte_listener, wait_until
+from .support.processes import BASE_DIR, as_node, node_env, start_byte_listener, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -192,14 +192,6 @@ def test_one_file_fetched_while_it_is_written_waits_and_arrives_whole(byte_liste
 
 
 # --- what a node holds --------------------------------------------------------------------------
-
-
-@pytest.fixture
-def proxy(byte_listener, settings):
-    p = CountingProxy(byte_listener)
-    settings.BYTES_URL = p.url
-    yield p
-    p.stop()
 
 
 def test_a_cached_set_cut_short_by_an_older_fetch_is_fetched_again_and_a_whole_one_is_not_hashed_again(

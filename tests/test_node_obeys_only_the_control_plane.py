@@ -74,7 +74,7 @@ def elsewhere():
 
 
 @pytest.fixture
-def agent_n1(enrolled_node, byte_listener, agent_cache, tmp_path):
+def enrolled_agent(enrolled_node, byte_listener, agent_cache, tmp_path):
     name, token = enrolled_node
     agent = start_agent(name, token, agent_cache, tmp_path, LLMGW_BYTES_URL=byte_listener)
     yield agent
@@ -93,7 +93,7 @@ def dropped(agent, task: str, count: int) -> bool:
 
 
 def test_a_forged_start_is_dropped_and_logged_and_fetches_nothing_and_starts_nothing(
-    agent_n1, agent_cache, elsewhere, redis_client
+    enrolled_agent, agent_cache, elsewhere, redis_client
 ):
     issue_token("n2")
     n2_key = Node.objects.get(name="n2").token_hash
@@ -113,8 +113,10 @@ def test_a_forged_start_is_dropped_and_logged_and_fetches_nothing_and_starts_not
     stale = signing.sign(n1_key, "agent.start_replica", "n1", args, {"model": "evil"}, now=time.time() - 7200)
     forge("agent.start_replica", args, {"model": "evil", "proof": stale})
 
-    wait_until(lambda: dropped(agent_n1, "agent.start_replica", 5), timeout=30, what=agent_n1.output()[-2000:])
-    output = agent_n1.output()
+    wait_until(
+        lambda: dropped(enrolled_agent, "agent.start_replica", 5), timeout=30, what=enrolled_agent.output()[-2000:]
+    )
+    output = enrolled_agent.output()
     assert "carries no proof that the control plane sent it" in output
     assert "its proof does not match" in output
     assert "its proof expired" in output
@@ -122,15 +124,15 @@ def test_a_forged_start_is_dropped_and_logged_and_fetches_nothing_and_starts_not
     assert elsewhere.requests == []
     assert engine_state.read_state(agent_cache)["replicas"] == {}
     assert redis_client.hget(contracts_progress.progress_key("n1"), source) is None
-    assert agent_n1.alive()
+    assert enrolled_agent.alive()
 
 
 def test_a_forged_fetch_is_dropped_and_the_control_planes_own_is_fetched(
-    agent_n1, byte_listener, mirror_root, agent_cache, elsewhere
+    enrolled_agent, byte_listener, mirror_root, agent_cache, elsewhere
 ):
     put(mirror_root, "m", "v1", {"a.bin": b"a" * 1000})
     forge("agent.fetch", [byte_listener + "m/v1/"])
-    wait_until(lambda: dropped(agent_n1, "agent.fetch", 1), timeout=30, what="the forged fetch to be dropped")
+    wait_until(lambda: dropped(enrolled_agent, "agent.fetch", 1), timeout=30, what="the forged fetch to be dropped")
     assert not (agent_cache / "127.0.0.1_{}".format(byte_listener.rsplit(":", 1)[1].strip("/"))).exists()
 
     from fleet.models import Fetch
@@ -138,12 +140,12 @@ def test_a_forged_fetch_is_dropped_and_the_control_planes_own_is_fetched(
     Fetch.objects.request(Node.objects.get(name="n1"), byte_listener + "m/v1/")
     port = byte_listener.rsplit(":", 1)[1].strip("/")
     marker = agent_cache / f"127.0.0.1_{port}" / "m" / "v1" / ".complete"
-    wait_until(marker.exists, timeout=60, what=f"the control plane's fetch\n{agent_n1.output()[-2000:]}")
+    wait_until(marker.exists, timeout=60, what=f"the control plane's fetch\n{enrolled_agent.output()[-2000:]}")
 
 
 @pytest.mark.engine
 def test_a_forged_stop_does_not_stop_a_running_replica_and_the_control_planes_does(
-    agent_n1, byte_listener, mirror_root, agent_cache, tmp_path
+    enrolled_agent, byte_listener, mirror_root, agent_cache, tmp_path
 ):
     write_tiny_llama(tmp_path / "gguf")
     put(mirror_root, "tiny", "v1", {p.name: p.read_bytes() for p in (tmp_path / "gguf").glob("*.gguf")})
@@ -162,13 +164,17 @@ def test_a_forged_stop_does_not_stop_a_running_replica_and_the_control_planes_do
         entry = engine_state.read_state(agent_cache)["replicas"].get(str(replica.pk)) or {}
         return entry if entry.get("ready") else None
 
-    entry = wait_until(ready, timeout=180, interval=0.5, what=f"the engine to be ready\n{agent_n1.output()[-3000:]}")
+    entry = wait_until(
+        ready, timeout=180, interval=0.5, what=f"the engine to be ready\n{enrolled_agent.output()[-3000:]}"
+    )
     endpoint = f"http://127.0.0.1:{entry['port']}/v1/models"
 
     forge("agent.stop_replica", [replica.pk])
     other_key = signing.token_hash("llmgw-node-somebody-else")
     forge("agent.stop_replica", [replica.pk], signing.with_proof(other_key, "agent.stop_replica", "n1", [replica.pk]))
-    wait_until(lambda: dropped(agent_n1, "agent.stop_replica", 2), timeout=30, what="the forged stops to be dropped")
+    wait_until(
+        lambda: dropped(enrolled_agent, "agent.stop_replica", 2), timeout=30, what="the forged stops to be dropped"
+    )
     time.sleep(2)  # proving an absence: the forged stops are not obeyed two seconds on
     entry = engine_state.read_state(agent_cache)["replicas"][str(replica.pk)]
     assert entry["wanted"] and engines.group_alive(entry["pid"])

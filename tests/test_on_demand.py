@@ -57,8 +57,8 @@ def nothing_queued_from_another_test():
 
 
 @pytest.fixture
-def proxy(mirror_root, byte_listener, settings):
-    """The byte listener behind a proxy that counts every request a node makes of it."""
+def real_model_proxy(mirror_root, byte_listener, settings):
+    """The byte listener behind a proxy that counts every request a node makes of it, the real model in the mirror."""
     weights = real_model.gguf()
     version = mirror_root / MODEL / "instruct-q4_1"
     version.mkdir(parents=True)
@@ -92,11 +92,14 @@ class Agents(dict):
                     engines.stop_group(entry["pid"], grace=3)
 
 
-def agents_for(names, proxy, tmp_path) -> Agents:
+def agents_for(names, real_model_proxy, tmp_path) -> Agents:
     agents = Agents()
     for name in names:
         cache = tmp_path / f"cache-{name}"
-        agents[name] = (start_agent(name, issue_token(name), cache, tmp_path, LLMGW_BYTES_URL=proxy.url), cache)
+        agents[name] = (
+            start_agent(name, issue_token(name), cache, tmp_path, LLMGW_BYTES_URL=real_model_proxy.url),
+            cache,
+        )
 
     def enrolled():
         nodes = Node.objects.filter(name__in=names)
@@ -107,15 +110,15 @@ def agents_for(names, proxy, tmp_path) -> Agents:
 
 
 @pytest.fixture
-def two_nodes(proxy, control_worker, tmp_path):
-    agents = agents_for(["n1", "n2"], proxy, tmp_path)
+def two_nodes(real_model_proxy, control_worker, tmp_path):
+    agents = agents_for(["n1", "n2"], real_model_proxy, tmp_path)
     yield agents
     agents.stop()
 
 
 @pytest.fixture
-def one_node(proxy, control_worker, tmp_path):
-    agents = agents_for(["n1"], proxy, tmp_path)
+def one_node(real_model_proxy, control_worker, tmp_path):
+    agents = agents_for(["n1"], real_model_proxy, tmp_path)
     yield agents
     agents.stop()
 
@@ -178,17 +181,19 @@ def first_token_seconds(replica: Replica) -> float:
     raise AssertionError("the stream ended without a token")
 
 
-def test_a_model_idle_past_its_time_goes_to_zero_keeps_its_cache_and_wakes_where_the_weights_are(two_nodes, proxy):
+def test_a_model_idle_past_its_time_goes_to_zero_keeps_its_cache_and_wakes_where_the_weights_are(
+    two_nodes, real_model_proxy
+):
     # n1 is draining for the first start, so the weights land on n2 only; n1 would win a tie by name.
     Node.objects.filter(name="n1").update(draining=True)
-    serve(MODEL, proxy.source, scaling_min=0, scaling_max=1, idle_s=3)
+    serve(MODEL, real_model_proxy.source, scaling_min=0, scaling_max=1, idle_s=3)
     one_pass()
     assert Replica.objects.count() == 0, "a model whose fewest is 0 starts with no replica"
 
     wake(MODEL)
     (replica,) = ready(MODEL)
     assert (replica.node.name, replica.cause) == ("n2", "woken by a request")
-    assert any(method == "GET" for method, _, _ in proxy.requests), "the first start fetched the weights"
+    assert any(method == "GET" for method, _, _ in real_model_proxy.requests), "the first start fetched the weights"
     Node.objects.filter(name="n1").update(draining=False)
 
     # No request for longer than its idle time: the last replica stops, and says why.
@@ -200,26 +205,26 @@ def test_a_model_idle_past_its_time_goes_to_zero_keeps_its_cache_and_wakes_where
     wait_until(lambda: not Replica.objects.exists(), timeout=60, what="the stopped report")
     _, cache_n2 = two_nodes["n2"]
     wait_until(lambda: not engine_state.running_engines(cache_n2), timeout=30, what="the engine to be stopped")
-    assert cache_path(proxy.source, cache_n2).stat().st_size == real_model.gguf().stat().st_size
+    assert cache_path(real_model_proxy.source, cache_n2).stat().st_size == real_model.gguf().stat().st_size
     one_pass()
     assert not Replica.objects.exists(), "an idle model stays at zero"
 
     # A request for it wakes it on n2, which has the weights: an engine start, no download.
-    proxy.reset_counts()
+    real_model_proxy.reset_counts()
     wake(MODEL)
     (replica,) = ready(MODEL)
     assert replica.node.name == "n2"
     # The cached set is checked against the manifest (one small GET, docs/agent.md), no file fetched again.
     # (and the node's tracker announces of what it seeds, which fetch nothing).
-    fetched = [path for _, path, _ in proxy.requests if not path.startswith("/announce")]
-    assert all(path.endswith("/") for path in fetched), f"the wake downloaded: {proxy.requests}"
+    fetched = [path for _, path, _ in real_model_proxy.requests if not path.startswith("/announce")]
+    assert all(path.endswith("/") for path in fetched), f"the wake downloaded: {real_model_proxy.requests}"
     assert first_token_seconds(replica) < 60
 
 
 def test_load_above_target_adds_replicas_up_to_most_and_quiet_removes_them_one_at_a_time_never_a_busy_one(
-    two_nodes, proxy
+    two_nodes, real_model_proxy
 ):
-    serve(MODEL, proxy.source, scaling_min=1, scaling_max=3, target_load=2, quiet_s=2)
+    serve(MODEL, real_model_proxy.source, scaling_min=1, scaling_max=3, target_load=2, quiet_s=2)
     (first,) = ready(MODEL)
     assert first.cause == "fewest"
 
@@ -273,11 +278,11 @@ def test_load_above_target_adds_replicas_up_to_most_and_quiet_removes_them_one_a
     assert list(Replica.objects.values_list("pk", "state")) == [(busy.pk, "ready")]
 
 
-def test_making_room_stops_an_idle_model_and_says_so_but_never_a_busy_one(one_node, proxy, live_server):
+def test_making_room_stops_an_idle_model_and_says_so_but_never_a_busy_one(one_node, real_model_proxy, live_server):
     staff = token_session()
     whole_node = Node.objects.get(name="n1").memory_gb
-    serve("room-a", proxy.source, memory_gb=whole_node, scaling_min=0, scaling_max=1)
-    serve("room-b", proxy.source, memory_gb=whole_node, scaling_min=0, scaling_max=1)
+    serve("room-a", real_model_proxy.source, memory_gb=whole_node, scaling_min=0, scaling_max=1)
+    serve("room-b", real_model_proxy.source, memory_gb=whole_node, scaling_min=0, scaling_max=1)
     wake("room-a")
     (a,) = ready("room-a")
 

@@ -6,7 +6,6 @@ import json
 import time
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 # Session, user, the app list's permissions, and the overview's own grouped reads.
 MOST_QUERIES = 12
-
-
-@pytest.fixture
-def staff_client():
-    client = Client()
-    client.force_login(get_user_model().objects.create_superuser("ann", "", "a long password"))
-    return client
 
 
 def test_the_front_page_reads_a_fleet_of_a_thousand_nodes_in_a_handful_of_queries(staff_client, redis_client):

@@ -143,7 +143,7 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(engines_up, tmp_path, redis_client):
+def replica_fleet(engines_up, tmp_path, redis_client):
     made = Fleet(engines_up, tmp_path)
     yield made
     made.stop()
@@ -153,10 +153,10 @@ def replica_of(response: requests.Response) -> int:
     return int(response.headers["x-llmgw-replica"])
 
 
-def test_the_turns_of_one_conversation_land_on_one_replica_through_two_gateway_processes(fleet):
-    a, b = fleet.add_replica(0), fleet.add_replica(1)
-    first, second = fleet.start_gateway("gateway-1"), fleet.start_gateway("gateway-2")
-    ring = fleet.ring()
+def test_the_turns_of_one_conversation_land_on_one_replica_through_two_gateway_processes(replica_fleet):
+    a, b = replica_fleet.add_replica(0), replica_fleet.add_replica(1)
+    first, second = replica_fleet.start_gateway("gateway-1"), replica_fleet.start_gateway("gateway-2")
+    ring = replica_fleet.ring()
     # Three conversations owned by each replica, so that one replica taking everything would fail.
     owned = {a.pk: [], b.pk: []}
     for n in range(len(TOPICS)):
@@ -171,7 +171,7 @@ def test_the_turns_of_one_conversation_land_on_one_replica_through_two_gateway_p
             answered_by, cached = [], []
             for turn in range(4):
                 # Turns alternate between the two gateways, which share nothing but the table and Redis.
-                response = fleet.chat(first if turn % 2 == 0 else second, messages)
+                response = replica_fleet.chat(first if turn % 2 == 0 else second, messages)
                 answered_by.append(replica_of(response))
                 answer = response.json()
                 cached.append(answer["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
@@ -184,27 +184,27 @@ def test_the_turns_of_one_conversation_land_on_one_replica_through_two_gateway_p
             # The replica had the conversation so far in its cache: every later turn skipped the system prompt.
             assert all(c > 200 for c in cached[1:]), f"conversation {n}: cached tokens {cached}"
 
-    routes = fleet.routes(24)
+    routes = replica_fleet.routes(24)
     assert set(routes) == {prefix.PREFIX}, routes
 
 
-def test_a_replica_added_takes_only_its_share_of_the_conversations_and_the_rest_stay(fleet):
-    fleet.add_replica(0), fleet.add_replica(1)
-    url = fleet.start_gateway("gateway")
+def test_a_replica_added_takes_only_its_share_of_the_conversations_and_the_rest_stay(replica_fleet):
+    replica_fleet.add_replica(0), replica_fleet.add_replica(1)
+    url = replica_fleet.start_gateway("gateway")
     conversations = range(24)
-    before = {n: replica_of(fleet.chat(url, opening(n), max_tokens=1)) for n in conversations}
+    before = {n: replica_of(replica_fleet.chat(url, opening(n), max_tokens=1)) for n in conversations}
     assert len(set(before.values())) == 2, before
 
-    added = fleet.add_replica(2)
-    ring = fleet.ring()
+    added = replica_fleet.add_replica(2)
+    ring = replica_fleet.ring()
     goes_to_new = next(n for n in range(100) if ring.owner(prefix.key_of({"messages": opening(n)})) == added.pk)
     wait_until(
-        lambda: replica_of(fleet.chat(url, opening(goes_to_new), max_tokens=1)) == added.pk,
+        lambda: replica_of(replica_fleet.chat(url, opening(goes_to_new), max_tokens=1)) == added.pk,
         timeout=15,
         what="the gateway to route to the replica added",
     )
 
-    after = {n: replica_of(fleet.chat(url, opening(n), max_tokens=1)) for n in conversations}
+    after = {n: replica_of(replica_fleet.chat(url, opening(n), max_tokens=1)) for n in conversations}
     moved = {n for n in conversations if after[n] != before[n]}
     assert all(after[n] == added.pk for n in moved), {n: (before[n], after[n]) for n in moved}
     # A third of the keys on average; none and all would both be wrong.
@@ -212,11 +212,11 @@ def test_a_replica_added_takes_only_its_share_of_the_conversations_and_the_rest_
     assert after == {n: ring.owner(prefix.key_of({"messages": opening(n)})) for n in conversations}
 
 
-def test_a_hot_prefix_spills_over_to_the_next_replica_at_the_bound_and_the_replicas_page_says_why(fleet):
-    a, b = fleet.add_replica(0), fleet.add_replica(1)
-    url = fleet.start_gateway("gateway")
+def test_a_hot_prefix_spills_over_to_the_next_replica_at_the_bound_and_the_replicas_page_says_why(replica_fleet):
+    a, b = replica_fleet.add_replica(0), replica_fleet.add_replica(1)
+    url = replica_fleet.start_gateway("gateway")
     hot = opening(0)
-    owner = fleet.ring().owner(prefix.key_of({"messages": hot}))
+    owner = replica_fleet.ring().owner(prefix.key_of({"messages": hot}))
     other = b.pk if owner == a.pk else a.pk
     results: list[int] = []
     failures: list[str] = []
@@ -224,7 +224,7 @@ def test_a_hot_prefix_spills_over_to_the_next_replica_at_the_bound_and_the_repli
     def one() -> None:
         try:
             # Long enough (ignore_eos: every one of its tokens) that all eight are in flight at once.
-            results.append(replica_of(fleet.chat(url, hot, max_tokens=96, ignore_eos=True)))
+            results.append(replica_of(replica_fleet.chat(url, hot, max_tokens=96, ignore_eos=True)))
         except Exception as error:
             failures.append(str(error))
 
@@ -236,12 +236,12 @@ def test_a_hot_prefix_spills_over_to_the_next_replica_at_the_bound_and_the_repli
     assert not failures, failures
     # ceil(1.25 × 8 ÷ 2) = 5 at most on the owner; the rest went on to the next replica on the ring.
     assert results.count(owner) <= 5 and results.count(other) >= 3, results
-    fleet.routes(8)
-    lines = fleet.lines()
+    replica_fleet.routes(8)
+    lines = replica_fleet.lines()
     assert {line["route"] for line in lines if line["replica"] == other} == {prefix.BOUNDED}, lines
     assert {line["route"] for line in lines if line["replica"] == owner} == {prefix.PREFIX}, lines
     # Once they are answered, the hot prefix's next request is its owner's again.
-    assert replica_of(fleet.chat(url, hot)) == owner
+    assert replica_of(replica_fleet.chat(url, hot)) == owner
 
     staff = Client()
     staff.force_login(User.objects.create_superuser("staff", "staff@example.org", "x"))
@@ -255,23 +255,23 @@ def test_a_hot_prefix_spills_over_to_the_next_replica_at_the_bound_and_the_repli
 
 
 def test_a_model_routed_by_load_spreads_one_conversation_and_says_load(engines_up, tmp_path, redis_client):
-    fleet = Fleet(engines_up, tmp_path, routing="load")
+    replica_fleet = Fleet(engines_up, tmp_path, routing="load")
     try:
-        fleet.add_replica(0), fleet.add_replica(1)
-        url = fleet.start_gateway("gateway")
-        seen = {replica_of(fleet.chat(url, opening(3), max_tokens=1)) for _ in range(6)}
+        replica_fleet.add_replica(0), replica_fleet.add_replica(1)
+        url = replica_fleet.start_gateway("gateway")
+        seen = {replica_of(replica_fleet.chat(url, opening(3), max_tokens=1)) for _ in range(6)}
         # Least in flight takes turns between equally idle replicas: one conversation on both.
         assert len(seen) == 2, seen
-        assert set(fleet.routes(6)) == {prefix.LOAD}
+        assert set(replica_fleet.routes(6)) == {prefix.LOAD}
     finally:
-        fleet.stop()
+        replica_fleet.stop()
 
 
-def test_cached_tokens_are_reported_in_usage_through_the_official_openai_and_anthropic_clients(fleet):
-    fleet.add_replica(0)
-    url = fleet.start_gateway("gateway")
-    gpt = openai.OpenAI(base_url=url + "/v1", api_key=fleet.key, max_retries=0, timeout=120)
-    claude = anthropic.Anthropic(base_url=url, api_key=fleet.key, max_retries=0, timeout=120)
+def test_cached_tokens_are_reported_in_usage_through_the_official_openai_and_anthropic_clients(replica_fleet):
+    replica_fleet.add_replica(0)
+    url = replica_fleet.start_gateway("gateway")
+    gpt = openai.OpenAI(base_url=url + "/v1", api_key=replica_fleet.key, max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=url, api_key=replica_fleet.key, max_retries=0, timeout=120)
     # A system prompt no other test sent: the module's engines outlive each test, and their caches too.
     system, question = system_prompt(500), [{"role": "user", "content": "Say hello."}]
     messages = [{"role": "system", "content": system}, *question]

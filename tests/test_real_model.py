@@ -13,14 +13,12 @@ streaming at once for a minute, every answer whole.
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pytest
 import requests
 
 from agent import engine_state, engines, supervisor
 from catalog.models import Model, Profile
-from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from gateway.keys import create_key
 from gateway.models import Usage
@@ -30,20 +28,15 @@ from . import real_model
 from .real_model import ANSWER, MODEL, ask, assert_chat_answer, complete, streamed_whole
 from .staff_api import token_session
 from .support.mirror import settle
-from .support.processes import Process, node_env, wait_until
+from .support.processes import wait_until
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def weights():
-    return real_model.gguf()
-
-
-@pytest.fixture(scope="module")
-def engine(weights, tmp_path_factory):
+def engine(real_model_weights, tmp_path_factory):
     """One real llama.cpp replica on the real model, as the supervisor would start it."""
-    process, endpoint, log_path = real_model.start_engine(weights, tmp_path_factory.mktemp("engine"))
+    process, endpoint, log_path = real_model.start_engine(real_model_weights, tmp_path_factory.mktemp("engine"))
     yield endpoint
     engines.stop_group(process.pid, grace=5)
     process.wait(timeout=10)
@@ -57,12 +50,12 @@ class Reports(list):
 # --- through the agent's own engine start ----------------------------------------------
 
 
-def test_the_real_quantized_model_answers_through_the_agents_own_engine_start(tmp_path, weights):
+def test_the_real_quantized_model_answers_through_the_agents_own_engine_start(tmp_path, real_model_weights):
     """The test that catches a build for the wrong CPU: it crashes here, on the first token."""
     cache = tmp_path / "cache"
     reports = Reports()
     sup = supervisor.Supervisor(cache, reports)
-    engine_state.want(cache, 1, "llamacpp", "http://mirror/smollm2-135m/instruct-q4_1/", weights, [], MODEL)
+    engine_state.want(cache, 1, "llamacpp", "http://mirror/smollm2-135m/instruct-q4_1/", real_model_weights, [], MODEL)
     try:
         wait_until(
             lambda: sup.step() or any(r[1] in ("ready", "failed") for r in reports),
@@ -189,30 +182,15 @@ def test_sixteen_clients_streaming_at_once_for_a_minute_each_get_their_whole_ans
 # --- from the mirror, through an agent -------------------------------------------------------
 
 
-@pytest.fixture
-def agent_n1(tmp_path, mirror_root, byte_listener):
-    token = issue_token("n1")
-    cache = tmp_path / "cache-n1"
-    env = node_env(LLMGW_NODE_TOKEN=token, LLMGW_HEARTBEAT_S=1, LLMGW_BYTES_URL=byte_listener)  # no database
-    agent = Process(
-        "agent-n1", [sys.executable, "manage.py", "agent", "--node", "n1", "--cache", str(cache)], env, tmp_path
-    )
-    yield agent, cache
-    agent.stop()
-    for entry in engine_state.read_state(cache)["replicas"].values():
-        if entry.get("pid") and engines.group_alive(entry["pid"]):
-            engines.stop_group(entry["pid"], grace=3)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_the_real_model_copied_into_the_mirror_is_served_fetched_started_and_says_paris_through_the_gateway(
-    settings, weights, mirror_root, byte_listener, control_worker, agent_n1, live_server, gateway
+    settings, real_model_weights, mirror_root, byte_listener, control_worker, agent_n1, live_server, gateway
 ):
     agent, cache = agent_n1
     settings.BYTES_URL = byte_listener
     version = mirror_root / MODEL / "instruct-q4_1"
     version.mkdir(parents=True)
-    shutil.copyfile(weights, version / weights.name)
+    shutil.copyfile(real_model_weights, version / real_model_weights.name)
     settle(version)  # copied in a while ago: whole, not still being written (LLMGW_MIRROR_SETTLE_S)
     scan.scan_mirror()
 
@@ -225,9 +203,10 @@ def test_the_real_model_copied_into_the_mirror_is_served_fetched_started_and_say
 
     api = token_session()
     plan = api.get(live_server.url + f"/api/serve/plan/?model={MODEL}&version=instruct-q4_1").json()
-    assert plan["engine"] == "llamacpp" and plan["source"] == f"{byte_listener}{MODEL}/instruct-q4_1/{weights.name}", (
-        plan
-    )
+    assert (
+        plan["engine"] == "llamacpp"
+        and plan["source"] == f"{byte_listener}{MODEL}/instruct-q4_1/{real_model_weights.name}"
+    ), plan
     served = api.post(
         live_server.url + "/api/serve/",
         json={

@@ -80,7 +80,7 @@ VERSIONS = {
 
 
 @pytest.fixture(scope="module")
-def fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported above)
+def swarm_fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported above)
     log_dir = tmp_path_factory.mktemp("swarm-netns")
     network = netns.Fleet()
     control = None
@@ -156,8 +156,8 @@ def file_request(version: str, node: Node):
     return held
 
 
-def test_a_node_fetches_a_set_from_the_mirror_alone(fleet):
-    control, nodes, _ = fleet
+def test_a_node_fetches_a_set_from_the_mirror_alone(swarm_fleet):
+    control, nodes, _ = swarm_fleet
     send_fetch("n1", source_of(control, "v1"), broker_url=control.redis_url)
     said = fetched(control, nodes["n1"], "v1")
     assert_same_as_the_mirror(control, nodes["n1"], "v1")
@@ -165,8 +165,8 @@ def test_a_node_fetches_a_set_from_the_mirror_alone(fleet):
     assert said["bytes_from_mirror"] >= total and said["bytes_from_peers"] == 0, said
 
 
-def test_with_the_byte_listener_stopped_a_second_node_gets_the_set_whole_from_the_first(fleet):
-    control, nodes, _ = fleet
+def test_with_the_byte_listener_stopped_a_second_node_gets_the_set_whole_from_the_first(swarm_fleet):
+    control, nodes, _ = swarm_fleet
     source = source_of(control, "v1")
     control.proxy.reset_counts()
     held = file_request("v1", nodes["n2"])
@@ -203,8 +203,8 @@ def last_piece_of_a_bin(client: str, path: str, range_: str, node: Node) -> bool
     return m is not None and int(m.group(2)) >= 2 * PIECE
 
 
-def test_a_fetch_whose_every_source_stalled_says_so_and_completes_once_a_peer_holds_the_piece(fleet):
-    control, nodes, _ = fleet
+def test_a_fetch_whose_every_source_stalled_says_so_and_completes_once_a_peer_holds_the_piece(swarm_fleet):
+    control, nodes, _ = swarm_fleet
     n1, n3 = nodes["n1"], nodes["n3"]
     source = source_of(control, "v2")
     control.proxy.hold = lambda client, path, range_: last_piece_of_a_bin(client, path, range_, n3)
@@ -228,8 +228,8 @@ def test_a_fetch_whose_every_source_stalled_says_so_and_completes_once_a_peer_ho
     assert "stalled; its pieces go to other sources" in n3.agent.output()
 
 
-def test_a_peer_that_serves_a_corrupted_piece_is_caught_by_its_hash_and_banned(fleet):
-    control, nodes, _ = fleet
+def test_a_peer_that_serves_a_corrupted_piece_is_caught_by_its_hash_and_banned(swarm_fleet):
+    control, nodes, _ = swarm_fleet
     n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
     source = source_of(control, "v1")
     # n1's copy rots: one byte flipped in a.bin's second piece, its size and mtime kept, so n1's own
@@ -308,8 +308,8 @@ def asked_of_verified(requests: list, record: lt.add_torrent_params, info: lt.to
     return reached
 
 
-def test_a_node_killed_mid_fetch_resumes_with_only_the_pieces_it_had_not_verified(fleet, tmp_path):
-    control, nodes, _ = fleet
+def test_a_node_killed_mid_fetch_resumes_with_only_the_pieces_it_had_not_verified(swarm_fleet, tmp_path):
+    control, nodes, _ = swarm_fleet
     n3 = nodes["n3"]
     source = source_of(control, "v3")
     info = lt.torrent_info(leaked_torrent(control, n3, "v3", tmp_path / "v3.torrent"))
@@ -380,8 +380,8 @@ def pieces_got(host: netns.Host, torrent: str, peer: Node, save, seconds: float)
     return downloaded, pieces
 
 
-def test_a_host_without_fleet_credentials_gets_no_piece_from_a_node(fleet, tmp_path):
-    control, nodes, stranger = fleet
+def test_a_host_without_fleet_credentials_gets_no_piece_from_a_node(swarm_fleet, tmp_path):
+    control, nodes, stranger = swarm_fleet
     n1 = nodes["n1"]
     source = source_of(control, "v2")  # n1 holds it, whole and sound
     torrent = leaked_torrent(control, n1, "v2", tmp_path / "v2.torrent")
@@ -441,8 +441,8 @@ class PlainPeer:
         self.popen.wait(timeout=10)
 
 
-def test_a_revoked_node_gets_nothing_from_its_peers_from_its_next_connection(fleet, tmp_path):
-    control, nodes, _ = fleet
+def test_a_revoked_node_gets_nothing_from_its_peers_from_its_next_connection(swarm_fleet, tmp_path):
+    control, nodes, _ = swarm_fleet
     n1, n3 = nodes["n1"], nodes["n3"]
     send_fetch("n1", source_of(control, "v4"), broker_url=control.redis_url)
     fetched(control, n1, "v4")

@@ -51,9 +51,12 @@ def error_of(response) -> dict:
 def clear_of_minute_boundary(needed_s: float = 20) -> None:
     """Fixed windows: a burst that straddles a new minute is counted in two. Start it early in a minute.
 
-    A fixed sleep on purpose: what is waited for is the wall clock's next minute, which
-    nothing can be asked for sooner; it sleeps only when fewer than `needed_s` seconds remain.
+    Polls the wall clock until at least `needed_s` seconds of its minute remain: at once
+    when they do, else just past the next minute's start.
     """
-    into = time.time() % 60
-    if into > 60 - needed_s:
-        time.sleep(60 - into + 0.2)
+    wait_until(
+        lambda: time.time() % 60 <= 60 - needed_s,
+        61,
+        interval=0.05,
+        what=f"a minute with {needed_s} s left",
+    )
