@@ -56,6 +56,7 @@ def test_the_overview_shows_memory_placed_replicas_and_the_last_24_hours(staff_c
         "placed": 60,
         "percent": 75,
         "ready": True,
+        "in_use": None,  # its node has measured nothing
     }
     assert "60 of 80 GB" in body
     states = {row["state"]: row["count"] for row in page.context["replicas"]}

@@ -6,6 +6,7 @@ replica of 0.3 GB, and the replicas list running off the page's right edge.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from django.utils import timezone
 
 from contracts import engine_stats as contract
 from contracts import signing
+from fleet import memory
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 from gateway.metrics import HOUR_PREFIX
@@ -49,6 +51,12 @@ def one_replica_running(redis_client):
     node.save()
     replica = Replica.objects.create(
         model_name=MODEL, profile_name="cpu", node=node, state="ready", memory_gb=0, endpoint="http://127.0.0.1:1/v1"
+    )
+    # Its node measured its engine at 0.3 GB (what fleet.memory keeps of a checked heartbeat): placement books
+    # whole GB, so the bar says it beside what is placed.
+    redis_client.set(
+        memory.MEMORY_PREFIX + node.name,
+        json.dumps({"at": time.time(), "replicas": {str(replica.pk): {"rss": int(0.3 * 1024**3), "pss": None}}}),
     )
     stats = {"slots": 4, "slots_busy": 1, "requests_deferred": 0, "kv_cache_used": 0.12, "tokens_per_second": 41.5}
     redis_client.hset(
@@ -92,7 +100,7 @@ def test_the_overview_and_replicas_list_keep_headings_on_their_words_and_fit_the
                 overview = page.goto(live_server.url + "/admin/") and page
                 assert page.inner_text("#overview-engines th:has-text('slots busy')").lower() == "slots busy"
                 assert "1 of 4" in page.inner_text(f"#overview-engines [data-model='{MODEL}']")
-                assert "of 24 GB" in overview.inner_text("[data-node=gpu-node-1]")
+                assert "of 24 GB, 307 MB in use" in overview.inner_text("[data-node=gpu-node-1]")
         assert sorted(p.name for p in tmp_path.glob("*.png")) == sorted(
             f"{n}-{w}x{h}.png" for n in ("overview", "replicas") for w, h in SIZES
         )
@@ -106,3 +114,8 @@ def test_memory_placed_under_a_gigabyte_reads_in_megabytes(placed, total, said):
     from django.template import Context, Template
 
     assert Template("{% load sizes %}{% placed_of placed total %}").render(Context(locals())) == said
+
+
+def test_the_overview_api_gives_each_nodes_memory_in_use_as_the_page_does(one_replica_running, staff_client):
+    bar = staff_client.get("/api/fleet/overview/").json()["nodes"]["bars"][0]
+    assert (bar["name"], bar["placed"], bar["in_use"]) == ("gpu-node-1", 0, int(0.3 * 1024**3))

@@ -16,6 +16,10 @@ class NodeBarSerializer(serializers.Serializer):
     placed = serializers.IntegerField(help_text="What placement booked on it, whole GB.")
     percent = serializers.IntegerField()
     ready = serializers.BooleanField()
+    in_use = serializers.IntegerField(
+        allow_null=True,
+        help_text="Bytes its engines hold as it last measured them (the page's 'in use'); null when not measured.",
+    )
 
 
 class NodesSerializer(serializers.Serializer):
