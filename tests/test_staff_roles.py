@@ -485,6 +485,8 @@ def test_a_viewer_reads_every_team_and_member_through_the_api_and_cannot_add_or_
 def test_staff_pick_a_keys_team_by_searching_for_it(people, rows):
     """The key's team field searches teams (autocomplete), which needs the team's view permission both groups hold."""
     search = "/admin/autocomplete/?app_label=gateway&model_name=apikey&field_name=team&term=blu"
+    page = _text(people["operator"].get(reverse("admin:gateway_apikey_add")))
+    assert re.search(r'<select [^>]*class="admin-autocomplete"[^>]*data-field-name="team"', page), "no team search"
     for role in ("viewer", "operator"):
         found = people[role].get(search)
         assert found.status_code == 200, f"{role}: {found.status_code}"
