@@ -22,6 +22,9 @@ OPERATORS = "llmgw operators"
 # The apps whose models the groups cover.
 # auditlog: the audit log (docs/audit.md), which both groups read and neither writes.
 LLMGW_APPS = ("mirror", "catalog", "fleet", "gateway", "auditlog")
+# llmgw's models in an app it shares: accounts' teams are llmgw's, its API tokens and provider accounts are not
+# (they stay a superuser's, with users and groups).
+LLMGW_MODELS = ("accounts.team", "accounts.teammember")
 # What the overview on the admin's front page draws from.
 OVERVIEW = ("fleet.view_node", "fleet.view_replica", "fleet.view_fetch", "gateway.view_usage")
 
@@ -34,9 +37,18 @@ def refusal(perms: tuple[str, ...] | list[str]) -> str:
     )
 
 
+def is_llmgw(model) -> bool:
+    """Whether the groups cover `model` (a model class): every model of llmgw's apps, and the few of LLMGW_MODELS."""
+    return model._meta.app_label in LLMGW_APPS or model._meta.label_lower in LLMGW_MODELS
+
+
 def reads_llmgw(user) -> bool:
-    """Staff with a permission on any of llmgw's apps: the schema, the API's index pages and the overview's frame."""
-    return bool(user and user.is_active and user.is_staff) and any(user.has_module_perms(a) for a in LLMGW_APPS)
+    """Staff with a permission on any of llmgw's models: the schema, the API's index pages and the overview's frame."""
+    if not (user and user.is_active and user.is_staff):
+        return False
+    if any(user.has_module_perms(a) for a in LLMGW_APPS):
+        return True
+    return any(user.has_perm(f"{app}.view_{model}") for app, model in (m.split(".") for m in LLMGW_MODELS))
 
 
 def staff_with(*perms: str) -> Callable:

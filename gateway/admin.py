@@ -27,6 +27,8 @@ class UsageInline(admin.TabularInline):
 class ApiKeyAdmin(admin.ModelAdmin):
     list_display = ("name", "prefix", "active", "team", "owner", "scope", "expires", "created", "last_used")
     list_filter = ("active", "team")
+    # Searching teams needs accounts.view_team, which both staff groups hold (common/migrations/0003).
+    autocomplete_fields = ("team",)
     raw_id_fields = ("owner",)
     search_fields = ("name", "prefix")
     readonly_fields = ("prefix", "created", "created_by", "last_used", "used_against_limits")

@@ -26,8 +26,9 @@ from django.utils import timezone
 from django.utils.regex_helper import normalize
 from django.views.generic import RedirectView
 
+from accounts.models import Team, TeamMember
 from catalog.models import Model, Profile
-from common.permissions import LLMGW_APPS, OPERATORS, VIEWERS
+from common.permissions import OPERATORS, VIEWERS, is_llmgw
 from contracts import signing
 from fleet import enrolment
 from fleet.models import Fetch, MeasuredMemory, Node, Replica, Scale
@@ -125,6 +126,8 @@ def rows(people, settings, tmp_path) -> Rows:
     key, key_secret = create_key("team-a")
     usage = Usage.objects.create(key=key, model_name="tiny", day=timezone.now().date(), requests=1)
     User = get_user_model()
+    team = Team.objects.create(name="blue")
+    member = TeamMember.objects.create(team=team, user=User.objects.create_user("bea", password=PASSWORD))
     return Rows(
         by_model={
             MirrorVersion: version,
@@ -137,6 +140,8 @@ def rows(people, settings, tmp_path) -> Rows:
             MeasuredMemory: measured,
             ApiKey: key,
             Usage: usage,
+            Team: team,
+            TeamMember: member,
             LogEntry: LogEntry.objects.get_for_object(node).last(),
             Group: Group.objects.get(name=VIEWERS),
             User: User.objects.get(username="vera"),
@@ -149,7 +154,7 @@ def _pk(rows: Rows, model: type):
     """The sample row's key; a model outside llmgw's apps without one is refused before its row is looked up."""
     if model in rows.by_model:
         return rows.by_model[model].pk
-    assert model._meta.app_label not in LLMGW_APPS, f"add a sample row of {model.__name__} to the rows fixture"
+    assert not is_llmgw(model), f"add a sample row of {model.__name__} to the rows fixture"
     return 0
 
 
@@ -222,7 +227,7 @@ def addresses(rows: Rows, llmgw: bool = True) -> list[Address]:
             and name.removeprefix(f"admin:{model._meta.app_label}_{model._meta.model_name}_") in ADMIN_VIEWS
         ):
             continue  # walked from the registry
-        if llmgw != (model is None or model._meta.app_label in LLMGW_APPS):
+        if llmgw != (model is None or is_llmgw(model)):
             continue
         assert name, f"the address {''.join(map(str, pieces))} has no name: name it so it can be walked"
         url = "/"
@@ -296,7 +301,7 @@ def test_a_viewer_reads_every_page_and_endpoint_and_sees_no_secret(people, rows)
     viewer, boss = people["viewer"], people["superuser"]
     seen = []
     for model in admin.site._registry:
-        if model._meta.app_label not in LLMGW_APPS:
+        if not is_llmgw(model):
             continue
         info = f"admin:{model._meta.app_label}_{model._meta.model_name}"
         pk = _pk(rows, model)
@@ -342,7 +347,7 @@ def test_a_viewer_is_refused_every_write_action_and_secret_and_nothing_changes(p
             refusals += 1
         changelist = reverse(f"{info}_changelist")
         offered = viewer.get(changelist).context
-        if model._meta.app_label in LLMGW_APPS:
+        if is_llmgw(model):
             action_form = offered.get("action_form") if offered else None
             assert action_form is None, f"a viewer is offered {model.__name__}'s actions"
         for action in [*(model_admin.actions or ()), "delete_selected"]:
@@ -378,11 +383,11 @@ def test_an_operator_may_do_what_a_superuser_may_in_llmgw_and_nothing_with_accou
         urls += [reverse(f"{info}_{v}", args=[pk]) for v in ("change", "delete", "history")[: 3 if pk else 2]]
         for url in urls:
             mine, theirs = operator.get(url).status_code, boss.get(url).status_code
-            if model._meta.app_label in LLMGW_APPS:
+            if is_llmgw(model):
                 assert mine == theirs, f"{url}: an operator gets {mine}, a superuser {theirs}"
             else:
                 assert mine == 403, f"an operator may open {url}"
-        if model._meta.app_label in LLMGW_APPS:
+        if is_llmgw(model):
             changelist = reverse(f"{info}_changelist")
             choices = [_actions_offered(r) for r in (operator.get(changelist), boss.get(changelist))]
             assert choices[0] == choices[1], (
@@ -455,6 +460,38 @@ def test_a_viewer_cannot_mint_a_nodes_token_rotate_a_key_make_a_key_or_serve_a_m
     key.refresh_from_db()
     assert node.token_hash == rows.secrets[1] and key.key_hash == rows.secrets[3]
     assert not ApiKey.objects.filter(name="mine").exists() and not Model.objects.filter(name="mine").exists()
+
+
+def test_a_viewer_reads_every_team_and_member_through_the_api_and_cannot_add_or_remove_one(people, rows):
+    """Teams are llmgw's: a viewer in no team sees them all (as the admin shows them) and changes none; an operator does."""
+    viewer, operator = people["viewer"], people["operator"]
+    team, member = rows.by_model[Team], rows.by_model[TeamMember]
+    teams = viewer.get("/api/people/teams/")
+    members = viewer.get("/api/people/members/")
+    assert [t["name"] for t in teams.json()["results"]] == ["blue"]
+    assert [m["username"] for m in members.json()["results"]] == ["bea"]
+    assert viewer.get(f"/api/people/members/{member.pk}/").json()["team"] == team.pk
+    before = database_state()
+    added = viewer.post("/api/people/members/", {"team": team.pk, "who": "vera"}, content_type="application/json")
+    removed = viewer.delete(f"/api/people/members/{member.pk}/")
+    assert (added.status_code, removed.status_code) == (404, 404), (added.content, removed.content)
+    assert database_state() == before
+    added = operator.post("/api/people/members/", {"team": team.pk, "who": "vera"}, content_type="application/json")
+    assert added.status_code == 201, added.content
+    assert operator.delete(f"/api/people/members/{member.pk}/").status_code == 204
+    assert list(team.members.values_list("user__username", flat=True)) == ["vera"]
+
+
+def test_staff_pick_a_keys_team_by_searching_for_it(people, rows):
+    """The key's team field searches teams (autocomplete), which needs the team's view permission both groups hold."""
+    search = "/admin/autocomplete/?app_label=gateway&model_name=apikey&field_name=team&term=blu"
+    page = _text(people["operator"].get(reverse("admin:gateway_apikey_add")))
+    assert re.search(r'<select [^>]*class="admin-autocomplete"[^>]*data-field-name="team"', page), "no team search"
+    for role in ("viewer", "operator"):
+        found = people[role].get(search)
+        assert found.status_code == 200, f"{role}: {found.status_code}"
+        assert [r["text"] for r in found.json()["results"]] == ["blue"], role
+    assert people["nobody"].get(search).status_code == 403
 
 
 def _readable(cookie_value: str) -> str:

@@ -15,6 +15,7 @@ def groups() -> dict[str, Group]:
     if Group.objects.filter(name__in=[VIEWERS, OPERATORS]).count() != 2:
         import_module("common.migrations.0001_staff_groups").make_groups(apps)
         import_module("common.migrations.0002_audit_log_readers").let_groups_read(apps)
+        import_module("common.migrations.0003_team_permissions").give_team_permissions(apps)
     return {group.name: group for group in Group.objects.filter(name__in=[VIEWERS, OPERATORS])}
 
 
