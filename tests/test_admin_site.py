@@ -12,7 +12,7 @@ def test_the_admin_says_llmgw_and_lists_apps_in_the_order_work_flows(admin_clien
     assert "<title>Mirror, catalog, fleet and gateway | llmgw</title>" in html
     assert '<a href="/admin/">llmgw</a>' in html
     captions = re.findall(r'<caption>\s*<a href="/admin/(\w+)/"', html)
-    assert captions == ["mirror", "catalog", "fleet", "gateway", "auth"]
+    assert captions == ["mirror", "catalog", "fleet", "gateway", "auth", "auditlog"]
 
 
 def test_fetches_are_called_fetches_and_tokens_sit_with_users(admin_client):

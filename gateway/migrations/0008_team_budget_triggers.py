@@ -122,11 +122,11 @@ def create_triggers(apps, schema_editor):
 
 def drop_triggers(apps, schema_editor):
     vendor = schema_editor.connection.vendor
-    drop(vendor, schema_editor, ["team", "member", "owner", "key"])
-    # The key's triggers as 0003 left them.
-    key_table, key_columns = TABLE_CHANGES.WATCHED["key"]
+    drop(vendor, schema_editor, ["team", "member", "owner", "key", "model"])
+    # The key's and the model's triggers as 0002 and 0003 left them.
+    tables = {TABLE_CHANGES.WATCHED[name][0] for name in ("key", "model")}
     for statement in TABLE_CHANGES.sqlite_statements() if vendor == "sqlite" else TABLE_CHANGES.postgresql_statements():
-        if f" ON {key_table} " in statement:
+        if any(f" ON {table} " in statement for table in tables) or "CREATE OR REPLACE FUNCTION" in statement:
             schema_editor.execute(statement)
     import_module("gateway.migrations.0003_key_limits").update_triggers(
         import_module("gateway.migrations.0003_key_limits").WATCHED
