@@ -177,5 +177,18 @@ def take(client, nodes: list[str]) -> tuple[dict, dict, dict]:
     return heartbeats, reports, old
 
 
+def give_back(client, heartbeats: dict, reports: dict) -> None:
+    """Put back what take() took but could not apply (the database went away): the next collection
+    applies it. An entry the node posted meanwhile is newer and stays (the latest wins)."""
+    pipe = client.pipeline(transaction=True)
+    for node, raw in heartbeats.items():
+        pipe.set(keys.heartbeat_key(node), raw, ex=signing.REPORT_TTL_S, nx=True)
+    for node, posted in reports.items():
+        for replica_id, raw in posted.items():
+            pipe.hsetnx(keys.reports_key(node), replica_id, raw)
+        pipe.expire(keys.reports_key(node), signing.REPORT_TTL_S)
+    pipe.execute()
+
+
 def _text(field) -> str:
     return field.decode(errors="replace") if isinstance(field, bytes) else str(field)

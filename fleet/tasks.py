@@ -3,6 +3,7 @@
 import logging
 
 from celery import shared_task
+from django.db import InterfaceError, OperationalError
 
 from catalog.models import Model
 from contracts import demand, tasks
@@ -17,6 +18,21 @@ from .reports import endpoint_problem
 
 log = logging.getLogger(__name__)
 
+DATABASE_AWAY = (OperationalError, InterfaceError)
+# A message sent as a task of its own, retried while the database is away (a few minutes,
+# as long as its signature is good) rather than dropped.
+_WHILE_DATABASE_AWAY = {
+    "autoretry_for": DATABASE_AWAY,
+    "retry_backoff": True,
+    "retry_backoff_max": 60,
+    "max_retries": 8,
+}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
 
 @shared_task(name=tasks.COLLECT, ignore_result=True)
 def collect() -> None:
@@ -25,14 +41,33 @@ def collect() -> None:
     See contracts/tasks.py: a Celery message each would cost the control worker a third
     of a core at a thousand nodes. Each entry is checked as its own message would be, and
     one that is not believed is dropped with a line in the log: never the rest of the batch.
+    With the database away, what was taken and not applied goes back to Redis for the next
+    pass (the reconcile beat's): taken and dropped, a minute's outage lost every heartbeat
+    and report posted in it, and the nodes were judged silent after.
     """
+    try:
+        _collect()
+    except DATABASE_AWAY as away:
+        log.warning("collecting waits for the database (%s); what the nodes posted stays in Redis", _first_line(away))
+
+
+def _collect() -> None:
     nodes = enrolment.enrolled()
     heartbeats, reports, old = tasks.take(redis_client(), list(nodes))
-    for name, raw in heartbeats.items():
-        _believe(nodes[name], tasks.HEARTBEAT, raw)
-    for name, posted in reports.items():
-        for raw in posted.values():
-            _believe(nodes[name], tasks.REPLICA_REPORT, raw)
+    try:
+        # Each entry leaves its dict once applied (or refused): what is left is given back.
+        for name in list(heartbeats):
+            _believe(nodes[name], tasks.HEARTBEAT, heartbeats[name])
+            del heartbeats[name]
+        for name in list(reports):
+            posted = reports[name]
+            for replica_id in list(posted):
+                _believe(nodes[name], tasks.REPLICA_REPORT, posted[replica_id])
+                del posted[replica_id]
+            del reports[name]
+    except DATABASE_AWAY:
+        tasks.give_back(redis_client(), heartbeats, reports)
+        raise
     for key, entries in old.items():
         for field in entries:
             log.warning(
@@ -42,7 +77,7 @@ def collect() -> None:
             )
 
 
-@shared_task(name=tasks.HEARTBEAT, ignore_result=True)
+@shared_task(name=tasks.HEARTBEAT, ignore_result=True, **_WHILE_DATABASE_AWAY)
 def heartbeat(message, *older) -> None:
     """A node's signed heartbeat as a message of its own; most are posted and collected instead."""
     _believe(_sender(message), tasks.HEARTBEAT, message, older)
@@ -60,17 +95,21 @@ def reconcile() -> None:
     except Exception:
         # Redis away, say: the pass still runs, or nothing is placed until it is back.
         log.exception("collecting what the nodes posted failed; reconciling with what the database holds")
-    with RECONCILE.time():
-        reconciling.reconcile()
+    try:
+        with RECONCILE.time():
+            reconciling.reconcile()
+    except DATABASE_AWAY as away:
+        # Not a fault of this code: the beat's next pass does the work once the database is back.
+        log.warning("reconcile waits for the database (%s); the next pass runs on the beat", _first_line(away))
 
 
-@shared_task(name=tasks.REPLICA_REPORT, ignore_result=True)
+@shared_task(name=tasks.REPLICA_REPORT, ignore_result=True, **_WHILE_DATABASE_AWAY)
 def replica_report(message, *older, **older_kwargs) -> None:
     """A node's signed report of what became of a replica it runs; arrives on the control queue."""
     _believe(_sender(message), tasks.REPLICA_REPORT, message, older)
 
 
-@shared_task(name=tasks.FETCH_FINISHED, ignore_result=True)
+@shared_task(name=tasks.FETCH_FINISHED, ignore_result=True, **_WHILE_DATABASE_AWAY)
 def fetch_finished(message, *older) -> None:
     """A node's signed report of how a fetch ended; arrives on the control queue."""
     _believe(_sender(message), tasks.FETCH_FINISHED, message, older)
@@ -103,6 +142,8 @@ def _believe(node: enrolment.Enrolled | None, kind: str, message, older: tuple =
             Fetch.objects.record(node.as_node(), messages.checked_fetch(node.name, body))
     except messages.Refused as refused:
         log.warning("%s of node %s refused: %s", said, who, refused)
+    except DATABASE_AWAY:
+        raise  # not this message's fault: kept for when the database is back
     except Exception:
         # A fault of this code, not of the message: the rest of the batch is still applied.
         log.exception("%s of node %s could not be applied", said, who)

@@ -33,6 +33,7 @@ import functools
 import itertools
 import logging
 import secrets
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field, fields
@@ -387,6 +388,23 @@ def refusal(limits: Limits, which: int, used: list[int], windows: Windows, wante
     return Refusal(429, sentence, kind="rate_limit_error", code="rate_limit_exceeded", headers=headers)
 
 
+def _ssl_context(address: dict) -> ssl.SSLContext | None:
+    """rediss://'s TLS as redis-py reads its query: ssl_cert_reqs (none|optional|required) and ssl_ca_certs."""
+    if "ssl_cert_reqs" not in address and "ssl_ca_certs" not in address:
+        cls = address.get("connection_class")
+        if cls is None or "SSL" not in cls.__name__:
+            return None
+    context = ssl.create_default_context(cafile=address.get("ssl_ca_certs"))
+    reqs = address.get("ssl_cert_reqs", "required")
+    if reqs in ("none", ssl.CERT_NONE):
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    elif reqs in ("optional", ssl.CERT_OPTIONAL):
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_OPTIONAL
+    return context
+
+
 class RedisError(Exception):
     """Redis could not be asked, or answered with an error."""
 
@@ -507,6 +525,7 @@ class Limiter:
 
     def __init__(self, url: str | None = None) -> None:
         self._address = parse_url(url or settings.REDIS_URL)
+        self._ssl = _ssl_context(self._address)
         self._pipe: Pipe | None = None
         self._connecting: asyncio.Task | None = None
         self._shas: dict[str, bytes] = {}
@@ -661,9 +680,13 @@ class Limiter:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(TIMEOUT_S):
             try:
-                transport, pipe = await loop.create_connection(
-                    Pipe, self._address.get("host", "127.0.0.1"), self._address.get("port", 6379)
-                )
+                if "path" in self._address:  # unix://
+                    transport, pipe = await loop.create_unix_connection(Pipe, self._address["path"])
+                else:  # redis:// or rediss:// (ssl is None for the first)
+                    host = self._address.get("host", "127.0.0.1")
+                    transport, pipe = await loop.create_connection(
+                        Pipe, host, self._address.get("port", 6379), ssl=self._ssl, server_hostname=self._ssl and host
+                    )
             except OSError as error:
                 raise RedisError(f"Redis cannot be reached: {error!r}") from None
             try:

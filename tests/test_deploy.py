@@ -246,3 +246,16 @@ def test_the_tls_proxy_of_the_fleet_doc_serves_the_admin_port_over_https_only(tm
         nginx.wait(timeout=10)
         gateway.stop()
         admin.stop()
+
+
+def test_every_unit_makes_the_directories_its_env_file_names_and_llmgw_manage_does_too():
+    control = _env_file(DEPLOY / "env" / "control.env")
+    for unit in UNITS:
+        said = _directives(unit)
+        assert said.get("StateDirectory") == "llmgw", unit.name
+        if "control.env" in said.get("EnvironmentFile", ""):
+            assert "/run/" + said["RuntimeDirectory"] == control["PROMETHEUS_MULTIPROC_DIR"], unit.name
+            assert said["RuntimeDirectoryPreserve"] == "yes", unit.name
+    manage = (DEPLOY / "llmgw-manage").read_text()
+    assert 'install -d -o llmgw -g llmgw -m 0750 "${LLMGW_VAR:-/var/lib/llmgw}"' in manage
+    assert 'install -d -o llmgw -g llmgw -m 0755 "$PROMETHEUS_MULTIPROC_DIR"' in manage
