@@ -3,7 +3,8 @@
 
     .venv/bin/python bench/prefix.py [--replicas 2] [--slots 4] [--clients 8] [--conversations 16]
                                      [--turns 4] [--max-tokens 32] [--system-words 700]
-                                     [--cache-ram MIB] [--bound 1.25] [--modes prefix,load]
+                                     [--cache-ram MIB] [--bound 1.25] [--margin 1.25]
+                                     [--modes prefix,load[,mean]]
                                      [--sticky-clients] [--skip-hot]
 
 Each mode gets fresh replicas (llama-server as the agent starts it, `agent.engines.command`:
@@ -11,7 +12,12 @@ one thread each, --parallel SLOTS, the prompt cache on), behind one `manage.py g
 process on its own SQLite and a private redis-server, with its access log on:
 
   prefix  the model's routing profile `chat`: by the conversation's prefix, bounded by load
+  mean    by prefix, bounded by the model's mean load alone (LLMGW_PREFIX_SLOT_MARGIN=0): the
+          bound before issue 39, which spilled turns while their replica had free slots
   load    the same model with routing profile `load`: the fewest requests in flight (as before)
+
+Goals (issue 39), printed as "met" or "NOT met" against least-in-flight in the same run: first
+token p50 at least 3× lower by prefix at the default bound, and tokens per second not lower.
 
 16 conversations, each with a system prompt of its own of about 1,000 tokens, are played
 by --clients concurrent clients, --turns turns each (a turn sends the whole conversation so
@@ -30,7 +36,8 @@ Then the hot prefix, routed by prefix: half the requests are one opening that ma
 send (the same system prompt and first question), the other half the conversations as
 above. From the access log (each request's start, end, replica and route) it checks, at
 every request's start, that the replica chosen had no more requests in flight than the
-bound, ceil(LLMGW_PREFIX_LOAD_BOUND × (the model's requests in flight + 1) ÷ replicas).
+bound: the larger of ceil(LLMGW_PREFIX_SLOT_MARGIN × slots) and
+ceil(LLMGW_PREFIX_LOAD_BOUND × (the model's requests in flight + 1) ÷ replicas).
 
 --cache-ram passes llama-server's host-memory prompt cache size (MiB; 0 turns it off);
 left out, the bound the control plane starts a replica with (`catalog.memory.prompt_cache_args`:
@@ -130,6 +137,7 @@ class Run:
             REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
             LLMGW_GATEWAY_REFRESH_MS="200",
             LLMGW_PREFIX_LOAD_BOUND=str(options.bound),
+            LLMGW_PREFIX_SLOT_MARGIN=str(options.margin),
         )
         self.manage = [sys.executable, str(ROOT / "manage.py")]
         subprocess.run(self.manage + ["migrate", "-v", "0"], env=self.env, cwd=ROOT, check=True)
@@ -171,10 +179,10 @@ class Run:
         seed = SEED.format(model=model, ctx=2048, slots=self.options.slots, routing=routing, ports=ports)
         subprocess.run(self.manage + ["shell", "-c", seed], env=self.env, cwd=ROOT, check=True, capture_output=True)
 
-    def start_gateway(self, log: Path) -> str:
+    def start_gateway(self, log: Path, **more: str) -> str:
         if self.gateway is not None:
             engines.stop_group(self.gateway.pid, grace=5)
-        env = dict(self.env, LLMGW_GATEWAY_ACCESS_LOG=str(log))
+        env = dict(self.env, LLMGW_GATEWAY_ACCESS_LOG=str(log), **more)
         self.gateway = subprocess.Popen(
             self.manage + ["gateway"],
             env=env,
@@ -336,7 +344,7 @@ def summary(label: str, played: dict) -> dict:
     }
 
 
-def over_the_bound(log: Path, model: str, replicas: int, bound: float) -> tuple[int, int, int, dict]:
+def over_the_bound(log: Path, model: str, options) -> tuple[int, int, int, dict]:
     """(requests checked, requests that found their replica over the bound, the most in flight on one replica, routes)."""
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     lines = [line for line in lines if line.get("model") == model and line.get("replica")]
@@ -351,7 +359,10 @@ def over_the_bound(log: Path, model: str, replicas: int, bound: float) -> tuple[
         mine = sum(1 for _, _, r in others if r == replica) + 1
         most = max(most, mine)
         checked += 1
-        if mine > math.ceil(bound * (total + 1) / replicas):
+        bound = max(
+            math.ceil(options.margin * options.slots), math.ceil(options.bound * (total + 1) / options.replicas)
+        )
+        if mine > bound:
             over += 1
     return checked, over, most, routes
 
@@ -371,7 +382,8 @@ def main() -> int:
     parser.add_argument("--system-words", type=int, default=700)
     parser.add_argument("--cache-ram", type=int, default=None)
     parser.add_argument("--bound", type=float, default=1.25, help="LLMGW_PREFIX_LOAD_BOUND for the gateway")
-    parser.add_argument("--modes", default="prefix,load", help="which of prefix and load to measure")
+    parser.add_argument("--margin", type=float, default=1.25, help="LLMGW_PREFIX_SLOT_MARGIN for the gateway")
+    parser.add_argument("--modes", default="prefix,load", help="which of prefix, mean and load to measure")
     parser.add_argument("--skip-hot", action="store_true")
     parser.add_argument("--engine-args", default="", help="more llama-server arguments, as a profile's args (quoted)")
     parser.add_argument(
@@ -388,13 +400,18 @@ def main() -> int:
     rows = []
     try:
         modes = [m.strip() for m in options.modes.split(",")]
-        for routing, label in (("chat", f"prefix, bound {options.bound:g}"), ("load", "least in flight")):
-            if {"chat": "prefix", "load": "load"}[routing] not in modes:
+        contenders = (
+            ("prefix", "chat", f"prefix, slots × {options.margin:g} or mean × {options.bound:g}", {}),
+            ("mean", "chat", f"prefix, mean × {options.bound:g} alone", {"LLMGW_PREFIX_SLOT_MARGIN": "0"}),
+            ("load", "load", "least in flight", {}),
+        )
+        for mode, routing, label, more in contenders:
+            if mode not in modes:
                 continue
-            model = f"smollm2-{routing}"
-            ports = run.start_engines(routing)
+            model = f"smollm2-{mode}"
+            ports = run.start_engines(mode)
             run.serve(model, routing, ports)
-            url = run.start_gateway(work / f"access-{routing}.log")
+            url = run.start_gateway(work / f"access-{mode}.log", **more)
             run.wait_routed(url, model)
             before = load_average()
             played = play(url, run.headers, model, options)
@@ -423,8 +440,18 @@ def main() -> int:
                 f"| {r['seconds']:.0f} s | {r['load']} |",
                 flush=True,
             )
-        if len(rows) == 2 and rows[1]["p50"]:
-            print(f"\nfirst token p50: {rows[1]['p50'] / max(rows[0]['p50'], 1e-9):.1f}× lower by prefix", flush=True)
+        load = next((r for r in rows if r["label"] == "least in flight"), None)
+        for r in rows:
+            if load is None or r is load or not load["p50"]:
+                continue
+            lower = load["p50"] / max(r["p50"], 1e-9)
+            throughput = r["tokens_s"] / max(load["tokens_s"], 1e-9)
+            met = "met" if lower >= 3 and throughput >= 1 else "NOT met"
+            print(
+                f"\n{r['label']}: first token p50 {lower:.1f}× lower than least in flight, tokens/s {throughput:.2f}×"
+                f" (goal: ≥ 3× lower, not lower): {met}",
+                flush=True,
+            )
 
         if not options.skip_hot:
             ports = run.start_engines("hot")
@@ -435,7 +462,7 @@ def main() -> int:
             before = load_average()
             played = play(url, run.headers, "smollm2-hot", options, hot_share=0.5)
             row = summary("hot prefix", played)
-            checked, over, most, routes = over_the_bound(log, "smollm2-hot", options.replicas, options.bound)
+            checked, over, most, routes = over_the_bound(log, "smollm2-hot", options)
             hot = [r for r in played["results"] if r["conversation"] == "hot"]
             hot_by_replica: dict[int, int] = {}
             for r in hot:

@@ -86,6 +86,7 @@ class Forwarding:
                 self.load_of,
                 lambda replica: replica in tried or self.cooling.get(replica, 0.0) > now,
                 settings.PREFIX_LOAD_BOUND,
+                settings.PREFIX_SLOT_MARGIN,
             )
             if chosen is not None:
                 return chosen

@@ -9,6 +9,14 @@ more than its share of the requests in flight (the bound), and then the next rep
 on the ring takes it (Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with
 Bounded Loads", 2018; what KubeAI, llm-d and vLLM's production-stack do).
 
+The bound is the larger of two (issue 39): what the replica serves at once (its slots, by a
+margin) and the paper's share of the model's load (its mean, by a factor). The mean alone
+spilled turns away from their cache while the replica still had free slots: 8 clients on 4
+replicas of 4 slots gave a bound of 3, and a spilled turn is a whole prefill elsewhere, where
+waiting for a slot it already had was free. The slots alone would let one hot conversation
+fill a replica's queue while the others idle once the model is busy everywhere: then the
+mean is larger and keeps the load even.
+
 The ring is made from the routing table alone (replica ids and weights), so every
 gateway process on every host builds the same one and sends a conversation to the
 same replica without talking to the others; a replica that joins or leaves moves
@@ -31,6 +39,7 @@ class Upstream(Protocol):
 
     replica_id: int
     weight: int
+    slots: int
 
 
 # Points on the ring per replica (per unit of weight). With 128 the share of keys each of
@@ -146,12 +155,13 @@ def choose(
     load_of: Callable[[int], int],
     unusable: Callable[[int], bool],
     bound: float,
+    margin: float = 0.0,
 ) -> tuple[Upstream, str] | None:
     """The replica for `key` and why, or None when every member is unusable.
 
-    A member takes the request while its load plus this request stays within
-    ceil(bound × (the model's load + 1) × its weight ÷ the members' weights), the
-    paper's capacity; with bound ≥ 1 some member always has room. `load_of` is a
+    A member takes the request while its load plus this request stays within the larger of
+    ceil(margin × its slots) and ceil(bound × (the model's load + 1) × its weight ÷ the
+    members' weights), the paper's capacity; with bound ≥ 1 some member always has room. `load_of` is a
     replica's requests in flight, every gateway's; `unusable` is true of a replica
     already tried for this request or cooling after a refused connection.
     """
@@ -164,7 +174,7 @@ def choose(
         if unusable(upstream.replica_id):
             skipped_unusable = True
             continue
-        capacity = math.ceil(bound * (total + 1) * weights[index] / all_weight)
+        capacity = max(math.ceil(margin * upstream.slots), math.ceil(bound * (total + 1) * weights[index] / all_weight))
         if load_of(upstream.replica_id) + 1 <= capacity:
             if skipped_for_load:
                 return upstream, BOUNDED

@@ -31,6 +31,8 @@ class Upstream:
     replica_id: int
     base: str  # the engine's OpenAI base URL, ending in /v1
     weight: int
+    # Requests its engine answers at once (its profile's slots: llama.cpp's --parallel), for prefix routing's bound.
+    slots: int = 1
     # What the engine answers to (`Authorization: Bearer …`), made from its node's replica key,
     # never its token hash (contracts.credentials); empty for a node with no token. Never in a repr, so never in a log.
     secret: str = field(default="", repr=False)
@@ -212,7 +214,8 @@ class TableReader:
     # --- the routes, from the rows held ---------------------------------------------
 
     def _routes(self) -> dict:
-        weights = {(model_id, name): max(weight, 0) for model_id, name, weight in self.profiles.values()}
+        weights = {(model_id, name): max(weight, 0) for model_id, name, weight, _ in self.profiles.values()}
+        slots = {(model_id, name): max(parallel, 1) for model_id, name, _, parallel in self.profiles.values()}
         ready: dict[str, list[tuple[int, str, str, str]]] = {}
         for replica_id, (model_name, profile_name, endpoint, secret) in sorted(self.replicas.items()):
             ready.setdefault(model_name, []).append((replica_id, profile_name, endpoint, secret))
@@ -223,7 +226,13 @@ class TableReader:
             self.models.items(), key=lambda item: item[1][0]
         ):
             upstreams = tuple(
-                Upstream(replica_id, endpoint.rstrip("/"), weights.get((model_id, profile_name), 1), secret)
+                Upstream(
+                    replica_id,
+                    endpoint.rstrip("/"),
+                    weights.get((model_id, profile_name), 1),
+                    slots.get((model_id, profile_name), 1),
+                    secret,
+                )
                 for replica_id, profile_name, endpoint, secret in ready.get(name, [])
             )
             aliases = tuple(a for a in (aliases or []) if isinstance(a, str))
@@ -330,7 +339,7 @@ def _model_rows(queryset) -> list[tuple]:
 
 
 def _profile_rows(queryset) -> list[tuple]:
-    return list(queryset.order_by().values_list("pk", "model_id", "name", "weight"))
+    return list(queryset.order_by().values_list("pk", "model_id", "name", "weight", "parallel"))
 
 
 def _replica_rows(queryset) -> list[tuple]:

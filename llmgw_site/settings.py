@@ -211,9 +211,11 @@ HOLD_QUEUE = env_int("LLMGW_HOLD_QUEUE", 256, minimum=1)
 # Of those, how many one key may have waiting for one model: a queue shared between keys.
 HOLD_QUEUE_PER_KEY = env_int("LLMGW_HOLD_QUEUE_PER_KEY", 64, minimum=1)
 # Prefix routing's bound (gateway/prefix.py): a replica takes a conversation's request while its requests
-# in flight stay within this many times the model's average per replica; past it, the next on the ring does.
+# in flight stay within the larger of its slots times PREFIX_SLOT_MARGIN and the model's average per
+# replica times PREFIX_LOAD_BOUND; past it, the next on the ring does.
 # 1 would be no slack at all; below 1 no replica could ever take the request.
 PREFIX_LOAD_BOUND = env_float("LLMGW_PREFIX_LOAD_BOUND", 1.25, minimum=1.0)
+PREFIX_SLOT_MARGIN = env_float("LLMGW_PREFIX_SLOT_MARGIN", 1.25, minimum=0.0)
 # Threads that run Django's own pages (admin, API) beside the gateway in the admin server.
 ADMIN_THREADS = env_int("LLMGW_ADMIN_THREADS", 16, minimum=1)
 # Processes `manage.py admin_server` runs on the admin port (its --workers); each has its own threads.

@@ -106,3 +106,13 @@ def test_old_marks_are_deleted():
     TableChange.objects.update(at=routes.database_now() - routes.KEEP_CHANGES - timedelta(seconds=1))
     routes.TableReader().read()
     assert not TableChange.objects.exists()
+
+
+def test_a_replica_routes_with_its_profiles_slots_and_a_change_of_slots_reaches_the_next_read():
+    add_model()
+    add_replica()
+    reader = routes.TableReader()
+    assert [u.slots for u in reader.read().routes["chat"].upstreams] == [1]
+    Profile.objects.filter(name="cpu").update(parallel=4)
+    assert [u.slots for u in reader.read().routes["chat"].upstreams] == [4]
+    same_as_a_whole_read(reader.table)

@@ -131,3 +131,36 @@ def test_a_heavier_replica_owns_more_keys_and_has_a_larger_bound():
     key = next(k for k in KEYS if ring.owner(k) == 1)
     assert choose(ring, key, {1: 4, 2: 8})[0].replica_id == 1
     assert choose(ring, key, {1: 5, 2: 8}) == (ring.members[1], prefix.BOUNDED)
+
+
+def test_a_replica_takes_its_conversations_while_its_slots_have_room_though_the_mean_is_lower():
+    # 8 requests on 4 replicas of 4 slots: the mean alone allows ceil(1.25 × 9 / 4) = 3, fewer than the
+    # slots, and spilled the owner's next turn to a replica without its cache (issue 39).
+    ring = prefix.Ring(tuple(Upstream(i, "", 1, 4) for i in (1, 2, 3, 4)))
+    key = KEYS[2]
+    owner = ring.owner(key)
+    loads = {r: 2 for r in (1, 2, 3, 4)}
+    loads[owner] = 3
+    loads[next(r for r in (1, 2, 3, 4) if r != owner)] = 1  # 8 in flight in all
+    assert choose(ring, key, loads, bound=1.25)[0].replica_id != owner  # the mean alone: spilled
+    upstream, why = prefix.choose(ring, key, lambda r: loads[r], lambda r: False, 1.25, 1.25)
+    assert (upstream.replica_id, why) == (owner, prefix.PREFIX)
+    # ceil(1.25 × 4) = 5 is the slots' bound: the sixth goes on, while the others are idle.
+    loads = {r: 0 for r in (1, 2, 3, 4)}
+    loads[owner] = 5
+    upstream, why = prefix.choose(ring, key, lambda r: loads[r], lambda r: False, 1.25, 1.25)
+    assert upstream.replica_id != owner and why == prefix.BOUNDED
+
+
+def test_once_every_replica_is_busy_the_mean_bound_is_the_larger_and_keeps_the_load_even():
+    ring = prefix.Ring(tuple(Upstream(i, "", 1, 2) for i in (1, 2)))
+    key = KEYS[3]
+    owner = ring.owner(key)
+    other = 3 - owner
+    # 20 in flight on 2 replicas of 2 slots: the slots allow ceil(1.25 × 2) = 3, the mean ceil(1.25 × 21 / 2) = 14.
+    loads = {owner: 13, other: 7}
+    upstream, why = prefix.choose(ring, key, lambda r: loads[r], lambda r: False, 1.25, 1.25)
+    assert (upstream.replica_id, why) == (owner, prefix.PREFIX)
+    loads = {owner: 14, other: 6}
+    upstream, why = prefix.choose(ring, key, lambda r: loads[r], lambda r: False, 1.25, 1.25)
+    assert (upstream.replica_id, why) == (other, prefix.BOUNDED)
