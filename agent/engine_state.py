@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,18 @@ from . import engines
 
 def state_dir(cache: Path) -> Path:
     return Path(cache) / "engines"
+
+
+def waker_path(cache: Path) -> Path:
+    """The supervisor's socket: a datagram here has it look at the state at once, not at its next turn."""
+    return state_dir(cache) / "supervisor.sock"
+
+
+def poke(cache: Path) -> None:
+    """Tell the supervisor the state changed (a start or a stop wanted); nothing when none listens."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.setblocking(False)
+        sock.sendto(b"!", str(waker_path(cache)))
 
 
 @contextlib.contextmanager
@@ -96,19 +109,24 @@ def want(
         if entry and entry.get("pid"):
             # Wanted differently: the running engine is stopped first and started anew.
             entry.update(wanted=False, replace=spec)
-            return True
-        state["replicas"][str(replica_id)] = {
-            "replica": replica_id,
-            **spec,
-            "wanted": True,
-            "pid": None,
-            "port": None,
-            "argv": None,
-            "ready": False,
-            "restarts": 0,
-            "next_start": 0.0,
-        }
-        return True
+        else:
+            state["replicas"][str(replica_id)] = _new_entry(replica_id, spec)
+    poke(cache)
+    return True
+
+
+def _new_entry(replica_id: int, spec: dict) -> dict:
+    return {
+        "replica": replica_id,
+        **spec,
+        "wanted": True,
+        "pid": None,
+        "port": None,
+        "argv": None,
+        "ready": False,
+        "restarts": 0,
+        "next_start": 0.0,
+    }
 
 
 def wanted_as(
@@ -128,7 +146,8 @@ def wanted_as(
             return False
         if entry.get("pid") is None:
             entry["next_start"] = 0.0
-        return True
+    poke(cache)
+    return True
 
 
 def unwant(cache: Path, replica_id: int) -> bool:
@@ -139,7 +158,8 @@ def unwant(cache: Path, replica_id: int) -> bool:
             return False
         entry["wanted"] = False
         entry.pop("replace", None)
-        return True
+    poke(cache)
+    return True
 
 
 def is_ours(entry: dict) -> bool:

@@ -14,10 +14,12 @@ started, adopts what is still running and wanted, and stops what is not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -51,6 +53,9 @@ REREPORT_S = 60.0
 # unanswered checks in a row it is taken for hung (alive but serving nobody), killed
 # and started again. Generous, because an engine busy generating answers slowly.
 LIVENESS_INTERVAL_S = 10.0
+# How often the loop looks while an engine starts: its readiness is seen within this of its first answer.
+# A look at a starting engine is one connection to its loopback port (refused until it listens).
+STARTING_INTERVAL_S = 0.05
 LIVENESS_TIMEOUT_S = 5.0
 LIVENESS_FAILURES = 3
 # An unanswered check does not count while the engine is busy: using at least this share
@@ -109,6 +114,8 @@ class Supervisor:
         # Engines this process started, so their exit is reaped and its code known.
         self.children: dict[int, subprocess.Popen] = {}
         self.last_report: dict[int, float] = {}
+        # Set by each step: an engine is starting, so the next look comes in STARTING_INTERVAL_S.
+        self.starting = False
 
     def log_path(self, replica_id: int) -> Path:
         return engine_state.state_dir(self.cache) / f"replica-{replica_id}.log"
@@ -222,6 +229,11 @@ class Supervisor:
                     r[0] == replica_id for r in reports
                 ):
                     repeats.append(self._current(entry))
+            # An engine started and not yet answering, or one due to start: the loop looks again soon.
+            self.starting = any(
+                e["wanted"] and not e["ready"] and (e["pid"] is not None or e.get("next_start", 0) <= now)
+                for e in state["replicas"].values()
+            )
         for entry in to_stop:
             if (stopped := self._stop(entry)) is not None:
                 reports.append(stopped)
@@ -380,14 +392,48 @@ class Supervisor:
         log.info("replica %s: stopped", replica_id)
         return (replica_id, "stopped", "", "")
 
-    def run(self, stop: threading.Event, interval: float = 0.5) -> None:
+    def run(self, stop: threading.Event, interval: float = 0.5, starting_interval: float = STARTING_INTERVAL_S) -> None:
+        """Look at the engines twice a second; at once when a task wants a start or a stop (engine_state.poke),
+        and every STARTING_INTERVAL_S while one starts, so its readiness is seen as it comes (issue 39)."""
         self.adopt()
-        while not stop.is_set():
+        with Waker(self.cache) as waker:
+            while not stop.is_set():
+                try:
+                    self.step()
+                    busy = self.starting
+                except Exception:
+                    log.exception("supervisor step failed")
+                    busy = False
+                waker.wait(starting_interval if busy else interval)
+
+
+class Waker:
+    """The supervisor's end of engine_state.poke: a datagram socket in the state directory, waited on with a timeout."""
+
+    def __init__(self, cache: Path) -> None:
+        self.path = engine_state.waker_path(cache)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a socket the last supervisor left: no one reads it
+        self.sock.bind(str(self.path))
+        self.sock.setblocking(False)
+
+    def __enter__(self) -> Waker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+    def wait(self, timeout: float) -> None:
+        """Until a poke, or `timeout` seconds; every poke waiting is taken, so a burst is one look."""
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        while ready:
             try:
-                self.step()
-            except Exception:
-                log.exception("supervisor step failed")
-            stop.wait(interval)
+                self.sock.recv(16)
+            except BlockingIOError:
+                break
 
 
 def _threads_said(argv: list[str]) -> str:
