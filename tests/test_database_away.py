@@ -10,6 +10,7 @@ from django.test import Client
 
 from common.database_away import SAID
 from contracts import tasks
+from fleet import reports
 from fleet import tasks as fleet_tasks
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
@@ -128,3 +129,42 @@ def test_heartbeats_and_reports_taken_when_the_database_goes_away_are_collected_
     replica.refresh_from_db()
     assert (replica.state, replica.endpoint) == ("ready", "http://127.0.0.1:9/v1")
     assert not broker.exists(*node.node_keys(broker, *NAMES))
+
+
+class StopsPostgresAfterItsFirstScript:
+    """The control plane's Redis, but PostgreSQL is stopped right after the first script it runs:
+    record_report's claim of the report's number, between its read of the replica and its save."""
+
+    def __init__(self, client):
+        self.client = client
+        self.scripts = 0
+
+    def eval(self, *args):
+        answer = self.client.eval(*args)
+        self.scripts += 1
+        if self.scripts == 1:
+            stop_postgres()
+        return answer
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_a_report_whose_save_met_the_database_away_is_applied_once_it_is_back(broker, monkeypatch, caplog):
+    issue_token("a")
+    replica = Replica.objects.create(model_name="m", profile_name="cpu", node=Node.objects.get(name="a"))
+    node.post_report(broker, "a", replica.pk, node.report("a", replica.pk, "ready", "http://127.0.0.1:9/v1"))
+    real = reports.redis_client()
+    away = StopsPostgresAfterItsFirstScript(real)
+    monkeypatch.setattr(reports, "redis_client", lambda: away)
+    try:
+        fleet_tasks.collect()
+        assert away.scripts >= 1, "the report was never claimed: the database went away elsewhere"
+        assert "collecting waits for the database" in caplog.text
+    finally:
+        start_postgres()
+    monkeypatch.setattr(reports, "redis_client", lambda: real)
+    fleet_tasks.collect()
+    replica.refresh_from_db()
+    # Before: the report's number was set before the save, so once back it was "older than one already applied".
+    assert (replica.state, replica.endpoint) == ("ready", "http://127.0.0.1:9/v1"), caplog.text[-2000:]
