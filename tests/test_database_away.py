@@ -10,12 +10,14 @@ from django.test import Client
 
 from common.database_away import SAID
 from contracts import tasks
-from fleet import reports
+from fleet import reconcile, reports
 from fleet import tasks as fleet_tasks
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 
 from .support import node_messages as node
+from .support.factories import add_node, add_served_model
+from .support.fleet import sent
 from .support.gateway_process import start_postgres, stop_postgres
 from .support.people import person
 from .support.processes import start_admin_server, wait_until
@@ -168,3 +170,29 @@ def test_a_report_whose_save_met_the_database_away_is_applied_once_it_is_back(br
     replica.refresh_from_db()
     # Before: the report's number was set before the save, so once back it was "older than one already applied".
     assert (replica.state, replica.endpoint) == ("ready", "http://127.0.0.1:9/v1"), caplog.text[-2000:]
+
+
+def test_a_replica_that_failed_while_the_database_was_away_is_started_again_once_it_is_back(broker, caplog):
+    add_node("a")
+    add_served_model("tiny", scaling_min=1, scaling_max=1)
+    reconcile.reconcile()
+    replica = Replica.objects.get()
+    replica.enter(Replica.State.READY, "", "http://127.0.0.1:9/v1")
+    replica.save()
+    sent(broker, "node.a")  # its start, sent before the outage
+    # Signed before the outage (the test reads the node's key from the database); posted during it.
+    died = node.report("a", replica.pk, "stopped", "", "the engine exited with code 1")
+    stop_postgres()
+    try:
+        node.post_report(broker, "a", replica.pk, died)
+        fleet_tasks.reconcile()  # the beat's pass: collecting and placing both wait
+        assert "reconcile waits for the database" in caplog.text
+    finally:
+        start_postgres()
+    fleet_tasks.reconcile()
+    replica.refresh_from_db()
+    assert (replica.state, replica.attempts) == ("failed", 1), "the failure posted during the outage was lost"
+    reconcile.reconcile(now=replica.since + reconcile.retry_delay(1))
+    replica.refresh_from_db()
+    assert replica.state == "pending" and replica.reason.startswith("starting again after: the engine exited")
+    assert [(task, args[0]) for task, args, *_ in sent(broker, "node.a")] == [(tasks.START_REPLICA, replica.pk)]
