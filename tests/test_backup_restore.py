@@ -14,7 +14,9 @@ A beat is played by the test: `fleet.reconcile` sent on the control queue every 
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -31,6 +33,7 @@ from django.db import connections
 
 from agent import engine_state, engines
 from catalog.models import Model, Profile
+from common.backup import BackupError, read_archive
 from contracts import tasks
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
@@ -216,3 +219,52 @@ def test_a_restored_control_plane_adopts_what_its_backup_knew_and_stops_what_it_
         if worker is not control_worker:
             worker.stop()
         agent.stop()
+
+
+def archive_of(path: Path, members: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_an_archive_that_is_not_a_whole_llmgw_backup_is_refused_with_a_sentence_before_anything_is_written(tmp_path):
+    dump = b"PGDMP not really"
+    manifest = {"format": "llmgw-backup", "version": 1, "database": "postgresql"}
+    cases = {
+        "not-a-tar": (b"hello", "cannot be read as an llmgw backup"),
+        "no-manifest": ({"database.pgdump": dump}, "it has no manifest.json"),
+        "another-format": ({"manifest.json": b'{"format": "zip"}'}, "its manifest.json does not say llmgw-backup"),
+        "a-newer-format": (
+            {"manifest.json": json.dumps({**manifest, "version": 9}).encode()},
+            "this llmgw reads format 1",
+        ),
+        "member-changed": (
+            {
+                "manifest.json": json.dumps({**manifest, "members": {"database.pgdump": "0" * 64}}).encode(),
+                "database.pgdump": dump,
+            },
+            "does not match its manifest's SHA-256",
+        ),
+        "member-missing": (
+            {"manifest.json": json.dumps({**manifest, "members": {"database.pgdump": "0" * 64}}).encode()},
+            "is missing database.pgdump",
+        ),
+        "a-stranger-member": (
+            {"manifest.json": json.dumps({**manifest, "members": {"../../etc/passwd": "0" * 64}}).encode()},
+            "which no llmgw backup holds",
+        ),
+    }
+    for name, (content, said) in cases.items():
+        path = tmp_path / f"{name}.backup"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            archive_of(path, content)
+        unpacked = tmp_path / f"{name}-unpacked"
+        unpacked.mkdir()
+        with pytest.raises(BackupError, match=re.escape(said)):
+            read_archive(path, unpacked)
+        assert list(unpacked.iterdir()) == [], name
