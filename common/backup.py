@@ -230,11 +230,12 @@ def restore_backup(path: Path, force: bool = False) -> Restored:
                 f"The database already holds {len(tables)} tables; a restore goes into an empty one "
                 "(createdb a new one and point DATABASE_URL at it), or pass --force to replace what it holds."
             )
-        notes = _restore_key(work_dir, manifest)
         if connection.vendor == "postgresql":
             _restore_postgresql(work_dir / PG_DUMP, clean=bool(tables))
         else:
             _restore_sqlite(work_dir / SQLITE_DUMP)
+        # After the database, which is the part that may refuse: a key of a database that was not restored is no use.
+        notes = _restore_key(work_dir, manifest)
         _skip_ids()
         missing = _migrations_behind()
         if missing:

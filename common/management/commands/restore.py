@@ -14,7 +14,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("archive", type=Path, help="the file `manage.py backup` wrote")
         parser.add_argument(
-            "--force", action="store_true", help="replace what the database (and LLMGW_VAR's key file) holds"
+            "--force", action="store_true", help="restore over a database that holds tables, replacing what they hold"
         )
 
     def handle(self, *args, archive: Path, force: bool, **options):
