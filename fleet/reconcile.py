@@ -38,6 +38,9 @@ RETRY_MAX_S = 600
 STOP_RESEND_S = 60
 # A start that has had no answer for this long is sent again, unless the node says it runs it.
 START_RESEND_S = 60
+# States in which a node lists its replica in its heartbeats: one it leaves out is started again.
+# Not fetching: the agent wants a replica only once its weights are fetched (agent/engine_tasks.py).
+RESENT_STATES = (Replica.State.PENDING, Replica.State.STARTING, Replica.State.READY)
 LOCK_NAME = "fleet:reconcile"
 # A pass takes well under a second; a lock older than this is a pass that died or hangs.
 LOCK_TIMEOUT_S = 60
@@ -48,6 +51,18 @@ PASS_LOCK_KEY = 0x6C6C6D6777
 def retry_delay(attempts: int) -> timedelta:
     """How long a replica that failed `attempts` times in a row waits before its next start."""
     return timedelta(seconds=min(RETRY_MAX_S, RETRY_BASE_S * 2 ** max(attempts - 1, 0)))
+
+
+def unanswered_after(state: str) -> timedelta:
+    """How long a replica in `state` may be missing from its node's heartbeats before it is started again.
+
+    Pending: a start may be slow to arrive. Later states were reported by the node, which
+    held the replica then; once a node's running list (kept HEARTBEAT_S * HEARTBEATS_MISSED)
+    is younger than the report, one that leaves it out means the node does not run it.
+    """
+    if state == Replica.State.PENDING:
+        return timedelta(seconds=START_RESEND_S)
+    return timedelta(seconds=settings.HEARTBEAT_S * settings.HEARTBEATS_MISSED)
 
 
 def fetched_sources() -> list[tuple[int, str]]:
@@ -308,17 +323,24 @@ def reconcile_unlocked(
             replica.save(update_fields=["since"])
             transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
         elif (
-            replica.state == Replica.State.PENDING
-            and waited >= timedelta(seconds=START_RESEND_S)
+            replica.state in RESENT_STATES
+            and waited >= unanswered_after(replica.state)
             and node_names[replica.node_id] in running
             and replica.pk not in running[node_names[replica.node_id]]
         ):
-            # No answer, and its node does not run it: the start was lost (a broker restarted
-            # without persistence, a worker killed between commit and publish). A start is
-            # idempotent on the node, so one that was only slow costs nothing.
-            log.info("replica %s: no answer to its start for %s, sent again", replica.pk, waited)
-            replica.since = now
-            replica.save(update_fields=["since"])
+            # Its node does not run it. Pending: the start was lost (a broker restarted without
+            # persistence, a worker killed between commit and publish). Starting or ready: the
+            # database was restored from a backup taken while it ran, and it has stopped since
+            # (docs/failures.md). A start is idempotent on the node, so one that was only slow costs nothing.
+            if replica.state == Replica.State.PENDING:
+                log.info("replica %s: no answer to its start for %s, sent again", replica.pk, waited)
+                replica.since = now
+                replica.save(update_fields=["since"])
+            else:
+                log.info("replica %s is %s but its node does not run it: started again", replica.pk, replica.state)
+                said = f"started again: it was {replica.state}, but its node did not run it"
+                replica.enter(Replica.State.PENDING, said, endpoint="")
+                replica.save()
             transaction.on_commit(lambda r=replica: send_start(r), robust=True)
     _stop_extras(running, by_name)
     return plan

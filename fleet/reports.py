@@ -110,58 +110,88 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
         )
         if said := said_before(row.first(), state, endpoint, reason):
             return said
-    with transaction.atomic():
-        replica = Replica.objects.select_for_update().filter(pk=replica_id).first()
-        if replica is None or replica.node_id != node.pk:
-            if state != "stopped":
-                # The node runs an engine nobody wants there: the replica was deleted
-                # or moved while the node was away.
-                transaction.on_commit(lambda: send_stop(replica_id, node.name))
-                return "told to stop: the replica is not on this node"
-            return "ignored: the replica is not on this node"
-        if seq and not _newest_report(node.name, replica_id, seq):
-            return f"ignored: report {seq} is older than one already applied"
-        if state == "stopped":
-            if replica.state == Replica.State.STOPPING:
-                replica.delete()
-                if replica.reason.startswith(MAKING_ROOM):
-                    # A model waits for this room: placed now, not at the next beat.
-                    transaction.on_commit(lambda: current_app.send_task(tasks.RECONCILE, queue=tasks.CONTROL_QUEUE))
-                return "deleted: stopped as asked"
-            replica.attempts += 1
-            replica.enter(Replica.State.FAILED, reason or "the engine stopped without being asked to")
-            replica.save()
-            return "failed: stopped without being asked"
+    claimed = None
+    try:
+        with transaction.atomic():
+            replica = Replica.objects.select_for_update().filter(pk=replica_id).first()
+            if replica is None or replica.node_id != node.pk:
+                if state != "stopped":
+                    # The node runs an engine nobody wants there: the replica was deleted
+                    # or moved while the node was away.
+                    transaction.on_commit(lambda: send_stop(replica_id, node.name))
+                    return "told to stop: the replica is not on this node"
+                return "ignored: the replica is not on this node"
+            if seq:
+                claimed = _claim_report(node.name, replica_id, seq)
+                if claimed is None:
+                    return f"ignored: report {seq} is older than one already applied"
+            return _apply(replica, state, endpoint, reason)
+    except Exception:
+        # Not applied (the database went away before the commit, say): the report is given back
+        # to be collected again (fleet/tasks.py), and its number must not make it "older" then.
+        if claimed is not None:
+            _unclaim_report(node.name, replica_id, seq, claimed)
+        raise
+
+
+def _apply(replica: Replica, state: str, endpoint: str, reason: str) -> str:
+    """A report on its replica, locked by the caller's transaction; what was done, for the log."""
+    if state == "stopped":
         if replica.state == Replica.State.STOPPING:
-            # A late report never undoes a stop.
-            return "ignored: the replica is stopping"
-        if state == "failed":
-            replica.attempts += 1
-        elif state == "ready":
-            replica.attempts = 0
-        replica.enter(state, reason[:4000], endpoint if state == "ready" else "")
+            replica.delete()
+            if replica.reason.startswith(MAKING_ROOM):
+                # A model waits for this room: placed now, not at the next beat.
+                transaction.on_commit(lambda: current_app.send_task(tasks.RECONCILE, queue=tasks.CONTROL_QUEUE))
+            return "deleted: stopped as asked"
+        replica.attempts += 1
+        replica.enter(Replica.State.FAILED, reason or "the engine stopped without being asked to")
         replica.save()
-        return state
+        return "failed: stopped without being asked"
+    if replica.state == Replica.State.STOPPING:
+        # A late report never undoes a stop.
+        return "ignored: the replica is stopping"
+    if state == "failed":
+        replica.attempts += 1
+    elif state == "ready":
+        replica.attempts = 0
+    replica.enter(state, reason[:4000], endpoint if state == "ready" else "")
+    replica.save()
+    return state
 
 
-# The highest report number applied for a replica, set only upward, in one step on the server.
+# The highest report number applied for a replica, set only upward, in one step on the server; returns the
+# number before (-1: not newer).
 # One past ARGV[3] (the latest a node could have signed by now) was written before numbers
 # were bounded (issue 33: a forged 1e15 made every genuine later report look old): forgotten.
 _NEWER = """
 local last = tonumber(redis.call('get', KEYS[1]) or '0')
 if last > tonumber(ARGV[3]) then last = 0 end
-if tonumber(ARGV[1]) <= last then return 0 end
+if tonumber(ARGV[1]) <= last then return -1 end
 redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
-return 1
+return last
 """
 REPORT_SEQ_KEEP_S = 30 * 24 * 3600
+# Back to the number before, unless a newer report has been applied since.
+_UNCLAIM = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+if tonumber(ARGV[2]) == 0 then redis.call('del', KEYS[1]) else redis.call('set', KEYS[1], ARGV[2], 'EX', ARGV[3]) end
+return 1
+"""
 
 
-def _newest_report(node_name: str, replica_id: int, seq: int) -> bool:
-    """Whether this report is newer than every one applied for the replica (and now the newest)."""
-    key = f"llmgw:applied-report-seq:{node_name}:{replica_id}"
+def _seq_key(node_name: str, replica_id: int) -> str:
+    return f"llmgw:applied-report-seq:{node_name}:{replica_id}"
+
+
+def _claim_report(node_name: str, replica_id: int, seq: int) -> int | None:
+    """The number applied before this report, now that this one is the newest; None when it is not newer."""
     latest = int((time.time() + signing.CLOCK_SKEW_S) * 1_000_000)
-    return bool(redis_client().eval(_NEWER, 1, key, seq, REPORT_SEQ_KEEP_S, latest))
+    before = redis_client().eval(_NEWER, 1, _seq_key(node_name, replica_id), seq, REPORT_SEQ_KEEP_S, latest)
+    return None if before < 0 else int(before)
+
+
+def _unclaim_report(node_name: str, replica_id: int, seq: int, before: int) -> None:
+    redis_client().eval(_UNCLAIM, 1, _seq_key(node_name, replica_id), seq, before, REPORT_SEQ_KEEP_S)
 
 
 # --- what nodes say they run --------------------------------------------------------------

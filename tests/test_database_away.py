@@ -10,11 +10,14 @@ from django.test import Client
 
 from common.database_away import SAID
 from contracts import tasks
+from fleet import reconcile, reports
 from fleet import tasks as fleet_tasks
 from fleet.enrolment import issue_token
 from fleet.models import Node, Replica
 
 from .support import node_messages as node
+from .support.factories import add_node, add_served_model
+from .support.fleet import sent
 from .support.gateway_process import start_postgres, stop_postgres
 from .support.people import person
 from .support.processes import start_admin_server, wait_until
@@ -128,3 +131,68 @@ def test_heartbeats_and_reports_taken_when_the_database_goes_away_are_collected_
     replica.refresh_from_db()
     assert (replica.state, replica.endpoint) == ("ready", "http://127.0.0.1:9/v1")
     assert not broker.exists(*node.node_keys(broker, *NAMES))
+
+
+class StopsPostgresAfterItsFirstScript:
+    """The control plane's Redis, but PostgreSQL is stopped right after the first script it runs:
+    record_report's claim of the report's number, between its read of the replica and its save."""
+
+    def __init__(self, client):
+        self.client = client
+        self.scripts = 0
+
+    def eval(self, *args):
+        answer = self.client.eval(*args)
+        self.scripts += 1
+        if self.scripts == 1:
+            stop_postgres()
+        return answer
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_a_report_whose_save_met_the_database_away_is_applied_once_it_is_back(broker, monkeypatch, caplog):
+    issue_token("a")
+    replica = Replica.objects.create(model_name="m", profile_name="cpu", node=Node.objects.get(name="a"))
+    node.post_report(broker, "a", replica.pk, node.report("a", replica.pk, "ready", "http://127.0.0.1:9/v1"))
+    real = reports.redis_client()
+    away = StopsPostgresAfterItsFirstScript(real)
+    monkeypatch.setattr(reports, "redis_client", lambda: away)
+    try:
+        fleet_tasks.collect()
+        assert away.scripts >= 1, "the report was never claimed: the database went away elsewhere"
+        assert "collecting waits for the database" in caplog.text
+    finally:
+        start_postgres()
+    monkeypatch.setattr(reports, "redis_client", lambda: real)
+    fleet_tasks.collect()
+    replica.refresh_from_db()
+    # Before: the report's number was set before the save, so once back it was "older than one already applied".
+    assert (replica.state, replica.endpoint) == ("ready", "http://127.0.0.1:9/v1"), caplog.text[-2000:]
+
+
+def test_a_replica_that_failed_while_the_database_was_away_is_started_again_once_it_is_back(broker, caplog):
+    add_node("a")
+    add_served_model("tiny", scaling_min=1, scaling_max=1)
+    reconcile.reconcile()
+    replica = Replica.objects.get()
+    replica.enter(Replica.State.READY, "", "http://127.0.0.1:9/v1")
+    replica.save()
+    sent(broker, "node.a")  # its start, sent before the outage
+    # Signed before the outage (the test reads the node's key from the database); posted during it.
+    died = node.report("a", replica.pk, "stopped", "", "the engine exited with code 1")
+    stop_postgres()
+    try:
+        node.post_report(broker, "a", replica.pk, died)
+        fleet_tasks.reconcile()  # the beat's pass: collecting and placing both wait
+        assert "reconcile waits for the database" in caplog.text
+    finally:
+        start_postgres()
+    fleet_tasks.reconcile()
+    replica.refresh_from_db()
+    assert (replica.state, replica.attempts) == ("failed", 1), "the failure posted during the outage was lost"
+    reconcile.reconcile(now=replica.since + reconcile.retry_delay(1))
+    replica.refresh_from_db()
+    assert replica.state == "pending" and replica.reason.startswith("starting again after: the engine exited")
+    assert [(task, args[0]) for task, args, *_ in sent(broker, "node.a")] == [(tasks.START_REPLICA, replica.pk)]
