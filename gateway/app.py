@@ -30,6 +30,7 @@ from django.conf import settings
 from django.db import connection
 
 from common import metrics as site_metrics
+from contracts.health import Check, verdict
 
 from . import endpoints, hold, listing, metrics, prospects, routes
 from .anthropic_messages import Messages
@@ -257,6 +258,9 @@ class Gateway(Forwarding):
         if scope["path"] == "/metrics":
             await self.scrape(scope, send)
             return
+        if scope["path"] == "/healthz":
+            await self.health(send)
+            return
         started = time.perf_counter()
         if self._session is None:
             await self.start()
@@ -307,6 +311,33 @@ class Gateway(Forwarding):
             headers.append((b"www-authenticate", b'Bearer realm="metrics"'))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    async def health(self, send) -> None:
+        """For a load balancer: 503 until the gateway has a table to route by; PostgreSQL away is said, not failed.
+
+        The gateway serves its last table while the database is away (docs/failures.md),
+        so a balancer that took it out then would turn an outage of the control plane
+        into one of the gateway.
+        """
+        status, body = verdict("gateway", self.health_checks())
+        headers = [JSON_TYPE, (b"content-length", str(len(body)).encode()), (b"cache-control", b"no-store")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def health_checks(self) -> list[Check]:
+        def table() -> str:
+            if self.table_read_at is None:
+                raise RuntimeError("no table read from the database yet")
+            return f"{len(self.table.models)} models, read at {iso(self.table_read_at)}"
+
+        def database() -> None:
+            if self.stale_since is not None:
+                raise RuntimeError(f"the table could not be read since {iso(self.stale_since)}")
+
+        return [
+            Check("table", table, without="cannot route a request"),
+            Check("database", database, needed=False),
+        ]
 
     async def handle(self, scope, receive, send, started: float) -> None:
         path, method = scope["path"], scope["method"]
