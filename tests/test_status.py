@@ -1,0 +1,67 @@
+"""`manage.py fleet_status`: the catalog's models, the nodes and the replicas, as an operator runs it (issue 41 item 13)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from contracts.version import VERSION
+from fleet.models import Node, Replica
+
+from .support.factories import add_model, add_node, add_replica
+from .support.processes import BASE_DIR, process_env
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def manage(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "manage.py", *argv],
+        cwd=BASE_DIR,
+        env=process_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_fleet_status_lists_models_nodes_and_replicas_as_a_table_and_as_json():
+    add_model("chat")
+    add_model("idle")
+    node = add_node("gpu-1", memory_gb=48)
+    add_node("gpu-2", draining=True)
+    Replica.objects.filter(pk=add_replica("chat", "http://10.0.0.21:8080/v1").pk).update(node=node)
+    Replica.objects.filter(pk=add_replica("chat", state="pending", reason="no node has enrolled").pk).update(node=None)
+    Node.objects.filter(name="n1").delete()  # add_replica's own node
+
+    done = manage("fleet_status")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "Models:"
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith("  ") and "(none)" not in line}
+    assert rows["chat"][:4] == ["chat", "chat", "1", "2"]  # kind, ready, all
+    assert rows["idle"][2:4] == ["0", "0"]
+    assert rows["gpu-1"][1:5] == ["ready", "48", "0", "1"]
+    assert rows["gpu-2"][1] == "draining"
+    assert "http://10.0.0.21:8080/v1" in done.stdout and "no node has enrolled" in done.stdout
+
+    found = json.loads(manage("fleet_status", "--json").stdout)
+    assert [m["name"] for m in found["models"]] == ["chat", "idle"]
+    assert {n["name"]: n["state"] for n in found["nodes"]} == {"gpu-1": "ready", "gpu-2": "draining"}
+    assert sorted((r["state"], r["node"]) for r in found["replicas"]) == [("pending", None), ("ready", "gpu-1")]
+
+
+def test_an_empty_fleet_says_none_rather_than_nothing():
+    done = manage("fleet_status")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("(none)") == 3
+
+
+def test_manage_version_names_llmgws_release_from_pyproject():
+    done = manage("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:2] == ["llmgw", VERSION]
+    assert VERSION.count(".") == 2 and VERSION != "0.1.0"
