@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 
 import pytest
+from django.core.management import CommandError, call_command
 
 from contracts.version import VERSION
 from fleet.models import Node, Replica
@@ -54,10 +56,15 @@ def test_fleet_status_lists_models_nodes_and_replicas_as_a_table_and_as_json():
     assert sorted((r["state"], r["node"]) for r in found["replicas"]) == [("pending", None), ("ready", "gpu-1")]
 
 
+def command(*argv: str) -> tuple[str, str]:
+    """A command run in this process (the subprocess above is the operator's way; this is the quick one)."""
+    out, err = io.StringIO(), io.StringIO()
+    call_command(*argv, stdout=out, stderr=err)
+    return out.getvalue(), err.getvalue()
+
+
 def test_an_empty_fleet_says_none_rather_than_nothing():
-    done = manage("fleet_status")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.count("(none)") == 3
+    assert command("fleet_status")[0].count("(none)") == 3
 
 
 def test_manage_version_names_llmgws_release_from_pyproject():
@@ -65,3 +72,21 @@ def test_manage_version_names_llmgws_release_from_pyproject():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[:2] == ["llmgw", VERSION]
     assert VERSION.count(".") == 2 and VERSION != "0.1.0"
+
+
+def test_a_node_is_removed_with_the_commands_docs_fleet_md_names():
+    """Drained, then its token revoked with `node_token NAME --revoke`: its token proves nothing any more."""
+    add_model("chat")
+    node = add_node("old-node")
+    token_hash = node.token_hash
+    Node.objects.filter(pk=node.pk).update(draining=True)  # step 1, as the admin's checkbox does
+    listed = json.loads(command("fleet_status", "--json")[0])
+    assert [(n["name"], n["state"], n["replicas"]) for n in listed["nodes"]] == [("old-node", "draining", 0)]
+
+    assert "The token of node old-node is revoked." in command("node_token", "old-node", "--revoke")[1]
+    assert not Node.objects.filter(token_hash=token_hash).exists()
+    with pytest.raises(CommandError, match="there is no node called 'no-such-node'"):
+        command("node_token", "no-such-node", "--revoke")
+
+    Node.objects.filter(pk=node.pk).delete()  # step 5, as the admin's delete does
+    assert json.loads(command("fleet_status", "--json")[0])["nodes"] == []
