@@ -304,7 +304,8 @@ class Gateway(Forwarding):
         if not allowed:
             status, body, kind = 401, b"Send LLMGW_METRICS_TOKEN as a bearer token.\n", b"text/plain; charset=utf-8"
         else:
-            body = await asyncio.get_running_loop().run_in_executor(None, site_metrics.exposition)
+            # Its own counts: the fleet's gauges are the admin server's to export (common/metrics.py).
+            body = await asyncio.get_running_loop().run_in_executor(None, site_metrics.exposition, False)
             status, kind = 200, site_metrics.CONTENT_TYPE_PLAIN_0_0_4.encode()
         headers = [(b"content-type", kind), (b"content-length", str(len(body)).encode())]
         if status == 401:
