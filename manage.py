@@ -8,6 +8,13 @@ NODE_COMMANDS = ("agent", "fetch")
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--version"]:
+        from django import get_version
+
+        from contracts.version import VERSION
+
+        print(f"llmgw {VERSION} (Django {get_version()})")  # llmgw's release first: CHANGELOG.md names it
+        return
     if sys.argv[1:2] and sys.argv[1] in NODE_COMMANDS:
         os.environ["DJANGO_SETTINGS_MODULE"] = "agent.settings"
         os.environ.pop("LLMGW_ROLE", None)  # the control plane's switch; a node has none

@@ -1,2 +1,2 @@
 # Reported on every heartbeat, so staff can see which nodes run an older agent.
-__version__ = "0.1.0"
+from contracts.version import VERSION as __version__  # noqa: F401

@@ -29,6 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from contracts import credentials, signing
+from contracts.health import Check, verdict
+from contracts.redis_client import redis_client
 
 from . import __version__, engine_state, facts, runtime
 
@@ -188,6 +190,24 @@ def problem() -> str | None:
     return None
 
 
+def health_checks(cache: Path) -> list[Check]:
+    """What a node needs to do its work: the broker its orders come through, and a cache it can write."""
+
+    def broker() -> None:
+        redis_client(settings.CELERY_BROKER_URL, timeout=2.0).ping()
+
+    def weights() -> str:
+        probe = cache / ".healthz"
+        probe.write_bytes(b"")
+        probe.unlink()
+        return f"{facts.disk_free_bytes(cache) // 2**30} GiB free"
+
+    return [
+        Check("broker", broker, without="hears no orders and sends no heartbeats"),
+        Check("cache", weights, without="cannot keep weights"),
+    ]
+
+
 def serve(node: str, cache: Path) -> ThreadingHTTPServer | None:
     """Start the node's /metrics in a thread when LLMGW_AGENT_METRICS_ADDR is set; None when it is not."""
     if not settings.AGENT_METRICS_ADDR:
@@ -222,8 +242,12 @@ def serve(node: str, cache: Path) -> ThreadingHTTPServer | None:
 
         def do_GET(self) -> None:
             self.deadline.cancel()  # the request is in; answering it is held to each write's timeout
+            if self.path.split("?")[0] == "/healthz":
+                # Open like the other processes' /healthz: it names what it checked, nothing more.
+                status, body = verdict("agent", health_checks(cache))
+                return self._answer(status, body, "application/json")
             if self.path.split("?")[0] != "/metrics":
-                return self._answer(404, b"Only /metrics is here.\n", "text/plain")
+                return self._answer(404, b"Only /metrics and /healthz are here.\n", "text/plain")
             if token:
                 scheme, _, given = self.headers.get("Authorization", "").partition(" ")
                 if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):

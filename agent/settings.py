@@ -49,6 +49,10 @@ HEARTBEAT_S = env_int("LLMGW_HEARTBEAT_S", 15, minimum=1)
 AGENT_REPROBE_S = env_int("LLMGW_AGENT_REPROBE_S", 300, minimum=1)
 # Fetched files and sets, under <host>_<port>/<path>.
 AGENT_CACHE = env_path("LLMGW_AGENT_CACHE", VAR_DIR / "agent-cache", BASE_DIR)
+# The cache's bounds (agent/cache_evict.py): sets no replica uses are evicted, unused the longest
+# first, while the cache holds more than this many GB or its disk has less than this many GB free. 0: no bound.
+NODE_CACHE_MAX_GB = env_int("LLMGW_NODE_CACHE_MAX_GB", 0, minimum=0)
+NODE_CACHE_FREE_GB = env_int("LLMGW_NODE_CACHE_FREE_GB", 0, minimum=0)
 # Files of one set fetched at once: one TCP stream rarely fills a fast link.
 FETCH_PARALLEL = env_int("LLMGW_FETCH_PARALLEL", 4, minimum=1)
 # How long a fetch waits on a mirror version that is not ready yet (a file still being copied in).

@@ -35,7 +35,7 @@ from django.conf import settings
 
 from contracts import credentials, signing
 
-from . import engine_state, engine_stats, engines, fence, runtime
+from . import cache_evict, engine_state, engine_stats, engines, fence, runtime
 from .replica_reports import Report, celery_report
 
 __all__ = ["Report", "Supervisor", "celery_report", "start"]
@@ -535,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
     # The engines' own count of their load (slots busy, requests deferred), for the control plane.
     reader = engine_stats.StatsReader(options.cache, runtime.node_name(), supervisor.key, host=supervisor.check_host)
     threading.Thread(target=reader.run, args=(stop,), name="engine-stats", daemon=True).start()
+    # The node's disk: unused weights evicted above the cache's bounds, engine logs rotated.
+    bounds = cache_evict.Bounds(
+        settings.NODE_CACHE_MAX_GB * cache_evict.GiB, settings.NODE_CACHE_FREE_GB * cache_evict.GiB
+    )
+    threading.Thread(target=cache_evict.keep, args=(options.cache, bounds, stop), name="disk", daemon=True).start()
     supervisor.run(stop)
     # Engines are left running on purpose: the next supervisor adopts them.
     return 0

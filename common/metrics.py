@@ -28,13 +28,22 @@ from accounts import tokens
 
 from .permissions import reads_llmgw
 
-# Collected at each scrape: what an app reads from its rows rather than keeps in memory.
+# Collected at each scrape: what a process keeps in memory as plain numbers (the gateway's tallies).
 _scrape_time = CollectorRegistry(auto_describe=False)
+# The fleet's gauges, read from the database at each scrape: exported by the admin server
+# alone. A gateway that exported them too showed the fleet once per gateway in every sum,
+# and answered its /metrics 500 while PostgreSQL was away (issue 41).
+_fleet = CollectorRegistry(auto_describe=False)
 
 
 def register(collector: Collector) -> None:
-    """Add a collector whose numbers are read at scrape time (from the database, from Redis)."""
+    """Add a collector of this process's own numbers, read at scrape time."""
     _scrape_time.register(collector)
+
+
+def register_fleet(collector: Collector) -> None:
+    """Add a collector of the fleet's state, read from the database at scrape time: on the admin's /metrics only."""
+    _fleet.register(collector)
 
 
 def multiprocess_dir() -> str:
@@ -48,14 +57,14 @@ def fresh_multiprocess_dir(path: Path) -> Path:
     return path
 
 
-def exposition() -> bytes:
-    """Everything this host counts, in Prometheus's text format."""
+def exposition(fleet: bool = True) -> bytes:
+    """Everything this host counts, in Prometheus's text format; with `fleet`, the fleet's gauges too."""
     if multiprocess_dir():
         counted = CollectorRegistry()
         multiprocess.MultiProcessCollector(counted)
     else:
         counted = REGISTRY
-    return generate_latest(counted) + generate_latest(_scrape_time)
+    return generate_latest(counted) + generate_latest(_scrape_time) + (generate_latest(_fleet) if fleet else b"")
 
 
 def may_scrape(request: HttpRequest) -> bool:

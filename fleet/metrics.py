@@ -191,4 +191,4 @@ class FleetCollector(Collector):
 
 
 def install() -> None:
-    metrics.register(FleetCollector())
+    metrics.register_fleet(FleetCollector())

@@ -30,6 +30,7 @@ from django.conf import settings
 from django.db import connection
 
 from common import metrics as site_metrics
+from contracts.health import Check, verdict
 
 from . import endpoints, hold, listing, metrics, prospects, routes
 from .anthropic_messages import Messages
@@ -257,6 +258,9 @@ class Gateway(Forwarding):
         if scope["path"] == "/metrics":
             await self.scrape(scope, send)
             return
+        if scope["path"] == "/healthz":
+            await self.health(send)
+            return
         started = time.perf_counter()
         if self._session is None:
             await self.start()
@@ -300,13 +304,41 @@ class Gateway(Forwarding):
         if not allowed:
             status, body, kind = 401, b"Send LLMGW_METRICS_TOKEN as a bearer token.\n", b"text/plain; charset=utf-8"
         else:
-            body = await asyncio.get_running_loop().run_in_executor(None, site_metrics.exposition)
+            # Its own counts: the fleet's gauges are the admin server's to export (common/metrics.py).
+            body = await asyncio.get_running_loop().run_in_executor(None, site_metrics.exposition, False)
             status, kind = 200, site_metrics.CONTENT_TYPE_PLAIN_0_0_4.encode()
         headers = [(b"content-type", kind), (b"content-length", str(len(body)).encode())]
         if status == 401:
             headers.append((b"www-authenticate", b'Bearer realm="metrics"'))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    async def health(self, send) -> None:
+        """For a load balancer: 503 until the gateway has a table to route by; PostgreSQL away is said, not failed.
+
+        The gateway serves its last table while the database is away (docs/failures.md),
+        so a balancer that took it out then would turn an outage of the control plane
+        into one of the gateway.
+        """
+        status, body = verdict("gateway", self.health_checks())
+        headers = [JSON_TYPE, (b"content-length", str(len(body)).encode()), (b"cache-control", b"no-store")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def health_checks(self) -> list[Check]:
+        def table() -> str:
+            if self.table_read_at is None:
+                raise RuntimeError("no table read from the database yet")
+            return f"{len(self.table.models)} models, read at {iso(self.table_read_at)}"
+
+        def database() -> None:
+            if self.stale_since is not None:
+                raise RuntimeError(f"the table could not be read since {iso(self.stale_since)}")
+
+        return [
+            Check("table", table, without="cannot route a request"),
+            Check("database", database, needed=False),
+        ]
 
     async def handle(self, scope, receive, send, started: float) -> None:
         path, method = scope["path"], scope["method"]

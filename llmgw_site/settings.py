@@ -19,6 +19,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from contracts.env import SettingError, env_addr, env_bool, env_float, env_int, env_path, env_str
+from contracts.version import VERSION
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = env_path("LLMGW_VAR", Path("var"), BASE_DIR)
@@ -484,7 +485,7 @@ AUDITLOG_INCLUDE_TRACKING_MODELS = (
 SPECTACULAR_SETTINGS = {
     "TITLE": "llmgw API",
     "DESCRIPTION": "Mirror, catalog, fleet and serving of a private LLM fleet.",
-    "VERSION": "0.1.0",
+    "VERSION": VERSION,  # the release, from pyproject.toml
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["common.permissions.ReadsLlmgw"],
     # Swagger UI and ReDoc from this server's static files (drf-spectacular-sidecar), never a CDN.

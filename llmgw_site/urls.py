@@ -6,6 +6,7 @@ from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from common.audit_api import AuditEntryViewSet
+from common.health import admin_health
 from common.metrics import metrics_view
 from fleet.api.progress import ProgressView
 from serving.urls import api_urlpatterns as serving_api
@@ -28,6 +29,7 @@ urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
     path("metrics", metrics_view, name="metrics"),
+    path("healthz", admin_health, name="healthz"),
     path("oidc/", include("accounts.urls")),
     path("api/", include(api_patterns)),
     path("fleet/", include("fleet.urls")),

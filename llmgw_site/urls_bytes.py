@@ -3,6 +3,7 @@
 from django.conf import settings
 from django.urls import path, re_path
 
+from common.health import bytes_health
 from contracts.sources import SEED_ALIAS
 from fleet.enrolment import EnrolledNodes
 from mirror import bytes_views
@@ -23,6 +24,8 @@ def tracker(request):
 
 
 urlpatterns = [
+    # For a load balancer or systemd: open to all, it names only what it checked (docs/observability.md).
+    path("healthz", bytes_health),
     # Peers of a torrent, for the nodes (issue 24); before the model patterns, and without a
     # slash, so that no model's name can shadow it.
     path("announce", fleet_only(tracker)),

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from agent import engine_state, engines
 from agent.metrics import NodeCollector
+from contracts.version import VERSION
 
 from .scrape import samples, value
 from .services import free_port
@@ -49,7 +50,7 @@ def test_the_agent_serves_its_nodes_metrics_behind_its_token(enrolled_node, agen
         answer = requests.get(url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
         assert answer.status_code == 200
         found = samples(answer.text)
-        assert value(found, "llmgw_agent_info", node=name, version="0.1.0") == 1
+        assert value(found, "llmgw_agent_info", node=name, version=VERSION) == 1
         assert value(found, "llmgw_agent_memory_bytes", node=name, kind="total") > 0
         assert value(found, "llmgw_agent_disk_free_bytes", node=name) > 0
         assert value(found, "llmgw_agent_engine_installed", node=name, engine="llamacpp") == 1

@@ -63,6 +63,8 @@ def deployed_agent(tmp_path, settings, byte_listener):
         # Engines as the agent's own user here, whose pytest directories no other user enters;
         # tests/test_engine_fence.py runs them as a user of their own.
         "LLMGW_ENGINE_USER": "",
+        "LLMGW_AGENT_METRICS_ADDR": f"127.0.0.1:{free_port()}",
+        "LLMGW_AGENT_METRICS_TOKEN": "a-token-for-the-node-scraper",
     }
     names = set(env_file("node"))
     assert names == set(values), f"deploy/env/node.env now sets {sorted(names ^ set(values))}: fill it in here"

@@ -37,6 +37,9 @@ def prometheus_config(tmp_path: Path, control: str, node: str, gateway: str) -> 
         token_file = tmp_path / f"{name}.token"
         token_file.write_text(tokens[name])
         job["authorization"]["credentials_file"] = str(token_file)
+        # The control job goes through the TLS proxy (nginx) in a fleet; here it reaches the admin port itself.
+        assert job.get("scheme", "http") == ("https" if name == "llmgw-control" else "http"), name
+        job["scheme"] = "http"
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -75,6 +75,8 @@ def _fill(role: str) -> dict[str, str | None]:
             "LLMGW_BYTES_PUBLIC": "false",
             # One process's /metrics unless a test asks for the shared directory.
             "PROMETHEUS_MULTIPROC_DIR": None,
+            # Scrapes from loopback or with a test's own token (tests/test_metrics_*.py).
+            "LLMGW_METRICS_TOKEN": None,
         }
     if role == "node":
         return {
@@ -93,6 +95,9 @@ def _fill(role: str) -> dict[str, str | None]:
             "LLMGW_PEER_PORT": str(free_port()),
             # Engines as the agent's own user, unless a test names one (tests/test_engine_fence.py).
             "LLMGW_ENGINE_USER": None,
+            # The node's /metrics off unless a test serves it on a free port of its own.
+            "LLMGW_AGENT_METRICS_ADDR": None,
+            "LLMGW_AGENT_METRICS_TOKEN": None,
         }
     raise ValueError(f"no env file deploy/env/{role}.env for the tests to fill")
 
