@@ -3,12 +3,14 @@
 Each test runs the same work twice at the same moment, in two threads with database
 connections of their own, as two control workers on two hosts would: a mirror scan, one
 pull delivered twice, a collection of what the nodes posted, and a wake beside an
-autoscaling write. (Placement's reconcile pass keeps to one at a time by its own locks:
+autoscaling write. And the scheduler's lease, taken as the control plane's Redis user.
+(Placement's reconcile pass keeps to one at a time by its own locks:
 tests/test_reconcile.py, test_a_pass_while_another_holds_the_lock_does_nothing.)
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -22,6 +24,8 @@ from mirror import pull, scan
 from mirror import tasks as mirror_tasks
 from mirror.models import MirrorPull
 
+from .support.acl_redis import AclRedis
+from .support.processes import Process, process_env
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -170,3 +174,26 @@ def test_a_wake_beside_an_autoscaling_write_keeps_the_count_that_write_made():
     row = Scale.objects.get(model_name="m")
     assert (row.replicas, row.why) == (3, "busy"), "the wake wrote back the count it read before the write"
     assert row.last_request > 0
+
+
+def test_the_scheduler_takes_its_lease_and_sends_as_the_control_planes_redis_user_with_nothing_refused(tmp_path):
+    acl = AclRedis(tmp_path)
+    env = process_env(REDIS_URL=acl.url_of("llmgw-control"), LLMGW_VAR=tmp_path, LLMGW_BEAT_LEASE_S=2)
+    beat = Process(
+        "beat", [sys.executable, "-m", "celery", "-A", "llmgw_site", "beat", "--loglevel", "INFO"], env, tmp_path
+    )
+    try:
+        wait_until(
+            lambda: "Sending due task fleet-reconcile" in beat.output() or not beat.alive(),
+            timeout=60,
+            what=lambda: f"the scheduler to send a reconcile:\n{beat.output()[-2000:]}",
+        )
+        assert "Acquired lock" in beat.output()
+        assert acl.probe.get("llmgw:beat:lease"), "no lease in Redis"
+        assert acl.denials() == []
+        # Stopped cleanly, it gives the lease back: another host's scheduler need not wait for it to lapse.
+        beat.stop()
+        assert acl.probe.get("llmgw:beat:lease") is None
+    finally:
+        beat.stop()
+        acl.stop()
