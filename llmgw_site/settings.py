@@ -524,7 +524,7 @@ CELERY_BEAT_SCHEDULE = {
 # One scheduler in the whole fleet, whichever control host runs it (docs/fleet.md, "A second
 # control host"): celery-redbeat keeps the schedule in Redis and holds a lease there (a Redis lock
 # with an expiry, renewed on every tick). Every host runs `celery beat`; the one without the lease
-# waits, and takes the lease within LLMGW_BEAT_LEASE_S of the holder going silent.
+# waits, trying every fifth of LLMGW_BEAT_LEASE_S, and takes the lease once the silent holder's lapses.
 BEAT_LEASE_S = env_int("LLMGW_BEAT_LEASE_S", 60, minimum=2)
 CELERY_BEAT_SCHEDULER = "redbeat.RedBeatScheduler"
 CELERY_REDBEAT_REDIS_URL = REDIS_URL  # noqa: F405
