@@ -7,7 +7,8 @@ node in a third namespace runs the tiny model's engines. The test:
 
 1. while both hosts run, only one scheduler sends the periodic tasks: no task is sent
    twice in one tick (two plain beats, the old way, each send every one);
-2. A's processes are SIGKILLed, as a host that is lost; B's scheduler takes the lease
+2. A's processes are SIGKILLed, as a host that is lost (in the middle of a reconcile pass,
+   its lock left in Redis); B's scheduler takes the lease
    once A's lapses, its mirror scan finds a version copied in after A died, and a model
    of that version served through B's admin gets its replica placed and ready on the node.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+import redis
 
 from . import netns
 
@@ -34,6 +36,7 @@ if reason := netns.unavailable():
 
 from django.conf import settings  # noqa: E402
 
+from fleet import reconcile  # noqa: E402
 from fleet.enrolment import issue_token  # noqa: E402
 from fleet.models import Replica  # noqa: E402
 from launcher.demo_model import write_tiny_llama  # noqa: E402
@@ -165,7 +168,7 @@ def hosts(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported abo
         node = FetchingNode("n1", node_host, issue_token("n1", address=node_host.address), fleet, log_dir)
         started.append(node)
         node.start_agent()
-        yield a, b, node, mirror, log_dir
+        yield a, b, node, mirror, log_dir, fleet
     finally:
         for thing in started:
             if isinstance(thing, Node):
@@ -178,7 +181,7 @@ def hosts(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported abo
 
 
 def test_while_both_hosts_run_one_scheduler_sends_each_periodic_task_once_a_tick(hosts):
-    a, b, _, _, _ = hosts
+    a, b, _, _, _, _ = hosts
     b_started = time.time()
     # A few of A's ticks with B's scheduler up beside it.
     wait_until(
@@ -196,9 +199,13 @@ def test_while_both_hosts_run_one_scheduler_sends_each_periodic_task_once_a_tick
 
 
 def test_host_a_killed_host_b_takes_the_lease_and_places_a_new_models_replica(hosts):
-    a, b, node, mirror, log_dir = hosts
+    a, b, node, mirror, log_dir, fleet = hosts
     a.kill()
     killed = time.monotonic()
+    # Killed in the middle of a reconcile pass, as a lost host may well be: its Redis lock stays until it expires.
+    redis.Redis.from_url(fleet.redis_url).set(
+        reconcile.LOCK_NAME, "a pass of host A", px=reconcile.LOCK_TIMEOUT_S * 1000, nx=True
+    )
     # A version only a scan after A died can find: B's scheduler must send mirror-scan.
     (mirror / "tiny" / "v2").mkdir()
     for part in (log_dir / "gguf").glob("*.gguf"):
