@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
+from django.db import transaction
 from django.utils import timezone
 
 from common import audit
@@ -263,10 +264,16 @@ def wake(model: str, most: int, fewest: int) -> bool:
     if most < 1:
         return False
     now = time.time()
-    row, _ = Scale.objects.get_or_create(model_name=model, defaults={"replicas": fewest, "why": "fewest"})
-    row.last_request = max(row.last_request, now)
-    if row.replicas < 1:
-        row.replicas, row.why = 1, WOKEN
-        row.changed = timezone.now()
-    row.save()
+    Scale.objects.get_or_create(model_name=model, defaults={"replicas": fewest, "why": "fewest"})
+    # The row read under its lock and written in the same transaction: read bare, a pass's count written
+    # meanwhile (another control worker's autoscaling) was overwritten with the older one read here.
+    with transaction.atomic():
+        row = Scale.objects.select_for_update().get(model_name=model)
+        row.last_request = max(row.last_request, now)
+        fields = ["last_request"]
+        if row.replicas < 1:
+            row.replicas, row.why = 1, WOKEN
+            row.changed = timezone.now()
+            fields += ["replicas", "why", "changed"]
+        row.save(update_fields=fields)
     return True

@@ -42,8 +42,10 @@ START_RESEND_S = 60
 # Not fetching: the agent wants a replica only once its weights are fetched (agent/engine_tasks.py).
 RESENT_STATES = (Replica.State.PENDING, Replica.State.STARTING, Replica.State.READY)
 LOCK_NAME = "fleet:reconcile"
-# A pass takes well under a second; a lock older than this is a pass that died or hangs.
-LOCK_TIMEOUT_S = 60
+# A pass takes well under a second; a lock older than this is a pass that died or hangs. Short: a
+# control host lost mid-pass (two control hosts, docs/fleet.md) holds placement up this long, and a
+# pass that outlives it is still kept apart from the next by PostgreSQL's lock (reconcile_unlocked).
+LOCK_TIMEOUT_S = 10
 # pg_advisory_xact_lock's key for a pass ("llmgw" as digits): see reconcile_unlocked.
 PASS_LOCK_KEY = 0x6C6C6D6777
 

@@ -6,7 +6,8 @@ bookkeeping of it, and pushes onto the control queue; nothing of another node's,
 MONITOR, KEYS, SCAN, CONFIG, FLUSH*, no channel (pidbox, events). A gateway reaches the
 limit, demand and usage keys and wakes the fleet through the control queue; the byte
 listener its tracker's keys. The control plane reaches every key but no admin command
-beyond managing the nodes' users. `user default off`: a client that names no user
+beyond managing the nodes' users; the scheduler's lease and schedule (`llmgw:beat:*`,
+celery-redbeat: SET NX PX, sorted sets and a Lua script) are among them. `user default off`: a client that names no user
 is refused.
 
 What each principal issues was found by running it against a Redis with this file and

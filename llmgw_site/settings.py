@@ -524,7 +524,19 @@ CELERY_BEAT_SCHEDULE = {
     "fleet-reconcile": {"task": "fleet.reconcile", "schedule": float(RECONCILE_INTERVAL_S)},
     "audit-prune": {"task": "common.prune_audit", "schedule": 86400.0},
 }
-CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+# One scheduler in the whole fleet, whichever control host runs it (docs/fleet.md, "A second
+# control host"): celery-redbeat keeps the schedule in Redis and holds a lease there (a Redis lock
+# with an expiry, renewed on every tick). Every host runs `celery beat`; the one without the lease
+# waits, trying every fifth of LLMGW_BEAT_LEASE_S, and takes the lease once the silent holder's lapses.
+BEAT_LEASE_S = env_int("LLMGW_BEAT_LEASE_S", 60, minimum=2)
+CELERY_BEAT_SCHEDULER = "redbeat.RedBeatScheduler"
+CELERY_REDBEAT_REDIS_URL = REDIS_URL  # noqa: F405
+CELERY_REDBEAT_REDIS_OPTIONS = {}  # the broker's transport options are the queues', not the lease's
+CELERY_REDBEAT_KEY_PREFIX = "llmgw:beat:"
+CELERY_REDBEAT_LOCK_KEY = "llmgw:beat:lease"
+CELERY_REDBEAT_LOCK_TIMEOUT = BEAT_LEASE_S
+# The holder renews the lease at least five times within it; the host that waits tries as often.
+CELERY_BEAT_MAX_LOOP_INTERVAL = max(1, BEAT_LEASE_S // 5)
 
 LOGGING = {**LOGGING, "loggers": {"django.db.backends": {"level": "WARNING"}}}  # noqa: F405
 # django-axes says its version at every start and every login; failures and lockouts it still says (WARNING).

@@ -471,12 +471,22 @@ def run(pull_id: int, swarm_factory: Callable | None = None, wait_s: float = WAI
         return pull
     lock_path = disk.root() / STAGING / pull.model / f"{pull.version}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as lock:
+    # "a+", not "w": opening must not empty the holder's word of which pull it runs.
+    with open(lock_path, "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            lock.seek(0)
+            if lock.read().strip() == str(pull.pk):
+                # This very pull, delivered twice (Redis re-delivers an unacknowledged task; two pull workers):
+                # the run under way ends the row, and this one must not mark it failed beneath it.
+                log.info("pull %s of %s/%s is under way already; this delivery leaves it", pull.pk, *_named(pull))
+                return pull
             _end(pull, f"another pull of {pull.model}/{pull.version} is under way; this one did nothing")
             return pull
+        lock.truncate(0)
+        lock.write(str(pull.pk))
+        lock.flush()
         MirrorPull.objects.filter(pk=pull.pk).update(state=MirrorPull.State.RUNNING, updated=timezone.now())
         try:
             _pull(pull, swarm_factory, wait_s)
@@ -497,6 +507,10 @@ def run(pull_id: int, swarm_factory: Callable | None = None, wait_s: float = WAI
             raise
     pull.refresh_from_db()
     return pull
+
+
+def _named(pull: MirrorPull) -> tuple[str, str]:
+    return pull.model, pull.version
 
 
 def _end(pull: MirrorPull, error: str) -> None:

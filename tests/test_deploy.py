@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from .services import free_port
 from .support.processes import BASE_DIR, process_env
 
 DEPLOY = BASE_DIR / "deploy"
@@ -22,12 +23,15 @@ def test_there_is_a_unit_for_each_control_plane_process_and_the_agent():
         "llmgw-admin.service",
         "llmgw-bytes.service",
         "llmgw-control.service",
+        "llmgw-beat.service",
         "llmgw-pulls.service",
         "llmgw-gateway.service",
         "llmgw-agent.service",
     }
     control = (DEPLOY / "systemd" / "llmgw-control.service").read_text()
-    assert "--beat" in control and "-Q control" in control
+    # The scheduler is a unit of its own, on every control host, one sending at a time by its lease (docs/fleet.md).
+    assert "--beat" not in control and "-Q control" in control
+    assert "llmgw_site beat" in (DEPLOY / "systemd" / "llmgw-beat.service").read_text()
     # Engines outlive an agent restart: systemd must not kill them with it.
     assert "KillMode=process" in (DEPLOY / "systemd" / "llmgw-agent.service").read_text()
 
@@ -187,7 +191,9 @@ def _start_nginx(work: Path, https_port: int, http_port: int, admin_port: int, g
     site = site.replace("listen 443 ssl", f"listen 127.0.0.1:{https_port} ssl").replace(
         "listen 80;", f"listen 127.0.0.1:{http_port};"
     )
-    site = site.replace("127.0.0.1:8000", f"127.0.0.1:{admin_port}")
+    # Control host A is this test's admin server; B a port nothing listens on: a control host that is down.
+    for example, port in zip(("10.0.0.10:8000", "10.0.0.11:8000"), (admin_port, free_port()), strict=True):
+        site = site.replace(example, f"127.0.0.1:{port}")
     for example, port in zip(("10.0.0.31:8080", "10.0.0.32:8080"), gateways, strict=True):
         site = site.replace(example, f"127.0.0.1:{port}")
     site = site.replace("/etc/ssl/llmgw/fullchain.pem", str(work / "cert.pem"))
@@ -205,7 +211,6 @@ def _start_nginx(work: Path, https_port: int, http_port: int, admin_port: int, g
 
 @pytest.mark.skipif(not (shutil.which("nginx") or os.path.exists("/usr/sbin/nginx")), reason="nginx is not installed")
 def test_the_tls_proxy_of_the_fleet_doc_serves_the_admin_port_over_https_only(tmp_path, transactional_db):
-    from .services import free_port
     from .support.gateway_process import start_gateway
     from .support.processes import start_admin_server
     from .support.waiting import wait_until
@@ -228,6 +233,9 @@ def test_the_tls_proxy_of_the_fleet_doc_serves_the_admin_port_over_https_only(tm
 
         login = wait_until(answers, timeout=15, what="nginx to answer")
         assert login.status_code == 200, login.text[:500]
+        # However often nginx tries the control host that is down first, the other answers.
+        for _ in range(4):
+            assert requests.get(base + "/admin/login/", verify=cert, timeout=5).status_code == 200
         # Cookies travel only over HTTPS, and browsers are told to keep to it.
         assert "Secure" in login.headers["set-cookie"]
         assert login.headers["strict-transport-security"].startswith("max-age=")

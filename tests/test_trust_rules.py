@@ -66,7 +66,7 @@ def test_a_pass_that_outlives_its_lock_says_so_in_the_log(broker, caplog, monkey
     monkeypatch.setattr(reconcile, "reconcile_unlocked", slow_pass)
     with caplog.at_level(logging.WARNING, logger="fleet.reconcile"):
         reconcile.reconcile(models=TINY)
-    assert "longer than its lock's 60 s: the lock expired while it ran" in caplog.text
+    assert f"longer than its lock's {reconcile.LOCK_TIMEOUT_S} s: the lock expired while it ran" in caplog.text
 
 
 # --- 1d: engine arguments are an allow-list --------------------------------------------------

@@ -130,7 +130,6 @@ class Command(AuditedCommand):  # changes it makes are written as this command's
                 "-A",
                 "llmgw_site",
                 "worker",
-                "--beat",
                 "-Q",
                 "control",
                 "-n",
@@ -139,10 +138,11 @@ class Command(AuditedCommand):  # changes it makes are written as this command's
                 "2",
                 "--loglevel",
                 "INFO",
-                "--schedule",
-                str(settings.VAR_DIR / "celerybeat-schedule"),
             ],
         )
+        # The scheduler, by the lease in Redis (deploy/systemd/llmgw-beat.service): one in the fleet however
+        # many control hosts run one; this one waits for the lease while another host holds it.
+        processes.start("scheduler", [py, "-m", "celery", "-A", "llmgw_site", "beat", "--loglevel", "INFO"])
         # Pulls from another mirror on slots of their own (deploy/systemd/llmgw-pulls.service): hours of one
         # never hold the control worker's placement.
         processes.start(
