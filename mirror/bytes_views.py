@@ -12,6 +12,7 @@ import base64
 import binascii
 import ipaddress
 import json
+import logging
 import os
 import re
 import socket
@@ -30,11 +31,14 @@ from django.utils.cache import get_conditional_response
 from django.utils.crypto import constant_time_compare, salted_hmac
 from gevent import monkey
 
+from contracts import keys
 from contracts.names import plain_name_problem
 from contracts.redis_client import redis_client
 
 from . import disk, readiness, torrent
 from .metrics import BYTES_SERVED, FILES_SERVED
+
+log = logging.getLogger(__name__)
 
 
 def _error(status: int, sentence: str, **headers) -> JsonResponse:
@@ -127,6 +131,8 @@ def manifest(request: HttpRequest, model: str, version: str) -> JsonResponse:
     if status.ready and "torrent" in request.GET:
         return _torrent(model, version, files, status)
     if status.ready:
+        if status.info_hash:
+            _publish(model, version, files, status, body)
         return JsonResponse(body)
     response = JsonResponse({**body, "ready": False, "error": status.problem}, status=503)
     response["Retry-After"] = str(status.retry_after)
@@ -150,6 +156,29 @@ def _off_the_event_loop(function, *args):
             connections.close_all()
 
     return gevent.get_hub().threadpool.apply(run)
+
+
+def _publish(model: str, version: str, files: list[disk.DiskFile], status: readiness.Readiness, body: dict) -> None:
+    """The version's manifest and torrent into Redis, where nodes read them when this listener is gone (issue 38).
+
+    Written when the torrent there is not this one (a first fetch, a version changed since),
+    so a version asked for often costs one HGET. Redis away: the manifest is answered all the
+    same; the copy is written at the next request.
+    """
+    key = keys.swarm_version_key(model, version)
+    client = redis_client(settings.REDIS_URL)
+    try:
+        held = client.hget(key, "info_hash")
+        if (held.decode() if isinstance(held, bytes) else held) == status.info_hash:
+            return
+        data = torrent.stored(model, version, [(f.name, f.bytes, status.hashes[f.name]) for f in files])
+        if data is None:
+            return
+        manifest = {k: v for k, v in body.items() if k != "torrent"}
+        manifest["torrent"] = {"info_hash": status.info_hash, "piece_bytes": torrent.PIECE_BYTES}
+        client.hset(key, mapping={"manifest": json.dumps(manifest), "torrent": data, "info_hash": status.info_hash})
+    except redis.RedisError as error:
+        log.warning("the manifest of %s/%s is not in Redis for now: %s", model, version, error)
 
 
 def _torrent(model: str, version: str, files: list[disk.DiskFile], status: readiness.Readiness) -> HttpResponse:
@@ -375,8 +404,8 @@ def seed_alias(request: HttpRequest, n: int, model: str, version: str, name: str
 
 # --- the tracker: which enrolled nodes hold which torrent (issue 24) -----------------
 
-SWARM_PREFIX = "llmgw:swarm:"
-SWARM_FLEET = "llmgw:swarm-fleet"
+SWARM_PREFIX = keys.SWARM_PREFIX
+SWARM_FLEET = keys.SWARM_FLEET
 # The torrents a node said it holds at its last announce: what its next one takes back.
 SWARM_HELD = "llmgw:swarm-held:"
 SWARM_RATE = "llmgw:swarm-rate:"
