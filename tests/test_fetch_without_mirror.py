@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -58,8 +59,9 @@ def fleet_without_mirror(db_access, tmp_path_factory):  # noqa: F811  (the fixtu
             node = Node(name, network.add_host(name), issue_token(name), control, log_dir)
             env = {**Node.env(node), **STALL}
             node.env = lambda env=env: env
-            node.start_agent()
             nodes[name] = node
+        with ThreadPoolExecutor(len(nodes)) as pool:  # the agents start together: each start waits on its own
+            list(pool.map(Node.start_agent, nodes.values()))
         for version in VERSIONS:
             send_fetch("n1", source_of(control, version), broker_url=control.redis_url)
         for version in VERSIONS:
@@ -67,6 +69,13 @@ def fleet_without_mirror(db_access, tmp_path_factory):  # noqa: F811  (the fixtu
         client = redis.Redis.from_url(control.redis_url, socket_timeout=5)
         for version in VERSIONS:
             assert client.hget(keys.swarm_version_key("tiny", version), "info_hash")
+        # Every node known to the tracker before it goes: a node's peers let in only the fleet's addresses,
+        # and who the fleet is is the tracker's word (a node that never announced is nobody's peer).
+        wait_until(
+            lambda: {b"n1", b"n2", b"n3"} <= set(client.hkeys(keys.SWARM_FLEET)),
+            30,
+            what=lambda: f"every node to announce: {client.hkeys(keys.SWARM_FLEET)}",
+        )
         # The byte listener's host gone: its process killed, and nothing listening where the nodes reach it.
         os.killpg(control.byte_listener.popen.pid, signal.SIGKILL)
         control.proxy.stop()
