@@ -8,6 +8,7 @@ where they would go and refuses whatever is not safe to join onto a path.
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import re
@@ -184,8 +185,11 @@ def manifest_from_redis(source: str) -> Manifest | None:
     """The version's manifest and torrent as the byte listener last wrote them into Redis; None if there are none."""
     from django.conf import settings
 
-    from contracts import keys
+    from contracts import keys, signing
     from contracts.redis_client import redis_client
+    from contracts.sources import version_digest, version_mac
+
+    from . import runtime
 
     root = getattr(settings, "BYTES_URL", "")
     if not (root and source.startswith(root) and source.endswith("/")):
@@ -198,11 +202,23 @@ def manifest_from_redis(source: str) -> Manifest | None:
         kept = redis_client(settings.REDIS_URL).hgetall(keys.swarm_version_key(model, version))
     except redis.RedisError:
         return None
-    said, torrent = kept.get(b"manifest"), kept.get(b"torrent")
-    if not (said and torrent):
+    said, torrent, info_hash = kept.get(b"manifest"), kept.get(b"torrent"), kept.get(b"info_hash")
+    if not (said and torrent and info_hash):
         return None
+    # Believed only with this node's own MAC over it, which only the byte listener can make (contracts.sources).
+    node, token = runtime.node_name(), runtime.token()
+    digest = version_digest(said, info_hash.decode(), torrent)
+    mac = (kept.get(f"mac:{node}".encode()) or b"").decode()
+    if not (node and token) or not hmac.compare_digest(
+        mac, version_mac(signing.token_hash(token), node, model, version, digest)
+    ):
+        raise FetchError(
+            f"{source}: the byte listener cannot be reached, and the copy of its manifest in Redis does not carry "
+            "its word for this node (written by someone else, or not vouched for since this node enrolled); refused",
+            transient=True,
+        )
     entries = _parsed(said, source)
-    if entries.torrent is None:
+    if entries.torrent is None or entries.torrent["info_hash"] != info_hash.decode():
         return None
     entries.torrent["data"] = bytes(torrent)
     return entries

@@ -74,3 +74,7 @@ def swarm_version_key(model: str, version: str) -> str:
     """A hash: the version's manifest (`manifest`, JSON as the byte listener answers it), its torrent's
     info-hash (`info_hash`) and the torrent itself (`torrent`, bencoded), as the byte listener last served them."""
     return f"llmgw:swarm-version:{model}/{version}"
+
+
+# A set: the versions ("model/version") whose manifest and torrent are in Redis, for the tracker to vouch for.
+SWARM_VERSIONS = "llmgw:swarm-versions"

@@ -34,6 +34,7 @@ from gevent import monkey
 from contracts import keys
 from contracts.names import plain_name_problem
 from contracts.redis_client import redis_client
+from contracts.sources import version_digest, version_mac
 
 from . import disk, readiness, torrent
 from .metrics import BYTES_SERVED, FILES_SERVED
@@ -176,7 +177,14 @@ def _publish(model: str, version: str, files: list[disk.DiskFile], status: readi
             return
         manifest = {k: v for k, v in body.items() if k != "torrent"}
         manifest["torrent"] = {"info_hash": status.info_hash, "piece_bytes": torrent.PIECE_BYTES}
-        client.hset(key, mapping={"manifest": json.dumps(manifest), "torrent": data, "info_hash": status.info_hash})
+        said = json.dumps(manifest).encode()
+        digest = version_digest(said, status.info_hash, data)
+        pipe = client.pipeline()
+        # Each node's MAC over it is added at the node's next announce (`_vouch`): the old ones go with the old version.
+        pipe.delete(key)
+        pipe.hset(key, mapping={"manifest": said, "torrent": data, "info_hash": status.info_hash, "digest": digest})
+        pipe.sadd(keys.SWARM_VERSIONS, f"{model}/{version}")
+        pipe.execute()
     except redis.RedisError as error:
         log.warning("the manifest of %s/%s is not in Redis for now: %s", model, version, error)
 
@@ -455,6 +463,28 @@ def peer_address(request: HttpRequest) -> str:
     return str(address)
 
 
+def _vouch(client, node: str, key: str | None) -> None:
+    """The node's MAC over every version in Redis whose MAC is missing or stale (issue 38): what lets it believe
+    their manifests and torrents there when this listener is gone. One round trip to read, one to write if any."""
+    if not key:
+        return
+    versions = sorted(v.decode() if isinstance(v, bytes) else v for v in client.smembers(keys.SWARM_VERSIONS))
+    pipe = client.pipeline()
+    for name in versions:
+        pipe.hmget(keys.swarm_version_key(*name.split("/", 1)), "digest", f"mac:{node}")
+    write = client.pipeline()
+    for name, (digest, mac) in zip(versions, pipe.execute(), strict=True):
+        if digest is None:
+            write.srem(keys.SWARM_VERSIONS, name)  # gone from Redis
+            continue
+        model, version = name.split("/", 1)
+        wanted = version_mac(key, node, model, version, digest.decode())
+        if (mac or b"").decode() != wanted:
+            write.hset(keys.swarm_version_key(model, version), f"mac:{node}", wanted)
+    if len(write):
+        write.execute()
+
+
 def _record_mac(info_hash: str, node: str, host: str, port: int, at: float) -> str:
     # Redis is writable by every holder of its password: a record is believed only if the byte listener made it.
     return salted_hmac("llmgw.tracker", f"{info_hash}|{node}|{host}|{port}|{at!r}").hexdigest()
@@ -526,6 +556,7 @@ def announce(request: HttpRequest, nodes) -> JsonResponse:
         for h in hashes:
             pipe.hgetall(SWARM_PREFIX + h)
         answers = pipe.execute()[-(len(hashes) + 1) :]
+        _vouch(client, node, nodes.token_hash_of(node))
     except redis.RedisError:
         return _error(503, "the tracker cannot reach Redis; fetch from the mirror meanwhile", Retry_After="10")
 

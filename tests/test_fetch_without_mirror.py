@@ -9,11 +9,15 @@ by the manifest's sha256 before `.complete`.
 
 1. n2 and n3 fetch v1 whole from n1, byte-identical to the mirror's, nothing from the mirror;
 2. n1's copy of v2 rots (one byte flipped, size and mtime kept): n2 fetching it from n1 alone finds the
-   piece's hash wrong, bans n1, and never marks the set complete.
+   piece's hash wrong, bans n1, and never marks the set complete;
+3. v2's manifest in Redis is changed (another sha256, as anyone who can write to Redis could): n3 refuses it,
+   for it no longer carries the byte listener's MAC for n3 (the tracker adds one per node, keyed by its token hash).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +80,13 @@ def fleet_without_mirror(db_access, tmp_path_factory):  # noqa: F811  (the fixtu
             30,
             what=lambda: f"every node to announce: {client.hkeys(keys.SWARM_FLEET)}",
         )
+        # And the tracker's word on each version for each node (at its next announce): what a node believes them by.
+        wanted = {f"mac:{name}".encode() for name in nodes}
+        wait_until(
+            lambda: all(wanted <= set(client.hkeys(keys.swarm_version_key("tiny", v))) for v in VERSIONS),
+            30,
+            what=lambda: f"every node's MAC on the versions: {client.hkeys(keys.swarm_version_key('tiny', 'v1'))}",
+        )
         # The byte listener's host gone: its process killed, and nothing listening where the nodes reach it.
         os.killpg(control.byte_listener.popen.pid, signal.SIGKILL)
         control.proxy.stop()
@@ -122,3 +133,21 @@ def test_with_the_byte_listener_killed_a_peer_serving_wrong_bytes_is_banned_and_
     directory = cache_path(source, nodes["n2"].cache)
     assert not (directory / ".complete").exists()
     assert progress_of(control, nodes["n2"], source).get("state") != "complete"
+
+
+def test_with_the_byte_listener_killed_a_manifest_changed_in_redis_is_refused_with_a_sentence(fleet_without_mirror):
+    control, nodes = fleet_without_mirror
+    client = redis.Redis.from_url(control.redis_url, socket_timeout=5)
+    key = keys.swarm_version_key("tiny", "v2")
+    manifest = json.loads(client.hget(key, "manifest"))
+    # Whoever can write to Redis (a node, with one shared password) names other bytes for c.bin: its own.
+    manifest["files"][0]["sha256"] = hashlib.sha256(b"other weights").hexdigest()
+    client.hset(key, "manifest", json.dumps(manifest))
+    source = source_of(control, "v2")
+    send_fetch("n3", source, broker_url=control.redis_url)
+    wait_until(
+        lambda: "does not carry its word for this node" in progress_of(control, nodes["n3"], source).get("error", ""),
+        60,
+        what=lambda: f"n3 to refuse the changed manifest: {progress_of(control, nodes['n3'], source)}",
+    )
+    assert not (cache_path(source, nodes["n3"].cache) / ".complete").exists()
