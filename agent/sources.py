@@ -198,9 +198,12 @@ def manifest_from_redis(source: str) -> Manifest | None:
     if len(parts) != 2:
         return None
     model, version = (unquote(p) for p in parts)
+    url = getattr(settings, "REDIS_URL", "")
+    if not url:
+        return None  # `manage.py fetch` on a host that is no node
     try:
-        kept = redis_client(settings.REDIS_URL).hgetall(keys.swarm_version_key(model, version))
-    except redis.RedisError:
+        kept = redis_client(url).hgetall(keys.swarm_version_key(model, version))
+    except (redis.RedisError, ValueError):
         return None
     said, torrent, info_hash = kept.get(b"manifest"), kept.get(b"torrent"), kept.get(b"info_hash")
     if not (said and torrent and info_hash):
