@@ -175,7 +175,10 @@ def read_manifest(session: requests.Session, source: str, timeout=TIMEOUT) -> Ma
     except FetchError as error:
         if not error.transient:
             raise
-        kept = manifest_from_redis(source)
+        try:
+            kept = manifest_from_redis(source)
+        except FetchError as refused:
+            raise FetchError(f"{error}; {refused}", transient=True) from None
         if kept is None:
             raise
         return kept
@@ -212,13 +215,12 @@ def manifest_from_redis(source: str) -> Manifest | None:
     node, token = runtime.node_name(), runtime.token()
     digest = version_digest(said, info_hash.decode(), torrent)
     mac = (kept.get(f"mac:{node}".encode()) or b"").decode()
-    if not (node and token) or not hmac.compare_digest(
-        mac, version_mac(signing.token_hash(token), node, model, version, digest)
-    ):
+    if not (node and token and mac):
+        return None  # not vouched for to this node (it never announced since the version was written)
+    if not hmac.compare_digest(mac, version_mac(signing.token_hash(token), node, model, version, digest)):
         raise FetchError(
-            f"{source}: the byte listener cannot be reached, and the copy of its manifest in Redis does not carry "
-            "its word for this node (written by someone else, or not vouched for since this node enrolled); refused",
-            transient=True,
+            "the copy of its manifest in Redis does not carry the byte listener's word for this node "
+            "(changed by someone else since it was written); refused"
         )
     entries = _parsed(said, source)
     if entries.torrent is None or entries.torrent["info_hash"] != info_hash.decode():

@@ -146,7 +146,8 @@ def test_with_the_byte_listener_killed_a_manifest_changed_in_redis_is_refused_wi
     source = source_of(control, "v2")
     send_fetch("n3", source, broker_url=control.redis_url)
     wait_until(
-        lambda: "does not carry its word for this node" in progress_of(control, nodes["n3"], source).get("error", ""),
+        lambda: "does not carry the byte listener's word for this node"
+        in progress_of(control, nodes["n3"], source).get("error", ""),
         60,
         what=lambda: f"n3 to refuse the changed manifest: {progress_of(control, nodes['n3'], source)}",
     )
