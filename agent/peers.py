@@ -209,7 +209,12 @@ class NodeSwarm:
                 found = sorted(set(_records(raw, node).values()))
                 if found:
                     self.peers[h] = found
-        self._say(f"{why}; peers are taken from the tracker's records in Redis meanwhile")
+        with self._lock:
+            known = sum(len(self.peers.get(h, ())) for h in held)
+        self._say(
+            f"{why}; peers are taken from the tracker's records in Redis meanwhile "
+            f"({len(self.fleet)} addresses let in, {known} peers known for the {len(held)} torrents this node holds)"
+        )
 
     def _refused(self, address: str) -> None:
         # An address the filter does not know connected: a node that enrolled or started since the last

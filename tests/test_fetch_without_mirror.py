@@ -80,6 +80,13 @@ def fleet_without_mirror(db_access, tmp_path_factory):  # noqa: F811  (the fixtu
             30,
             what=lambda: f"every node to announce: {client.hkeys(keys.SWARM_FLEET)}",
         )
+        # And n1 in the tracker's records as holding both (its announce after each `.complete`).
+        hashes = [client.hget(keys.swarm_version_key("tiny", v), "info_hash").decode() for v in VERSIONS]
+        wait_until(
+            lambda: all(client.hexists(keys.SWARM_PREFIX + h, "n1") for h in hashes),
+            30,
+            what="the tracker to name n1 as holding both versions",
+        )
         # And the tracker's word on each version for each node (at its next announce): what a node believes them by.
         wanted = {f"mac:{name}".encode() for name in nodes}
         wait_until(
