@@ -44,7 +44,8 @@ def fetch_by_torrent(
     verified: Verified,
 ) -> bool:
     """Fetch the set's missing files through the swarm; False when its torrent is not one (fetch over HTTP)."""
-    data = read_torrent(session, entries.torrent["url"])
+    # Kept in Redis beside the manifest when the byte listener could not be reached (agent.sources.read_manifest).
+    data = entries.torrent.get("data") or read_torrent(session, entries.torrent["url"])
     try:
         lt.torrent_info(lt.bdecode(data))
     except (RuntimeError, TypeError, ValueError):

@@ -40,15 +40,17 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import redis
 import requests
 from django.conf import settings
 
-from contracts import credentials, signing
+from contracts import credentials, keys, signing
 from contracts.sources import seed_alias
 from contracts.swarm import Swarm, SwarmError, info_hash_of, torrent_info
 
 from . import runtime
 from .download import new_session
+from .progress import redis_client
 from .sources import TIMEOUT, describe, origin, refusal_of, status_error
 
 log = logging.getLogger(__name__)
@@ -153,7 +155,10 @@ class NodeSwarm:
         try:
             response = self._http.get(url, params=params, headers=credentials.bearer(secret), timeout=TIMEOUT)
         except requests.RequestException as error:
-            self._say(f"the tracker {url} did not answer ({describe(error)}); peers stay as they were")
+            self._from_redis(held, node, f"the tracker {url} did not answer ({describe(error)})")
+            return
+        if response.status_code >= 500:
+            self._from_redis(held, node, f"the tracker {url} answered {response.status_code}")
             return
         if response.status_code == 401:
             # Revoked (or its token issued anew): the fleet will not serve this node, and it serves nobody.
@@ -175,6 +180,41 @@ class NodeSwarm:
         self.fleet = set(fleet)
         with self._lock:
             self.peers.update(peers)
+
+    def _from_redis(self, held: list[str], node: str, why: str) -> None:
+        """The tracker away: peers as its records in Redis last said, and the fleet as it was plus whoever they name.
+
+        The byte listener's host gone is the case (issue 38): the records it wrote are still
+        there (kept 10 × the tracker's 30 s after a node's last announce), and this node may
+        read them. Nobody leaves the fleet meanwhile: the tracker's check of each node's
+        enrolment is the byte listener's, so a node revoked while it is away is dropped when
+        it is back (docs/fleet.md).
+        """
+        try:
+            client = redis_client()
+            pipe = client.pipeline()
+            pipe.hgetall(keys.SWARM_FLEET)
+            for h in held:
+                pipe.hgetall(keys.SWARM_PREFIX + h)
+            fleet_raw, *held_raw = pipe.execute()
+        except redis.RedisError as error:
+            self._say(f"{why}, and Redis neither ({error}); peers stay as they were")
+            return
+        fleet = {host for host, _ in _records(fleet_raw, node).values()}
+        if fleet - self.fleet:
+            self.fleet |= fleet
+            self.swarm.allow(self.fleet)
+        with self._lock:
+            for h, raw in zip(held, held_raw, strict=True):
+                found = sorted(set(_records(raw, node).values()))
+                if found:
+                    self.peers[h] = found
+        with self._lock:
+            known = sum(len(self.peers.get(h, ())) for h in held)
+        self._say(
+            f"{why}; peers are taken from the tracker's records in Redis meanwhile "
+            f"({len(self.fleet)} addresses let in, {known} peers known for the {len(held)} torrents this node holds)"
+        )
 
     def _refused(self, address: str) -> None:
         # An address the filter does not know connected: a node that enrolled or started since the last
@@ -291,6 +331,20 @@ class NodeSwarm:
         self._stop.set()
         self._announce_now.set()
         self.swarm.close()
+
+
+def _records(raw: dict, node: str) -> dict[str, tuple[str, int]]:
+    """{node: (host, port)} of a tracker hash in Redis, this node's own record and malformed ones left out."""
+    out = {}
+    for name, value in raw.items():
+        name = name.decode() if isinstance(name, bytes) else name
+        try:
+            record = json.loads(value)
+            out[name] = (str(record["host"]), int(record["port"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    out.pop(node, None)
+    return out
 
 
 def mirror_refusal(source: str) -> str:

@@ -8,13 +8,15 @@ where they would go and refuses whatever is not safe to join onto a path.
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
+import redis
 import requests
 
 from contracts.names import plain_name_problem
@@ -159,7 +161,75 @@ def read_manifest(session: requests.Session, source: str, timeout=TIMEOUT) -> Ma
 
     Raises NotReady when the mirror answers that the version is not whole yet (503,
     `"ready": false`, `Retry-After`): a file still being copied in, hashes not computed.
+
+    When the byte listener cannot be reached (its host gone, an error of its own), the copy
+    it wrote into Redis when it last served the version is taken instead (issue 38), with its
+    torrent: the set is then fetched from the peers that hold it. Only what the byte listener
+    wrote is there (nodes may read those keys, not write them), and it is checked as the
+    answer would be.
     """
+    try:
+        return _read_manifest(session, source, timeout)
+    except NotReady:
+        raise
+    except FetchError as error:
+        if not error.transient:
+            raise
+        try:
+            kept = manifest_from_redis(source)
+        except FetchError as refused:
+            raise FetchError(f"{error}; {refused}", transient=True) from None
+        if kept is None:
+            raise
+        return kept
+
+
+def manifest_from_redis(source: str) -> Manifest | None:
+    """The version's manifest and torrent as the byte listener last wrote them into Redis; None if there are none."""
+    from django.conf import settings
+
+    from contracts import keys, signing
+    from contracts.redis_client import redis_client
+    from contracts.sources import version_digest, version_mac
+
+    from . import runtime
+
+    root = getattr(settings, "BYTES_URL", "")
+    if not (root and source.startswith(root) and source.endswith("/")):
+        return None
+    parts = source[len(root) :].rstrip("/").split("/")
+    if len(parts) != 2:
+        return None
+    model, version = (unquote(p) for p in parts)
+    url = getattr(settings, "REDIS_URL", "")
+    if not url:
+        return None  # `manage.py fetch` on a host that is no node
+    try:
+        kept = redis_client(url).hgetall(keys.swarm_version_key(model, version))
+    except (redis.RedisError, ValueError):
+        return None
+    said, torrent, info_hash = kept.get(b"manifest"), kept.get(b"torrent"), kept.get(b"info_hash")
+    if not (said and torrent and info_hash):
+        return None
+    # Believed only with this node's own MAC over it, which only the byte listener can make (contracts.sources).
+    node, token = runtime.node_name(), runtime.token()
+    digest = version_digest(said, info_hash.decode(), torrent)
+    mac = (kept.get(f"mac:{node}".encode()) or b"").decode()
+    if not (node and token and mac):
+        return None  # not vouched for to this node (it never announced since the version was written)
+    if not hmac.compare_digest(mac, version_mac(signing.token_hash(token), node, model, version, digest)):
+        raise FetchError(
+            "the copy of its manifest in Redis does not carry the byte listener's word for this node "
+            "(changed by someone else since it was written); refused"
+        )
+    entries = _parsed(said, source)
+    if entries.torrent is None or entries.torrent["info_hash"] != info_hash.decode():
+        return None
+    entries.torrent["data"] = bytes(torrent)
+    return entries
+
+
+def _read_manifest(session: requests.Session, source: str, timeout) -> Manifest:
     try:
         response = session.get(source, timeout=timeout, stream=True, headers={"Accept": "application/json"})
     except requests.RequestException as error:
@@ -181,6 +251,11 @@ def read_manifest(session: requests.Session, source: str, timeout=TIMEOUT) -> Ma
             raise FetchError(f"asking {source} what it holds: {describe(error)}", transient=True) from None
     if len(body) > MANIFEST_LIMIT:
         raise FetchError(f"{source} answered more than 1 MiB where a manifest was expected; it is not a mirror version")
+    return _parsed(body, source)
+
+
+def _parsed(body: bytes, source: str) -> Manifest:
+    """A manifest's body, every name, size and sha256 checked; FetchError with the sentence otherwise."""
     not_a_manifest = FetchError(
         f"{source} did not answer with a manifest; a source ending in / has to be a mirror version, not a "
         "directory listing"

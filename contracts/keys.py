@@ -60,3 +60,21 @@ def unacked_keys(name: str) -> dict[str, str]:
         "unacked_index_key": f"unacked_index:{queue}",
         "unacked_mutex_key": f"unacked_mutex:{queue}",
     }
+
+
+# --- the swarm's records, written by the byte listener (issues 24, 38) --------------------
+# Nodes may read them (fleet/redis_acl.py), never write: with the byte listener's host gone, a
+# node still finds a version's manifest, its torrent and its peers here (docs/mirror.md).
+
+SWARM_PREFIX = "llmgw:swarm:"  # a hash per torrent: node name -> its record (host, port, at, mac)
+SWARM_FLEET = "llmgw:swarm-fleet"  # a hash: node name -> its record, every node that announced lately
+
+
+def swarm_version_key(model: str, version: str) -> str:
+    """A hash: the version's manifest (`manifest`, JSON as the byte listener answers it), its torrent's
+    info-hash (`info_hash`) and the torrent itself (`torrent`, bencoded), as the byte listener last served them."""
+    return f"llmgw:swarm-version:{model}/{version}"
+
+
+# A set: the versions ("model/version") whose manifest and torrent are in Redis, for the tracker to vouch for.
+SWARM_VERSIONS = "llmgw:swarm-versions"

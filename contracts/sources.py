@@ -7,6 +7,8 @@ so staff get the node's own sentence at once rather than a failed fetch later.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from urllib.parse import unquote, urlsplit
 
@@ -69,3 +71,20 @@ def seed_alias(root: str, address: str, n: int) -> str:
     if not address.startswith(root):
         return address
     return f"{root}{SEED_ALIAS}/{int(n)}/{address[len(root) :]}"
+
+
+def version_digest(manifest: bytes, info_hash: str, torrent: bytes) -> str:
+    """One digest of a version's manifest (its JSON as written), its torrent's info-hash and the torrent itself."""
+    torrent_sha = hashlib.sha256(torrent).hexdigest()
+    return hashlib.sha256(b"|".join([manifest, info_hash.encode(), torrent_sha.encode()])).hexdigest()
+
+
+def version_mac(key: str, node: str, model: str, version: str, digest: str) -> str:
+    """The byte listener's word to node `node` that `digest` is the version's (issue 38).
+
+    Keyed by the node's token hash, which the control plane and that node hold and no other node
+    does: a manifest and torrent in Redis are believed by a node only with its own MAC over them,
+    so whoever else can write to Redis cannot hand it other weights (docs/mirror.md).
+    """
+    said = f"llmgw-version|{node}|{model}/{version}|{digest}".encode()
+    return hmac.new(key.encode(), said, hashlib.sha256).hexdigest()

@@ -69,6 +69,9 @@ def node_rules(name: str, password: str) -> str:
     queue = node_queue(name)
     own = [keys.node_prefix(name) + "*", queue, f"_kombu.binding.{queue}", *keys.unacked_keys(name).values()]
     patterns = " ".join("~" + pattern for pattern in own)
+    # Read only: the byte listener's records (a version's manifest and torrent, who holds it), which a
+    # node fetches by when the byte listener's host is gone (issue 38; agent/sources.py, agent/peers.py).
+    patterns += " " + " ".join("%R~" + pattern for pattern in BYTES_KEYS)
     # The collect hint is the one shared key a node may set (KEYS.md): SET NX EX, a hint only.
     hint = f"(~{COLLECT_PENDING_KEY} resetchannels -@all +set)"
     return f"on {_hashed(password)} resetkeys {patterns} {_DATA} {_TO_CONTROL} {hint}"

@@ -12,6 +12,7 @@ import base64
 import binascii
 import ipaddress
 import json
+import logging
 import os
 import re
 import socket
@@ -30,11 +31,15 @@ from django.utils.cache import get_conditional_response
 from django.utils.crypto import constant_time_compare, salted_hmac
 from gevent import monkey
 
+from contracts import keys
 from contracts.names import plain_name_problem
 from contracts.redis_client import redis_client
+from contracts.sources import version_digest, version_mac
 
 from . import disk, readiness, torrent
 from .metrics import BYTES_SERVED, FILES_SERVED
+
+log = logging.getLogger(__name__)
 
 
 def _error(status: int, sentence: str, **headers) -> JsonResponse:
@@ -127,6 +132,8 @@ def manifest(request: HttpRequest, model: str, version: str) -> JsonResponse:
     if status.ready and "torrent" in request.GET:
         return _torrent(model, version, files, status)
     if status.ready:
+        if status.info_hash:
+            _publish(model, version, files, status, body)
         return JsonResponse(body)
     response = JsonResponse({**body, "ready": False, "error": status.problem}, status=503)
     response["Retry-After"] = str(status.retry_after)
@@ -150,6 +157,36 @@ def _off_the_event_loop(function, *args):
             connections.close_all()
 
     return gevent.get_hub().threadpool.apply(run)
+
+
+def _publish(model: str, version: str, files: list[disk.DiskFile], status: readiness.Readiness, body: dict) -> None:
+    """The version's manifest and torrent into Redis, where nodes read them when this listener is gone (issue 38).
+
+    Written when the torrent there is not this one (a first fetch, a version changed since),
+    so a version asked for often costs one HGET. Redis away: the manifest is answered all the
+    same; the copy is written at the next request.
+    """
+    key = keys.swarm_version_key(model, version)
+    client = redis_client(settings.REDIS_URL)
+    try:
+        held = client.hget(key, "info_hash")
+        if (held.decode() if isinstance(held, bytes) else held) == status.info_hash:
+            return
+        data = torrent.stored(model, version, [(f.name, f.bytes, status.hashes[f.name]) for f in files])
+        if data is None:
+            return
+        manifest = {k: v for k, v in body.items() if k != "torrent"}
+        manifest["torrent"] = {"info_hash": status.info_hash, "piece_bytes": torrent.PIECE_BYTES}
+        said = json.dumps(manifest).encode()
+        digest = version_digest(said, status.info_hash, data)
+        pipe = client.pipeline()
+        # Each node's MAC over it is added at the node's next announce (`_vouch`): the old ones go with the old version.
+        pipe.delete(key)
+        pipe.hset(key, mapping={"manifest": said, "torrent": data, "info_hash": status.info_hash, "digest": digest})
+        pipe.sadd(keys.SWARM_VERSIONS, f"{model}/{version}")
+        pipe.execute()
+    except redis.RedisError as error:
+        log.warning("the manifest of %s/%s is not in Redis for now: %s", model, version, error)
 
 
 def _torrent(model: str, version: str, files: list[disk.DiskFile], status: readiness.Readiness) -> HttpResponse:
@@ -375,8 +412,8 @@ def seed_alias(request: HttpRequest, n: int, model: str, version: str, name: str
 
 # --- the tracker: which enrolled nodes hold which torrent (issue 24) -----------------
 
-SWARM_PREFIX = "llmgw:swarm:"
-SWARM_FLEET = "llmgw:swarm-fleet"
+SWARM_PREFIX = keys.SWARM_PREFIX
+SWARM_FLEET = keys.SWARM_FLEET
 # The torrents a node said it holds at its last announce: what its next one takes back.
 SWARM_HELD = "llmgw:swarm-held:"
 SWARM_RATE = "llmgw:swarm-rate:"
@@ -424,6 +461,28 @@ def peer_address(request: HttpRequest) -> str:
         except ValueError:
             return ""
     return str(address)
+
+
+def _vouch(client, node: str, key: str | None) -> None:
+    """The node's MAC over every version in Redis whose MAC is missing or stale (issue 38): what lets it believe
+    their manifests and torrents there when this listener is gone. One round trip to read, one to write if any."""
+    if not key:
+        return
+    versions = sorted(v.decode() if isinstance(v, bytes) else v for v in client.smembers(keys.SWARM_VERSIONS))
+    pipe = client.pipeline()
+    for name in versions:
+        pipe.hmget(keys.swarm_version_key(*name.split("/", 1)), "digest", f"mac:{node}")
+    write = client.pipeline()
+    for name, (digest, mac) in zip(versions, pipe.execute(), strict=True):
+        if digest is None:
+            write.srem(keys.SWARM_VERSIONS, name)  # gone from Redis
+            continue
+        model, version = name.split("/", 1)
+        wanted = version_mac(key, node, model, version, digest.decode())
+        if (mac or b"").decode() != wanted:
+            write.hset(keys.swarm_version_key(model, version), f"mac:{node}", wanted)
+    if len(write):
+        write.execute()
 
 
 def _record_mac(info_hash: str, node: str, host: str, port: int, at: float) -> str:
@@ -497,6 +556,7 @@ def announce(request: HttpRequest, nodes) -> JsonResponse:
         for h in hashes:
             pipe.hgetall(SWARM_PREFIX + h)
         answers = pipe.execute()[-(len(hashes) + 1) :]
+        _vouch(client, node, nodes.token_hash_of(node))
     except redis.RedisError:
         return _error(503, "the tracker cannot reach Redis; fetch from the mirror meanwhile", Retry_After="10")
 
