@@ -15,7 +15,9 @@
 #
 # The binary is kept under a key made of the version and those flags
 # (~/.cache/llmgw/engines/<key>/llama-server, or under LLMGW_ENGINE_BUILDS), so a
-# build for one mix is never handed to another CPU, and switching back is a link.
+# build for one mix is never handed to another CPU, and switching back is a link. Run as
+# root, the binary the venv links to is a copy under /usr/local/lib/llmgw/engines/<key>/ (or
+# LLMGW_ENGINE_INSTALL), which the agent's user reads under systemd's ProtectHome=yes.
 #
 # Usage: sh scripts/build-engine.sh [PYTHON]   (default .venv/bin/python)
 #        sh scripts/build-engine.sh --where    the path this CPU's build has (built or not)
@@ -65,8 +67,15 @@ if [ ! -x "$DIR/llama-server" ]; then
     rm -rf "$WORK/src" "$WORK/build"
     rm -rf "$DIR" && mv "$WORK" "$DIR"
 fi
+# Installed outside any home: a node's agent runs as llmgw with ProtectHome=yes and would find
+# nothing behind a link into root's ~/.cache (issue 41). As another user, the build stays its own.
+if [ "$(id -u)" = 0 ]; then INSTALL=${LLMGW_ENGINE_INSTALL:-/usr/local/lib/llmgw/engines}; else INSTALL=${LLMGW_ENGINE_INSTALL:-$BUILDS}; fi
+if [ "$INSTALL/${DIR##*/}" != "$DIR" ]; then
+    cmp -s "$DIR/llama-server" "$INSTALL/${DIR##*/}/llama-server" ||
+        install -D -m 0755 "$DIR/llama-server" "$INSTALL/${DIR##*/}/llama-server"
+fi
 # The venv's bin/ is where this checkout's agent looks first (agent/engine_binary.py).
 BIN="$(dirname "$PY")"
-ln -sfn "$DIR/llama-server" "$BIN/llama-server"
+ln -sfn "$INSTALL/${DIR##*/}/llama-server" "$BIN/llama-server"
 "$BIN/llama-server" --version >/dev/null 2>&1 || { echo "the llama-server built in $DIR does not run" >&2; exit 1; }
 printf '%s\n' "$ARGS" > "$BIN/../.engine-cmake-args"
