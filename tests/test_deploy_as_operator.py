@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import secrets
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
+from .fleet_netns import free_port_on
 from .netns import Fleet, unavailable
+from .services import free_port
 from .support import deploy
+from .support.database import db_access  # noqa: F401  (a fixture)
+from .support.processes import test_database_url
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
 
@@ -42,3 +50,153 @@ def test_the_control_hosts_firewall_keeps_loopback_replies_and_ssh_and_drops_the
         for listener in listeners:
             listener.kill()
             listener.wait()
+
+
+# --- The fleet, deployed as docs/fleet.md says ---
+
+SECRET = secrets.token_urlsafe(50)
+
+
+def _redis_on(address: str, work: Path) -> tuple[subprocess.Popen, str]:
+    """Redis on the fleet's network with a password (not the guide's users: tests/test_redis_acl.py runs those)."""
+    port, password = free_port_on(address), secrets.token_hex(16)
+    argv = ["redis-server", "--bind", address, "--port", str(port), "--requirepass", password, "--save", ""]
+    redis = subprocess.Popen([*argv, "--dir", str(work)], stdout=subprocess.DEVNULL, start_new_session=True)
+    return redis, f"redis://:{password}@{address}:{port}/0"
+
+
+class Deployed:
+    """What the walk below made: the hosts, their addresses, the URLs an operator would use."""
+
+    def __init__(self, fleet, work: Path):
+        self.work = work
+        deploy.namespaces_dir(work)
+        # The control host keeps this machine's network: PostgreSQL (the suite's) is on its loopback.
+        self.control = deploy.DeployedHost("control", work, None, fleet.address)
+        node_ns = fleet.add_host("node-1")
+        self.node = deploy.DeployedHost("node-1", work, node_ns.name, node_ns.address)
+        self.hosts = [self.control, self.node]
+        self.redis, self.redis_url = _redis_on(fleet.address, work)
+        self.admin_url = f"http://127.0.0.1:{free_port()}"
+        self.bytes_url = f"http://{fleet.address}:{free_port_on(fleet.address)}/"
+        self.gateway_url = f"http://{fleet.address}:{free_port_on(fleet.address)}"
+
+    def remove(self) -> None:
+        for host in self.hosts:
+            host.remove()
+        self.redis.kill()
+        self.redis.wait()
+        deploy.remove_namespaces_dir(self.work)
+
+
+def _install_control(deployed: Deployed) -> None:
+    """Step 1 of docs/fleet.md on `control`, from `useradd` to `systemctl enable --now`."""
+    control = deployed.control
+    control.run(deploy.doc_line("useradd --system --home-dir /var/lib/llmgw"))
+    control.clone()
+    control.run(deploy.doc_line("mkdir -p /srv/llmgw/mirror /etc/llmgw"))
+    control.run(deploy.doc_line("install -m 0640 -g llmgw deploy/env/control.env"))
+    admin_port = deployed.admin_url.rsplit(":", 1)[1]
+    bytes_address = deployed.bytes_url.removeprefix("http://").rstrip("/")
+    deploy.edit_env_file(
+        control,
+        "/etc/llmgw/control.env",
+        {
+            "DJANGO_SECRET_KEY": SECRET,
+            "DATABASE_URL": test_database_url(),  # the suite's PostgreSQL (createuser/createdb: tests/test_postgres.py)
+            "REDIS_URL": deployed.redis_url,
+            "LLMGW_REDIS_ACL": "false",
+            "LLMGW_BYTES_REDIS_URL": deployed.redis_url,
+            "LLMGW_ADMIN_ADDR": f"127.0.0.1:{admin_port}",
+            "LLMGW_BYTES_ADDR": bytes_address,
+            "LLMGW_BYTES_URL": deployed.bytes_url,
+            "LLMGW_GATEWAY_URL": deployed.gateway_url + "/",
+            # The pull below is from a mirror on this machine, over plain HTTP, as control.env says to allow.
+            "LLMGW_PULL_ALLOW_HTTP": "true",
+            # This test's pace: a scan every second, placement every second.
+            "LLMGW_SCAN_INTERVAL_S": "1",
+            "LLMGW_RECONCILE_INTERVAL_S": "1",
+            "LLMGW_DEMO_MODEL": "false",
+        },
+    )
+    control.run(deploy.doc_line("install -m 0755 deploy/llmgw-manage"))
+    # The first llmgw-manage, before any unit ran (issue 41 item 4).
+    control.run(deploy.doc_line("llmgw-manage check --deploy"))
+    for unit in ("llmgw-admin", "llmgw-bytes", "llmgw-control", "llmgw-pulls"):
+        control.start_unit(unit)
+
+
+def _install_gateway(deployed: Deployed) -> None:
+    """Step 1b, on the control host (a gateway host of its own would run the same unit)."""
+    control = deployed.control
+    control.run(deploy.doc_line("mkdir -p /etc/llmgw && install -m 0640 -g llmgw deploy/env/gateway.env"))
+    deploy.edit_env_file(
+        control,
+        "/etc/llmgw/gateway.env",
+        {
+            "DATABASE_URL": test_database_url(),
+            "REDIS_URL": deployed.redis_url,
+            "DJANGO_SECRET_KEY": SECRET,
+            "LLMGW_GATEWAY_ADDR": deployed.gateway_url.removeprefix("http://"),
+            "LLMGW_GATEWAY_URL": deployed.gateway_url + "/",
+            "LLMGW_GATEWAY_REFRESH_MS": "200",
+        },
+    )
+    control.start_unit("llmgw-gateway")
+
+
+def _install_node(deployed: Deployed) -> None:
+    """Steps 2 and 3: the node's token on control, then the node's own install."""
+    node = deployed.node
+    token = deployed.control.run(f"llmgw-manage node_token {node.name} --address {node.address}").strip()
+    node.run(deploy.doc_line("useradd --system --home-dir /var/lib/llmgw"))
+    node.clone()
+    # `python3 -m venv .venv && pip install -r requirements/node.txt`: the checkout's venv is used as it is.
+    node.run(deploy.doc_line("sh scripts/build-engine.sh"))
+    node.run(deploy.doc_line("useradd --system --gid llmgw --no-create-home"))
+    node.run(deploy.doc_line("mkdir -p /etc/llmgw && install -m 0600 -o root -g root deploy/env/node.env"))
+    deploy.edit_env_file(
+        node,
+        "/etc/llmgw/node.env",
+        {
+            "LLMGW_NODE_TOKEN": token.splitlines()[-1],
+            "REDIS_URL": deployed.redis_url,
+            "LLMGW_REDIS_ACL": "false",
+            "LLMGW_BYTES_URL": deployed.bytes_url,
+            "LLMGW_ENGINE_ADVERTISE": node.address,
+            "LLMGW_HEARTBEAT_S": "1",
+        },
+    )
+    example = {"10.0.0.10": deployed.control.address, "10.0.0.31": deployed.control.address, "10.0.0.21": node.address}
+    deploy.apply_firewall(node.netns, deploy.firewall("node", example))
+    node.start_unit("llmgw-agent", node=node.name)
+
+
+@pytest.fixture(scope="module")
+def deployed(fleet, tmp_path_factory, db_access):  # noqa: F811  (the fixture imported above)
+    made = Deployed(fleet, tmp_path_factory.mktemp("deployed"))
+    try:
+        _install_control(made)
+        _install_gateway(made)
+        _install_node(made)
+        yield made
+    finally:
+        made.remove()
+
+
+def _processes_alive(deployed: Deployed) -> None:
+    for host in deployed.hosts:
+        for process in host.processes:
+            assert process.alive(), f"{process.name} exited:\n{process.output()[-3000:]}"
+
+
+def test_a_node_deployed_as_the_guide_says_enrols_with_llama_cpp(deployed):
+    """Its llama-server outside root's home, which the agent's user cannot reach (issue 41 item 2)."""
+    from fleet.models import Node
+
+    def ready():
+        _processes_alive(deployed)
+        node = Node.objects.filter(name=deployed.node.name).first()
+        return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
+
+    wait_until(ready, timeout=90, what="node-1 ready with llama.cpp")
