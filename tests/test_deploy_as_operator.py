@@ -8,13 +8,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import requests
+
+from fleet.models import Replica
+from launcher.demo_model import write_tiny_llama
 
 from .fleet_netns import free_port_on
 from .netns import Fleet, unavailable
 from .services import free_port
 from .support import deploy
 from .support.database import db_access  # noqa: F401  (a fixture)
-from .support.processes import test_database_url
+from .support.other_mirror import OtherMirror
+from .support.processes import test_database_url as database_url
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
@@ -103,7 +108,7 @@ def _install_control(deployed: Deployed) -> None:
         "/etc/llmgw/control.env",
         {
             "DJANGO_SECRET_KEY": SECRET,
-            "DATABASE_URL": test_database_url(),  # the suite's PostgreSQL (createuser/createdb: tests/test_postgres.py)
+            "DATABASE_URL": database_url(),  # the suite's PostgreSQL (createuser/createdb: tests/test_postgres.py)
             "REDIS_URL": deployed.redis_url,
             "LLMGW_REDIS_ACL": "false",
             "LLMGW_BYTES_REDIS_URL": deployed.redis_url,
@@ -117,6 +122,7 @@ def _install_control(deployed: Deployed) -> None:
             "LLMGW_SCAN_INTERVAL_S": "1",
             "LLMGW_RECONCILE_INTERVAL_S": "1",
             "LLMGW_DEMO_MODEL": "false",
+            "LLMGW_MIRROR_SETTLE_S": "1",
         },
     )
     control.run(deploy.doc_line("install -m 0755 deploy/llmgw-manage"))
@@ -134,7 +140,7 @@ def _install_gateway(deployed: Deployed) -> None:
         control,
         "/etc/llmgw/gateway.env",
         {
-            "DATABASE_URL": test_database_url(),
+            "DATABASE_URL": database_url(),
             "REDIS_URL": deployed.redis_url,
             "DJANGO_SECRET_KEY": SECRET,
             "LLMGW_GATEWAY_ADDR": deployed.gateway_url.removeprefix("http://"),
@@ -200,3 +206,75 @@ def test_a_node_deployed_as_the_guide_says_enrols_with_llama_cpp(deployed):
         return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
 
     wait_until(ready, timeout=90, what="node-1 ready with llama.cpp")
+
+
+def _staff(deployed: Deployed) -> requests.Session:
+    """An operator's API token (`llmgw-manage createsuperuser`, `llmgw-manage api_token`), as behind nginx."""
+    control = deployed.control
+    control.run(
+        "llmgw-manage createsuperuser --noinput --username operator --email operator@example.org",
+        DJANGO_SUPERUSER_PASSWORD=secrets.token_urlsafe(16),
+    )
+    token = control.run("llmgw-manage api_token operator").strip().splitlines()[-1]
+    session = requests.Session()
+    # What nginx adds (deploy/nginx/llmgw.conf): the public name, and that the client came over HTTPS.
+    session.headers.update(
+        {"Authorization": f"Token {token}", "Host": "llmgw.example.org", "X-Forwarded-Proto": "https"}
+    )
+    return session
+
+
+def test_the_readmes_walk_serves_the_model_a_key_gets_an_answer_through_the_gateway(deployed, tmp_path):
+    """Step 4: weights copied into the mirror, served through the API, a key, an answer (issue 41 items 1 and 2)."""
+    write_tiny_llama(tmp_path / "gguf")
+    deployed.control.run(f"mkdir -p /srv/llmgw/mirror/tiny/v1 && cp {tmp_path}/gguf/*.gguf /srv/llmgw/mirror/tiny/v1/")
+    staff = _staff(deployed)
+
+    def plan():
+        _processes_alive(deployed)
+        offered = staff.get(deployed.admin_url + "/api/serve/plan/?model=tiny&version=v1", timeout=10)
+        return offered.json() if offered.status_code == 200 else None
+
+    offer = wait_until(plan, timeout=60, what="the mirror's scan to list tiny/v1")
+    served = staff.post(
+        deployed.admin_url + "/api/serve/",
+        json={
+            "name": "tiny",
+            "source": offer["source"],
+            "engine": offer["engine"],
+            "profile": offer["profile"],
+            "context_length": "256",
+            "replicas": "1",
+            "min_memory_gb": offer["min_memory_gb"],
+        },
+        timeout=30,
+    )
+    assert served.status_code == 201, served.text
+    key = deployed.control.run("llmgw-manage api_key create first-client | tail -n 1").strip()
+
+    def answered():
+        _processes_alive(deployed)
+        asked = requests.post(
+            deployed.gateway_url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "tiny", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 4},
+            timeout=30,
+        )
+        return asked if asked.status_code == 200 else None
+
+    answer = wait_until(answered, timeout=120, interval=1, what="an answer from tiny through the gateway")
+    assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+    assert answer.json()["usage"]["completion_tokens"] > 0
+    replica = Replica.objects.get(model_name="tiny")
+    assert replica.endpoint.startswith(f"http://{deployed.node.address}:")
+
+
+def test_a_pull_from_another_mirror_lands_in_the_mirror_the_other_units_only_read(deployed, tmp_path):
+    """The pulls unit is the one that may write the mirror (issue 41 item 5), over http as control.env allows."""
+    other = OtherMirror(tmp_path / "other")
+    try:
+        url = other.add("pulled", "v1", {"weights.gguf": secrets.token_bytes(300_000)})
+        said = deployed.control.run(f"llmgw-manage mirror_pull {url}")
+        assert deployed.control.run("ls /srv/llmgw/mirror/pulled/v1").split() == ["weights.gguf"], said
+    finally:
+        other.stop()
