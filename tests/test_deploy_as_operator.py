@@ -22,7 +22,11 @@ from .support.other_mirror import OtherMirror
 from .support.processes import test_database_url as database_url
 from .support.waiting import wait_until
 
-pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
+pytestmark = [
+    pytest.mark.skipif(bool(unavailable()), reason=unavailable() or ""),
+    pytest.mark.skipif(shutil.which("nft") is None, reason="nft is not installed (scripts/test-deps.sh installs it)"),
+    pytest.mark.engine,
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,6 @@ def fleet():
     made.remove()
 
 
-@pytest.mark.skipif(shutil.which("nft") is None, reason="nft is not installed (scripts/test-deps.sh installs it)")
 def test_the_control_hosts_firewall_keeps_loopback_replies_and_ssh_and_drops_the_rest(fleet):
     control, node, stranger = (fleet.add_host(label) for label in ("fw-control", "fw-node", "fw-stranger"))
     deploy.apply_firewall(control.name, deploy.firewall("control", {"10.0.0.21": node.address}))
@@ -182,6 +185,7 @@ def _install_node(deployed: Deployed) -> None:
 def deployed(fleet, tmp_path_factory, db_access):  # noqa: F811  (the fixture imported above)
     made = Deployed(fleet, tmp_path_factory.mktemp("deployed"))
     try:
+        # In the guide's order: the control plane, a gateway, then the node with its token.
         _install_control(made)
         _install_gateway(made)
         _install_node(made)
