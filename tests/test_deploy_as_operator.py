@@ -273,12 +273,30 @@ def test_the_readmes_walk_serves_the_model_a_key_gets_an_answer_through_the_gate
     assert replica.endpoint.startswith(f"http://{deployed.node.address}:")
 
 
-def test_a_pull_from_another_mirror_lands_in_the_mirror_the_other_units_only_read(deployed, tmp_path):
-    """The pulls unit is the one that may write the mirror (issue 41 item 5), over http as control.env allows."""
+def test_a_pull_from_another_mirror_lands_in_the_mirror_the_other_units_only_read(deployed, tmp_path, settings):
+    """The admin's "Pull a version" runs on the pulls unit, the one that may write the mirror (issue 41 item 5)."""
+    from llmgw_site.celery import app
+    from mirror import pull
+    from mirror.models import MirrorPull
+    from mirror.tasks import pull_task
+
     other = OtherMirror(tmp_path / "other")
     try:
         url = other.add("pulled", "v1", {"weights.gguf": secrets.token_bytes(300_000)})
-        said = deployed.control.run(f"llmgw-manage mirror_pull {url}")
-        assert deployed.control.run("ls /srv/llmgw/mirror/pulled/v1").split() == ["weights.gguf"], said
+        # What the page does on its form's POST (mirror/views.py), with control.env's settings as edited above:
+        # the pull recorded, its id onto the broker.
+        settings.PULL_ALLOW_HTTP = True
+        record = pull.start(url, requested_by="operator")
+        with app.connection_for_write(deployed.redis_url) as broker:
+            pull_task.apply_async((record.pk,), connection=broker)
+
+        def ended():
+            _processes_alive(deployed)
+            record.refresh_from_db()
+            return record.state in (MirrorPull.State.DONE, MirrorPull.State.FAILED)
+
+        wait_until(ended, timeout=90, what="the pull to end on llmgw-pulls")
+        assert record.state == MirrorPull.State.DONE, record.error
+        assert deployed.control.run("ls /srv/llmgw/mirror/pulled/v1").split() == ["weights.gguf"]
     finally:
         other.stop()
