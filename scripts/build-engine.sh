@@ -15,10 +15,12 @@
 #
 # The binary is kept under a key made of the version and those flags
 # (~/.cache/llmgw/engines/<key>/llama-server, or under LLMGW_ENGINE_BUILDS), so a
-# build for one mix is never handed to another CPU, and switching back is a link.
+# build for one mix is never handed to another CPU, and switching back is a link. Run as
+# root, the binary the venv links to is a copy under /usr/local/lib/llmgw/engines/<key>/ (or
+# LLMGW_ENGINE_INSTALL), which the agent's user reads under systemd's ProtectHome=yes.
 #
 # Usage: sh scripts/build-engine.sh [PYTHON]   (default .venv/bin/python)
-#        sh scripts/build-engine.sh --where    the path this CPU's build has (built or not)
+#        sh scripts/build-engine.sh --where    the path this CPU's build is linked from (built or not)
 set -e
 WHERE=
 if [ "$1" = "--where" ]; then WHERE=1; shift; fi
@@ -46,7 +48,11 @@ ARGS="$ARGS -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release"
 KEY=$(printf '%s %s %s' "$VERSION" "$(uname -m)" "$ARGS" | sha256sum | cut -c1-16)
 BUILDS=${LLMGW_ENGINE_BUILDS:-$HOME/.cache/llmgw/engines}
 DIR=$BUILDS/llama-server-$VERSION-$KEY
-if [ -n "$WHERE" ]; then echo "$DIR/llama-server"; exit 0; fi
+# Installed outside any home: a node's agent runs as llmgw with ProtectHome=yes and would find
+# nothing behind a link into root's ~/.cache (issue 41). As another user, the build stays its own.
+if [ "$(id -u)" = 0 ]; then INSTALL=${LLMGW_ENGINE_INSTALL:-/usr/local/lib/llmgw/engines}; else INSTALL=${LLMGW_ENGINE_INSTALL:-$BUILDS}; fi
+INSTALLED=$INSTALL/${DIR##*/}
+if [ -n "$WHERE" ]; then echo "$INSTALLED/llama-server"; exit 0; fi
 if [ ! -x "$DIR/llama-server" ]; then
     echo "Building llama.cpp's llama-server $VERSION for this CPU (about 6 minutes on two cores)..."
     WORK="$DIR.tmp"
@@ -65,8 +71,12 @@ if [ ! -x "$DIR/llama-server" ]; then
     rm -rf "$WORK/src" "$WORK/build"
     rm -rf "$DIR" && mv "$WORK" "$DIR"
 fi
+if [ "$INSTALLED" != "$DIR" ] && ! cmp -s "$DIR/llama-server" "$INSTALLED/llama-server"; then
+    install -D -m 0644 "$DIR/CMAKE_ARGS" "$INSTALLED/CMAKE_ARGS"
+    install -D -m 0755 "$DIR/llama-server" "$INSTALLED/llama-server"
+fi
 # The venv's bin/ is where this checkout's agent looks first (agent/engine_binary.py).
 BIN="$(dirname "$PY")"
-ln -sfn "$DIR/llama-server" "$BIN/llama-server"
+ln -sfn "$INSTALLED/llama-server" "$BIN/llama-server"
 "$BIN/llama-server" --version >/dev/null 2>&1 || { echo "the llama-server built in $DIR does not run" >&2; exit 1; }
 printf '%s\n' "$ARGS" > "$BIN/../.engine-cmake-args"

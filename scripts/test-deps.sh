@@ -2,7 +2,8 @@
 # What the tests need from Debian's packages, installed when missing: redis-server,
 # PostgreSQL's server (the suite runs on a private one: tests/services.py), Chromium (driven
 # by Playwright), nginx (for bench/bytes.py), Prometheus (tests/test_prometheus.py) and
-# systemd-analyze (tests/test_deploy.py). The llama.cpp engine is built by the Makefile's
+# systemd-analyze (tests/test_deploy.py) and nft (docs/fleet.md's firewall,
+# tests/test_deploy_as_operator.py). The llama.cpp engine is built by the Makefile's
 # `engine` target (scripts/build-engine.sh).
 set -e
 # Earlier versions of this script left this file behind, and with it no `apt-get install
@@ -16,6 +17,7 @@ command -v systemd-analyze >/dev/null 2>&1 || missing="$missing systemd"
 [ -x /usr/bin/chromium ] || missing="$missing chromium"
 command -v nginx >/dev/null 2>&1 || missing="$missing nginx-light"
 command -v prometheus >/dev/null 2>&1 || missing="$missing prometheus"
+command -v nft >/dev/null 2>&1 || missing="$missing nftables"
 if [ -n "$missing" ]; then
     if [ "$(id -u)" != 0 ]; then
         echo "The tests need:$missing. Install them with: sudo apt-get install$missing" >&2

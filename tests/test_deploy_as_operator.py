@@ -1,0 +1,302 @@
+"""The fleet deployed as docs/fleet.md and deploy/ say, by the steps an operator follows (issue 41)."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+
+from fleet.models import Replica
+from launcher.demo_model import write_tiny_llama
+
+from .fleet_netns import free_port_on
+from .netns import Fleet, unavailable
+from .services import free_port
+from .support import deploy
+from .support.database import db_access  # noqa: F401  (a fixture)
+from .support.other_mirror import OtherMirror
+from .support.processes import test_database_url as database_url
+from .support.waiting import wait_until
+
+pytestmark = [
+    pytest.mark.skipif(bool(unavailable()), reason=unavailable() or ""),
+    pytest.mark.skipif(shutil.which("nft") is None, reason="nft is not installed (scripts/test-deps.sh installs it)"),
+    pytest.mark.engine,
+]
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    made = Fleet()
+    yield made
+    made.remove()
+
+
+def test_the_control_hosts_firewall_keeps_loopback_replies_and_ssh_and_drops_the_rest(fleet):
+    control, node, stranger = (fleet.add_host(label) for label in ("fw-control", "fw-node", "fw-stranger"))
+    deploy.apply_firewall(control.name, deploy.firewall("control", {"10.0.0.21": node.address}))
+    listeners = [
+        deploy.listen(control.name, "127.0.0.1", 6379),  # Redis on the host's loopback
+        deploy.listen(control.name, "0.0.0.0", 22),
+        deploy.listen(control.name, "0.0.0.0", 8001),  # the byte listener, for nodes
+        deploy.listen(control.name, "0.0.0.0", 8000),  # a port not listed
+        deploy.listen(stranger.name, "0.0.0.0", 8000),  # somebody the control host calls
+    ]
+    try:
+        assert deploy.connects(control.name, "127.0.0.1", 6379), "loopback is dropped"
+        assert deploy.connects(control.name, stranger.address, 8000), "the reply to a connection it made is dropped"
+        assert deploy.connects(stranger.name, control.address, 22), "SSH is dropped: the operator is locked out"
+        assert deploy.connects(node.name, control.address, 8001)
+        # and what is not listed is dropped, for a stranger and a node alike
+        assert not deploy.connects(stranger.name, control.address, 8001, timeout=1)
+        assert not deploy.connects(node.name, control.address, 8000, timeout=1)
+    finally:
+        for listener in listeners:
+            listener.kill()
+            listener.wait()
+
+
+# --- The fleet, deployed as docs/fleet.md says ---
+
+SECRET = secrets.token_urlsafe(50)
+
+
+def _redis_on(address: str, work: Path) -> tuple[subprocess.Popen, str]:
+    """Redis on the fleet's network with a password (not the guide's users: tests/test_redis_acl.py runs those)."""
+    port, password = free_port_on(address), secrets.token_hex(16)
+    argv = ["redis-server", "--bind", address, "--port", str(port), "--requirepass", password, "--save", ""]
+    redis = subprocess.Popen([*argv, "--dir", str(work)], stdout=subprocess.DEVNULL, start_new_session=True)
+    return redis, f"redis://:{password}@{address}:{port}/0"
+
+
+class Deployed:
+    """What the walk below made: the hosts, their addresses, the URLs an operator would use."""
+
+    def __init__(self, fleet, work: Path):
+        self.work = work
+        deploy.namespaces_dir(work)
+        # The control host keeps this machine's network: PostgreSQL (the suite's) is on its loopback.
+        self.control = deploy.DeployedHost("control", work, None, fleet.address)
+        node_ns = fleet.add_host("node-1")
+        self.node = deploy.DeployedHost("node-1", work, node_ns.name, node_ns.address)
+        self.hosts = [self.control, self.node]
+        self.redis, self.redis_url = _redis_on(fleet.address, work)
+        self.admin_url = f"http://127.0.0.1:{free_port()}"
+        self.bytes_url = f"http://{fleet.address}:{free_port_on(fleet.address)}/"
+        self.gateway_url = f"http://{fleet.address}:{free_port_on(fleet.address)}"
+
+    def remove(self) -> None:
+        for host in self.hosts:
+            host.remove()
+        self.redis.kill()
+        self.redis.wait()
+        deploy.remove_namespaces_dir(self.work)
+
+
+def _install_control(deployed: Deployed) -> None:
+    """Step 1 of docs/fleet.md on `control`, from `useradd` to `systemctl enable --now`."""
+    control = deployed.control
+    control.run(deploy.doc_line("useradd --system --home-dir /var/lib/llmgw"))
+    control.clone()
+    control.run(deploy.doc_line("mkdir -p /srv/llmgw/mirror /etc/llmgw"))
+    control.run(deploy.doc_line("install -m 0640 -g llmgw deploy/env/control.env"))
+    admin_port = deployed.admin_url.rsplit(":", 1)[1]
+    bytes_address = deployed.bytes_url.removeprefix("http://").rstrip("/")
+    deploy.edit_env_file(
+        control,
+        "/etc/llmgw/control.env",
+        {
+            "DJANGO_SECRET_KEY": SECRET,
+            "DATABASE_URL": database_url(),  # the suite's PostgreSQL (createuser/createdb: tests/test_postgres.py)
+            "REDIS_URL": deployed.redis_url,
+            "LLMGW_REDIS_ACL": "false",
+            "LLMGW_BYTES_REDIS_URL": deployed.redis_url,
+            "LLMGW_ADMIN_ADDR": f"127.0.0.1:{admin_port}",
+            "LLMGW_BYTES_ADDR": bytes_address,
+            "LLMGW_BYTES_URL": deployed.bytes_url,
+            "LLMGW_GATEWAY_URL": deployed.gateway_url + "/",
+            # The pull below is from a mirror on this machine, over plain HTTP, as control.env says to allow.
+            "LLMGW_PULL_ALLOW_HTTP": "true",
+            # This test's pace: a scan every second, placement every second.
+            "LLMGW_SCAN_INTERVAL_S": "1",
+            "LLMGW_RECONCILE_INTERVAL_S": "1",
+            "LLMGW_DEMO_MODEL": "false",
+            "LLMGW_MIRROR_SETTLE_S": "1",
+        },
+    )
+    control.run(deploy.doc_line("install -m 0755 deploy/llmgw-manage"))
+    # The first llmgw-manage, before any unit ran (issue 41 item 4).
+    control.run(deploy.doc_line("llmgw-manage check --deploy"))
+    for unit in ("llmgw-admin", "llmgw-bytes", "llmgw-control", "llmgw-pulls"):
+        control.start_unit(unit)
+
+
+def _install_gateway(deployed: Deployed) -> None:
+    """Step 1b, on the control host (a gateway host of its own would run the same unit)."""
+    control = deployed.control
+    control.run(deploy.doc_line("mkdir -p /etc/llmgw && install -m 0640 -g llmgw deploy/env/gateway.env"))
+    deploy.edit_env_file(
+        control,
+        "/etc/llmgw/gateway.env",
+        {
+            "DATABASE_URL": database_url(),
+            "REDIS_URL": deployed.redis_url,
+            "DJANGO_SECRET_KEY": SECRET,
+            "LLMGW_GATEWAY_ADDR": deployed.gateway_url.removeprefix("http://"),
+            "LLMGW_GATEWAY_URL": deployed.gateway_url + "/",
+            "LLMGW_GATEWAY_REFRESH_MS": "200",
+        },
+    )
+    control.start_unit("llmgw-gateway")
+
+
+def _install_node(deployed: Deployed) -> None:
+    """Steps 2 and 3: the node's token on control, then the node's own install."""
+    node = deployed.node
+    token = deployed.control.run(f"llmgw-manage node_token {node.name} --address {node.address}").strip()
+    node.run(deploy.doc_line("useradd --system --home-dir /var/lib/llmgw"))
+    node.clone()
+    # `python3 -m venv .venv && pip install -r requirements/node.txt`: the checkout's venv is used as it is.
+    node.run(deploy.doc_line("sh scripts/build-engine.sh"))
+    node.run(deploy.doc_line("useradd --system --gid llmgw --no-create-home"))
+    node.run(deploy.doc_line("mkdir -p /etc/llmgw && install -m 0600 -o root -g root deploy/env/node.env"))
+    deploy.edit_env_file(
+        node,
+        "/etc/llmgw/node.env",
+        {
+            "LLMGW_NODE_TOKEN": token.splitlines()[-1],
+            "REDIS_URL": deployed.redis_url,
+            "LLMGW_REDIS_ACL": "false",
+            "LLMGW_BYTES_URL": deployed.bytes_url,
+            "LLMGW_ENGINE_ADVERTISE": node.address,
+            "LLMGW_HEARTBEAT_S": "1",
+        },
+    )
+    example = {"10.0.0.10": deployed.control.address, "10.0.0.31": deployed.control.address, "10.0.0.21": node.address}
+    deploy.apply_firewall(node.netns, deploy.firewall("node", example))
+    node.start_unit("llmgw-agent", node=node.name)
+
+
+@pytest.fixture(scope="module")
+def deployed(fleet, tmp_path_factory, db_access):  # noqa: F811  (the fixture imported above)
+    made = Deployed(fleet, tmp_path_factory.mktemp("deployed"))
+    try:
+        # In the guide's order: the control plane, a gateway, then the node with its token.
+        _install_control(made)
+        _install_gateway(made)
+        _install_node(made)
+        yield made
+    finally:
+        made.remove()
+
+
+def _processes_alive(deployed: Deployed) -> None:
+    for host in deployed.hosts:
+        for process in host.processes:
+            assert process.alive(), f"{process.name} exited:\n{process.output()[-3000:]}"
+
+
+def test_a_node_deployed_as_the_guide_says_enrols_with_llama_cpp(deployed):
+    """Its llama-server outside root's home, which the agent's user cannot reach (issue 41 item 2)."""
+    from fleet.models import Node
+
+    def ready():
+        _processes_alive(deployed)
+        node = Node.objects.filter(name=deployed.node.name).first()
+        return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
+
+    wait_until(ready, timeout=90, what="node-1 ready with llama.cpp")
+
+
+def _staff(deployed: Deployed) -> requests.Session:
+    """An operator's API token (`llmgw-manage createsuperuser`, `llmgw-manage api_token`), as behind nginx."""
+    control = deployed.control
+    control.run(
+        "llmgw-manage createsuperuser --noinput --username operator --email operator@example.org",
+        DJANGO_SUPERUSER_PASSWORD=secrets.token_urlsafe(16),
+    )
+    token = control.run("llmgw-manage api_token operator").strip().splitlines()[-1]
+    session = requests.Session()
+    # What nginx adds (deploy/nginx/llmgw.conf): the public name, and that the client came over HTTPS.
+    session.headers.update(
+        {"Authorization": f"Token {token}", "Host": "llmgw.example.org", "X-Forwarded-Proto": "https"}
+    )
+    return session
+
+
+def test_the_readmes_walk_serves_the_model_a_key_gets_an_answer_through_the_gateway(deployed, tmp_path):
+    """Step 4: weights copied into the mirror, served through the API, a key, an answer (issue 41 items 1 and 2)."""
+    write_tiny_llama(tmp_path / "gguf")
+    deployed.control.run(f"mkdir -p /srv/llmgw/mirror/tiny/v1 && cp {tmp_path}/gguf/*.gguf /srv/llmgw/mirror/tiny/v1/")
+    staff = _staff(deployed)
+
+    def plan():
+        _processes_alive(deployed)
+        offered = staff.get(deployed.admin_url + "/api/serve/plan/?model=tiny&version=v1", timeout=10)
+        return offered.json() if offered.status_code == 200 else None
+
+    offer = wait_until(plan, timeout=60, what="the mirror's scan to list tiny/v1")
+    served = staff.post(
+        deployed.admin_url + "/api/serve/",
+        json={
+            "name": "tiny",
+            "source": offer["source"],
+            "engine": offer["engine"],
+            "profile": offer["profile"],
+            "context_length": "256",
+            "replicas": "1",
+            "min_memory_gb": offer["min_memory_gb"],
+        },
+        timeout=30,
+    )
+    assert served.status_code == 201, served.text
+    key = deployed.control.run("llmgw-manage api_key create first-client | tail -n 1").strip()
+
+    def answered():
+        _processes_alive(deployed)
+        asked = requests.post(
+            deployed.gateway_url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "tiny", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 4},
+            timeout=30,
+        )
+        return asked if asked.status_code == 200 else None
+
+    answer = wait_until(answered, timeout=120, interval=1, what="an answer from tiny through the gateway")
+    assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+    assert answer.json()["usage"]["completion_tokens"] > 0
+    replica = Replica.objects.get(model_name="tiny")
+    assert replica.endpoint.startswith(f"http://{deployed.node.address}:")
+
+
+def test_a_pull_from_another_mirror_lands_in_the_mirror_the_other_units_only_read(deployed, tmp_path, settings):
+    """The admin's "Pull a version" runs on the pulls unit, the one that may write the mirror (issue 41 item 5)."""
+    from llmgw_site.celery import app
+    from mirror import pull
+    from mirror.models import MirrorPull
+    from mirror.tasks import pull_task
+
+    other = OtherMirror(tmp_path / "other")
+    try:
+        url = other.add("pulled", "v1", {"weights.gguf": secrets.token_bytes(300_000)})
+        # What the page does on its form's POST (mirror/views.py), with control.env's settings as edited above:
+        # the pull recorded, its id onto the broker.
+        settings.PULL_ALLOW_HTTP = True
+        record = pull.start(url, requested_by="operator")
+        with app.connection_for_write(deployed.redis_url) as broker:
+            pull_task.apply_async((record.pk,), connection=broker)
+
+        def ended():
+            _processes_alive(deployed)
+            record.refresh_from_db()
+            return record.state in (MirrorPull.State.DONE, MirrorPull.State.FAILED)
+
+        wait_until(ended, timeout=90, what="the pull to end on llmgw-pulls")
+        assert record.state == MirrorPull.State.DONE, record.error
+        assert deployed.control.run("ls /srv/llmgw/mirror/pulled/v1").split() == ["weights.gguf"]
+    finally:
+        other.stop()
