@@ -14,11 +14,12 @@ from urllib.parse import urlsplit
 from celery import current_app
 from django.conf import settings
 from django.db import connection, transaction
+from django.utils import timezone
 
 from contracts import signing, tasks
 
 from .live import redis_client
-from .models import Node, Replica
+from .models import Node, Replica, ReplicaShare
 from .orders import send_stop
 from .placement import MAKING_ROOM
 
@@ -102,7 +103,9 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
     """
     if state not in REPORTED_STATES:
         return f"ignored: {state!r} is not a state an agent reports"
-    if state == "ready" and (problem := endpoint_problem(node, endpoint)):
+    # A worker's share is not routed to (its head is): its endpoint is nothing to check.
+    worker = ReplicaShare.objects.filter(replica_id=replica_id, node=node).exists() if state == "ready" else False
+    if state == "ready" and not worker and (problem := endpoint_problem(node, endpoint)):
         state, endpoint, reason = "failed", "", problem
     if state in SAME_AGAIN_STATES:
         row = Replica.objects.filter(pk=replica_id, node_id=node.pk).values_list(
@@ -112,6 +115,13 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
             return said
     with transaction.atomic():
         replica = Replica.objects.select_for_update().filter(pk=replica_id).first()
+        share = None
+        if replica is not None and replica.node_id != node.pk:
+            share = ReplicaShare.objects.filter(replica=replica, node=node).first()
+        if share is not None:
+            if seq and not _newest_report(node.name, replica_id, seq):
+                return f"ignored: report {seq} is older than one already applied"
+            return _record_share(replica, share, state, reason)
         if replica is None or replica.node_id != node.pk:
             if state != "stopped":
                 # The node runs an engine nobody wants there: the replica was deleted
@@ -142,6 +152,32 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
         replica.enter(state, reason[:4000], endpoint if state == "ready" else "")
         replica.save()
         return state
+
+
+def _record_share(replica: Replica, share: ReplicaShare, state: str, reason: str) -> str:
+    """A worker's report of its share of a group (issue 37): the group is one replica, and fails with it.
+
+    Any other node's report for the replica is a stranger's, and changes nothing (record_report).
+    """
+    worker = share.node.name
+    if state == "stopped" and replica.state == Replica.State.STOPPING:
+        share.delete()
+        return "share deleted: stopped as asked"
+    if replica.state == Replica.State.STOPPING:
+        return "ignored: the replica is stopping"
+    if state in ("failed", "stopped"):
+        said = reason or "its rpc-server stopped without being asked to"
+        share.state, share.reason, share.since = ReplicaShare.State.FAILED, said[:4000], timezone.now()
+        share.save()
+        replica.attempts += 1
+        replica.enter(Replica.State.FAILED, f"worker {worker} failed: {said}"[:4000])
+        replica.save()
+        return "failed: a worker of the group failed"
+    if state != share.state:
+        share.state, share.since = state, timezone.now()
+    share.reason = ""
+    share.save()
+    return f"share {state}"
 
 
 # The highest report number applied for a replica, set only upward, in one step on the server.
