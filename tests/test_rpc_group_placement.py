@@ -22,6 +22,8 @@ from fleet.live import LISTENING_KEY
 from fleet.models import Node, Replica, ReplicaShare
 from fleet.placement import ModelView, NodeView, ProfileView, ReplicaView, place
 from fleet.tasks import replica_report
+from serving.forms import ServeForm
+from serving.planning import FileFacts, NodeFacts, plan_serve
 
 from .support import node_messages as node
 
@@ -221,3 +223,38 @@ def test_a_profile_of_several_nodes_takes_only_an_engine_that_can_spread(db):
     assert "at least 1 node" in Profile(model=model, name="cpu", engine="llamacpp", nodes=0).problems()["nodes"]
     sentence = Profile(model=model, name="cpu", engine="other", nodes=2).problems()["nodes"]
     assert sentence == "only llama.cpp and vLLM run one replica across several nodes, not other"
+
+
+# --- the serve page's offer ---------------------------------------------------------------------
+
+
+def test_the_serve_form_offers_several_nodes_with_the_estimate_per_node_when_no_node_holds_it():
+    fleet = [NodeFacts(engines=("llamacpp",), memory_gb=gb) for gb in (30, 20, 10)]
+    plan = plan_serve("big", "v1", [FileFacts("big.gguf", 1)], "http://m/", fleet, None, estimated_gb=40)
+    assert (plan.nodes, plan.per_node_gb) == (2, 20)
+    assert "one replica across 2 nodes needs about 20 GB on each" in plan.warning
+    form = ServeForm.for_plan(plan, "http://m/")
+    assert form.initial["nodes"] == "2"
+    # A model one node holds is offered on one node.
+    small = plan_serve("small", "v1", [FileFacts("s.gguf", 1)], "http://m/", fleet, None, estimated_gb=8)
+    assert (small.nodes, ServeForm.for_plan(small, "http://m/").initial["nodes"]) == (1, "1")
+
+
+@pytestmark_db
+def test_the_serve_form_saves_the_node_count_and_refuses_one_that_is_not_a_count(db):
+    fields = {
+        "name": "big",
+        "source": "http://m/big/v1/big.gguf",
+        "context_length": "4096",
+        "replicas": "1",
+        "engine": "llamacpp",
+        "min_memory_gb": "40",
+    }
+    form = ServeForm({**fields, "nodes": "2"}, byte_base="http://m/")
+    assert form.is_valid(), form.errors
+    assert form.entry_profile.nodes == 2
+    form = ServeForm({**fields, "nodes": "0"}, byte_base="http://m/")
+    assert not form.is_valid()
+    assert form.errors["nodes"] == ["a replica runs on at least 1 node"]
+    form = ServeForm({**fields, "nodes": "two"}, byte_base="http://m/")
+    assert form.errors["nodes"] == ["the node count must be a whole number"]
