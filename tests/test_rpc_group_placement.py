@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
 import time
+import urllib.request
 from datetime import timedelta
 
 import pytest
@@ -16,7 +19,7 @@ from django.utils import timezone
 
 from catalog.models import Model, Profile
 from contracts import groups
-from fleet import reconcile
+from fleet import ray, reconcile
 from fleet.enrolment import issue_token
 from fleet.live import LISTENING_KEY
 from fleet.models import Node, Replica, ReplicaShare
@@ -25,7 +28,9 @@ from fleet.tasks import replica_report
 from serving.forms import ServeForm
 from serving.planning import FileFacts, NodeFacts, plan_serve
 
+from .services import free_port
 from .support import node_messages as node
+from .support.waiting import wait_until
 
 SOURCE = "http://127.0.0.1:8001/big/v1/"
 BIG = ProfileView("cpu", "llamacpp", min_memory_gb=40, nodes=2)
@@ -258,3 +263,63 @@ def test_the_serve_form_saves_the_node_count_and_refuses_one_that_is_not_a_count
     assert form.errors["nodes"] == ["a replica runs on at least 1 node"]
     form = ServeForm({**fields, "nodes": "two"}, byte_base="http://m/")
     assert form.errors["nodes"] == ["the node count must be a whole number"]
+
+
+# --- vLLM over Ray: the commands, run against stand-ins (no GPU here) ----------------------------
+
+RAY_STAND_IN = """#!{python}
+# A STAND-IN for Ray's CLI, which the GPU nodes have and this machine does not: it records its arguments.
+import json, os, sys
+with open(os.environ["VLLM_STAND_IN_LOG"], "a") as f:
+    f.write(json.dumps(["ray", *sys.argv[1:]]) + "\\n")
+"""
+
+
+def test_vllm_across_three_nodes_starts_ray_on_the_head_then_the_workers_then_vllm_with_pipeline_stages():
+    steps = ray.vllm_group_commands("a", "10.0.0.1", [("b", "10.0.0.2"), ("c", "10.0.0.3")], "/w", 8000, "big", 2)
+    assert [(s.node, s.argv[:3]) for s in steps] == [
+        ("a", ("ray", "start", "--head")),
+        ("b", ("ray", "start", "--address=10.0.0.1:6379")),
+        ("c", ("ray", "start", "--address=10.0.0.1:6379")),
+        ("a", ("vllm", "serve", "/w")),
+    ]
+    serve = steps[-1].argv
+    assert serve[serve.index("--pipeline-parallel-size") + 1] == "3"
+    assert serve[serve.index("--tensor-parallel-size") + 1] == "2"
+    assert serve[serve.index("--distributed-executor-backend") + 1] == "ray"
+    tensor = ray.vllm_group_commands("a", "10.0.0.1", [("b", "10.0.0.2")], "/w", 8000, "big", 2, parallel="tensor")
+    assert "--pipeline-parallel-size" not in tensor[-1].argv
+    assert tensor[-1].argv[tensor[-1].argv.index("--tensor-parallel-size") + 1] == "4"
+
+
+def test_the_ray_and_vllm_commands_run_in_their_order_against_stand_ins(tmp_path, vllm_stand_in):
+    bin_dir = vllm_stand_in.parent / "bin"
+    (bin_dir / "ray").write_text(RAY_STAND_IN.format(python=sys.executable))
+    (bin_dir / "ray").chmod(0o755)
+    port = free_port()
+    steps = ray.vllm_group_commands("a", "127.0.0.1", [("b", "127.0.0.1")], str(tmp_path), port, "big")
+    for step in steps[:-1]:
+        subprocess.run(step.argv, check=True, timeout=30)
+    engine = subprocess.Popen(steps[-1].argv)
+    try:
+        wait_until(
+            lambda: _answers(f"http://127.0.0.1:{port}/v1/models"), what="the vLLM stand-in to answer on the head"
+        )
+    finally:
+        engine.kill()
+        engine.wait()
+    calls = [json.loads(line) for line in vllm_stand_in.read_text().splitlines()]
+    assert [c[:3] for c in calls] == [
+        ["ray", "start", "--head"],
+        ["ray", "start", "--address=127.0.0.1:6379"],
+        ["serve", str(tmp_path), "--host"],
+    ]
+    assert calls[-1][calls[-1].index("--pipeline-parallel-size") + 1] == "2"
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
