@@ -20,7 +20,7 @@ from contracts import signing, tasks
 
 from .live import redis_client
 from .models import Node, Replica, ReplicaShare
-from .orders import send_stop
+from .orders import send_stop, send_stop_workers
 from .placement import MAKING_ROOM
 
 REPORTED_STATES = set(tasks.REPLICA_STATES)
@@ -93,7 +93,9 @@ def repeated_report(node_id: int, replica_id: int, state: str, endpoint: str, re
         return said_before(cursor.fetchone(), state, endpoint, reason)
 
 
-def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason: str, seq: int = 0) -> str:
+def record_report(
+    node: Node, replica_id: int, state: str, endpoint: str, reason: str, seq: int = 0, role: str = ""
+) -> str:
     """Apply what a node's agent says about a replica; returns what was done, for the log.
 
     `seq` is the report's order on the node; one older than a report already applied
@@ -125,8 +127,11 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
         if replica is None or replica.node_id != node.pk:
             if state != "stopped":
                 # The node runs an engine nobody wants there: the replica was deleted
-                # or moved while the node was away.
-                transaction.on_commit(lambda: send_stop(replica_id, node.name))
+                # or moved while the node was away (a worker: its share of a group).
+                if role == "worker":
+                    transaction.on_commit(lambda: send_stop_workers(replica_id, [node.name]))
+                else:
+                    transaction.on_commit(lambda: send_stop(replica_id, node.name))
                 return "told to stop: the replica is not on this node"
             return "ignored: the replica is not on this node"
         if seq and not _newest_report(node.name, replica_id, seq):

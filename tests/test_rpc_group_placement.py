@@ -18,7 +18,7 @@ import pytest
 from django.utils import timezone
 
 from catalog.models import Model, Profile
-from contracts import groups
+from contracts import groups, tasks
 from fleet import ray, reconcile
 from fleet.enrolment import issue_token
 from fleet.live import LISTENING_KEY
@@ -323,3 +323,14 @@ def _answers(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+@pytestmark_db
+def test_a_worker_still_running_a_share_of_a_group_that_is_gone_is_told_to_stop_its_rpc_worker(fleet, broker):
+    reconcile.reconcile(models=big())
+    replica = Replica.objects.get()
+    orders(broker, "node.b")
+    Replica.objects.all().delete()
+    body = {"replica": replica.pk, "state": "ready", "endpoint": "", "reason": "", "role": "worker"}
+    replica_report(node.signed("b", tasks.REPLICA_REPORT, body))
+    assert [t for t, _, _ in orders(broker, "node.b")] == [groups.STOP_RPC_WORKER]
