@@ -24,7 +24,7 @@ from fleet.enrolment import issue_token
 from fleet.live import LISTENING_KEY
 from fleet.models import Node, Replica, ReplicaShare
 from fleet.placement import ModelView, NodeView, ProfileView, ReplicaView, place
-from fleet.tasks import replica_report
+from fleet.tasks import heartbeat, replica_report
 from serving.forms import ServeForm
 from serving.planning import FileFacts, NodeFacts, plan_serve
 
@@ -334,3 +334,17 @@ def test_a_worker_still_running_a_share_of_a_group_that_is_gone_is_told_to_stop_
     body = {"replica": replica.pk, "state": "ready", "endpoint": "", "reason": "", "role": "worker"}
     replica_report(node.signed("b", tasks.REPLICA_REPORT, body))
     assert [t for t, _, _ in orders(broker, "node.b")] == [groups.STOP_RPC_WORKER]
+
+
+@pytestmark_db
+def test_a_heartbeat_says_whether_the_node_can_lead_a_group_and_an_older_one_says_it_cannot(fleet, broker):
+    heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10, "rpc": False}))
+    assert Node.objects.get(name="c").rpc is False
+    heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10, "rpc": True}))
+    assert Node.objects.get(name="c").rpc is True
+    # A word where true or false goes is refused, and changes nothing.
+    heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10, "rpc": "yes"}))
+    assert Node.objects.get(name="c").rpc is True
+    # An agent older than the RPC build says nothing: it cannot lead.
+    heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10}))
+    assert Node.objects.get(name="c").rpc is False
