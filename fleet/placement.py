@@ -327,10 +327,14 @@ def _frees_room_for(model: ModelView, replica: ReplicaView, rooms: dict[str, _Ro
 
 def _group_broken(replica: ReplicaView, rooms: dict[str, _Room]) -> str | None:
     """Why a group cannot serve any more, naming the worker; None for one node, or a whole group."""
-    for node, _, state in replica.shares:
+    for node, _, _ in replica.shares:
         room = rooms.get(node)
         if room is None or not room.node.ready:
             return f"worker {node} was lost: the group is placed again"
+    if not replica.retry_due:
+        # A failure waits its retry delay, as a replica on one node does: no new group every pass.
+        return None
+    for node, _, state in replica.shares:
         if state == FAILED:
             return f"worker {node} failed: the group is placed again"
     if replica.shares and replica.state == FAILED:

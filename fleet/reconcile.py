@@ -123,7 +123,7 @@ def model_views() -> list[ModelView]:
 
 
 def replica_views(
-    replicas: list[Replica], node_names: dict[int, str], measured: dict | None = None
+    replicas: list[Replica], node_names: dict[int, str], measured: dict | None = None, now: datetime | None = None
 ) -> list[ReplicaView]:
     """`measured` is {replica id: fleet.memory.Measured}, from the nodes' latest heartbeats."""
     measured = measured or {}
@@ -143,6 +143,7 @@ def replica_views(
             if r.pk in measured and r.node_id and measured[r.pk].node == node_names.get(r.node_id)
             else 0,
             shares=tuple((node_names.get(s.node_id, ""), s.memory_gb, s.state) for s in r.shares.all()),
+            retry_due=now is None or now - r.since >= retry_delay(r.attempts),
         )
         for r in replicas
     ]
@@ -277,7 +278,9 @@ def reconcile_unlocked(
     models = autoscale.apply(models, replicas, now)
     # What each replica's engine holds now, as its node last measured it (fleet/memory.py).
     measured, _ = measured_memory.latest(n.name for n in nodes)
-    plan = place(node_views(nodes, replicas, now, heard_since), models, replica_views(replicas, node_names, measured))
+    plan = place(
+        node_views(nodes, replicas, now, heard_since), models, replica_views(replicas, node_names, measured, now)
+    )
     autoscale.made_room(plan)
     ready_nodes = {n.name for n in nodes if heard(n, now, heard_since)}
     running = running_on(sorted(ready_nodes))

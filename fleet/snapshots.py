@@ -108,6 +108,8 @@ class ReplicaView:
     measured_gb: int = 0
     # A group's workers (issue 37): (node, GB held there, state) per share; empty for one node.
     shares: tuple[tuple[str, int, str], ...] = ()
+    # A failed replica's wait before it is started again is over (fleet.reconcile.retry_delay).
+    retry_due: bool = True
 
     @property
     def held_gb(self) -> int:

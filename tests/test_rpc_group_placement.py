@@ -183,6 +183,10 @@ def test_a_worker_failure_fails_the_group_naming_it_and_reconcile_places_a_new_g
     assert replica.state == "failed"
     assert replica.reason == "worker b failed: rpc-server exited with signal 9"
 
+    # As any failed replica, it waits its retry delay: no new group on every pass.
+    reconcile.reconcile(models=big())
+    assert Replica.objects.get().state == "failed"
+    Replica.objects.filter(pk=replica.pk).update(since=timezone.now() - timedelta(seconds=11))
     reconcile.reconcile(models=big())
     replica.refresh_from_db()
     assert replica.state == "stopping" and replica.reason == "worker b failed: the group is placed again"
