@@ -13,7 +13,7 @@ class ProfileInline(admin.StackedInline):
         "args",
         ("weight", "priority"),
         ("min_memory_gb", "gpus"),
-        "parallel",
+        ("parallel", "nodes"),
         "node_selector",
     ]
 

@@ -33,7 +33,18 @@ MODEL_KEYS = {
     "profiles",
 }
 SCALING_KEYS = {"min", "max", "target_load", "quiet_s", "idle_s", "priority"}
-PROFILE_KEYS = {"name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus", "parallel"}
+PROFILE_KEYS = {
+    "name",
+    "engine",
+    "args",
+    "weight",
+    "priority",
+    "min_memory_gb",
+    "node_selector",
+    "gpus",
+    "parallel",
+    "nodes",
+}
 # Where in an entry of the file a model's field is written, when it is not under its own name.
 FILE_KEYS = {
     "scaling_min": "scaling.min",
@@ -188,6 +199,7 @@ def _profile(model_where: str, index: int, entry) -> dict:
         "node_selector": selector,
         "gpus": _whole(where, "gpus", entry.get("gpus"), SPECS[engine].default_gpus),
         "parallel": _whole(where, "parallel", entry.get("parallel"), 1, minimum=1),
+        "nodes": _whole(where, "nodes", entry.get("nodes"), 1, minimum=1),
     }
     _refuse(where, Profile(**profile), {})
     return profile

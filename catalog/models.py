@@ -17,6 +17,7 @@ from .rules import (
     clash,
     declared_source_problem,
     name_problem,
+    nodes_problem,
     routing_problem,
     scaling_problem,
     selector_problem,
@@ -168,6 +169,11 @@ class Profile(models.Model):
     node_selector = models.JSONField(
         default=dict, blank=True, help_text="Labels a node must carry, as {key: value}; empty for any node."
     )
+    nodes = models.PositiveIntegerField(
+        default=1,
+        help_text="How many nodes one replica may span when no single node holds it: llama.cpp's RPC backend "
+        "(a GGUF model) or vLLM over Ray. 1 runs each replica on one node.",
+    )
     gpus = models.PositiveIntegerField("GPUs", default=0, help_text="GPUs a replica needs; 0 runs on the CPU.")
     parallel = models.PositiveIntegerField(
         "parallel slots",
@@ -192,6 +198,8 @@ class Profile(models.Model):
         errors = {}
         if self.parallel < 1:
             errors["parallel"] = "a replica needs at least one slot"
+        if problem := nodes_problem(self.nodes, self.engine):
+            errors["nodes"] = problem
         if problem := args_problem(self.args, self.engine):
             errors["args"] = problem
         if problem := selector_problem(self.node_selector):

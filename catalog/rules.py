@@ -117,6 +117,22 @@ def declared_source_problem(source) -> str | None:
     return None
 
 
+# Engines that can run one replica across several nodes: llama.cpp over its RPC backend, vLLM over Ray.
+GROUP_ENGINES = ("llamacpp", "vllm")
+MAX_NODES = 16
+
+
+def nodes_problem(nodes, engine: str | None = None) -> str | None:
+    """Why a profile may not span this many nodes, or None."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        return "a replica runs on at least 1 node"
+    if nodes > MAX_NODES:
+        return f"a replica spans at most {MAX_NODES} nodes"
+    if nodes > 1 and engine not in GROUP_ENGINES:
+        return f"only llama.cpp and vLLM run one replica across several nodes, not {engine}"
+    return None
+
+
 def args_problem(args, engine: str | None = None) -> str | None:
     """Why these are not arguments a profile of `engine` may give, or None.
 

@@ -38,6 +38,7 @@ class ReplicaAdmin(RecordAdmin):
         "model_name",
         "profile_name",
         "node",
+        "held_shares",
         "state",
         "engine_load",
         "cause",
@@ -51,10 +52,26 @@ class ReplicaAdmin(RecordAdmin):
     list_filter = ["state", "node", "model_name"]
     search_fields = ["model_name", "node__name", "reason"]
     list_select_related = ["node"]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).prefetch_related("shares__node")
+
+    @admin.display(description="shares")
+    def held_shares(self, replica: Replica) -> str:
+        """A replica across several nodes: which node holds which share (its node is the head)."""
+        shares = list(replica.shares.all())
+        if not shares:
+            return "-"
+        head = 1 - sum(s.share for s in shares)
+        parts = [f"{replica.node.name if replica.node_id else '?'} (head) {head:.0%}"]
+        parts += [f"{s.node.name} {s.share:.0%} {s.state}" for s in shares]
+        return ", ".join(parts)
+
     readonly_fields = [
         "model_name",
         "profile_name",
         "node",
+        "held_shares",
         "state",
         "endpoint",
         "reason_lines",

@@ -79,6 +79,10 @@ def checked_facts(name: str, facts: dict) -> dict:
     if "replica_memory" in facts:
         measured = _dict(facts["replica_memory"], "replica_memory", MANY)
         checked["replica_memory"] = {_replica_id(k): _measured(m) for k, m in measured.items()}
+    if "rpc" in facts:
+        if not isinstance(facts["rpc"], bool):
+            raise Refused(f"rpc is {_shown(facts['rpc'])}, not true or false")
+        checked["rpc"] = facts["rpc"]
     if facts.get("memory_available_bytes") is not None:
         checked["memory_available_bytes"] = _int(facts["memory_available_bytes"], "memory_available_bytes")
     return checked
@@ -88,12 +92,18 @@ def checked_report(body: dict) -> tasks.ReplicaReport:
     state = body.get("state")
     if state not in tasks.REPLICA_STATES:
         raise Refused(f"state is {_shown(state)}, not one of {', '.join(tasks.REPLICA_STATES)}")
-    return tasks.ReplicaReport(
+    report = tasks.ReplicaReport(
         replica=_int(body.get("replica"), "replica", low=1),
         state=state,
         endpoint=_text(body.get("endpoint", ""), "endpoint", 300),
         reason=_text(body.get("reason", ""), "reason", 4000, cut=True),
     )
+    # A worker of a replica across nodes says so (contracts/groups.py); believed only for a share it holds.
+    if "role" in body:
+        if body["role"] not in ("head", "worker"):
+            raise Refused(f"role is {_shown(body['role'])}, not head or worker")
+        report["role"] = body["role"]  # type: ignore[typeddict-unknown-key]
+    return report
 
 
 def checked_fetch(name: str, body: dict) -> tasks.FetchReport:

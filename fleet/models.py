@@ -41,6 +41,8 @@ class Node(models.Model):
     )
     gpus = models.JSONField(default=list, blank=True, help_text="GPUs the agent reports: [{name, memory_mb}]")
     memory_gb = models.PositiveIntegerField(default=0)
+    # Whether its engine build has llama.cpp's RPC backend, so it can lead a replica across nodes (issue 37).
+    rpc = models.BooleanField("RPC", default=False, help_text="the agent reports an engine that can lead a group")
     disk_free_bytes = models.BigIntegerField(default=0)
     agent_version = models.CharField(max_length=50, blank=True)
     last_heartbeat = models.DateTimeField(null=True, blank=True)
@@ -141,6 +143,41 @@ class Replica(models.Model):
         self.reason = reason
         if endpoint is not None:
             self.endpoint = endpoint
+
+
+class ReplicaShare(models.Model):
+    """A worker's part of a replica that spans several nodes (issue 37): its layers, on its node.
+
+    The replica's own node is the group's head, which runs the engine; each share's node runs
+    llama.cpp's rpc-server behind its fenced transport at `port` (contracts/groups.py). The group is
+    one replica: it is ready when the head is, and fails when any share fails or its node is lost.
+    """
+
+    class State(models.TextChoices):
+        PENDING = "pending", "pending"
+        FETCHING = "fetching", "fetching"
+        STARTING = "starting", "starting"
+        READY = "ready", "ready"
+        FAILED = "failed", "failed"
+
+    replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="shares")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="replica_shares")
+    share = models.FloatField(help_text="its part of the layers (--tensor-split), by its free memory when placed")
+    memory_gb = models.PositiveIntegerField(default=0, help_text="what it holds of its node's memory")
+    port = models.PositiveIntegerField(help_text="where its node's fenced transport listens (LLMGW_RPC_PORTS)")
+    state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
+    reason = models.TextField(blank=True)
+    since = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["replica", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["replica", "node"], name="replica_share_unique"),
+            models.UniqueConstraint(fields=["node", "port"], name="replica_share_port_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.replica_id} on {self.node}: {self.share:.0%}"
 
 
 class Scale(models.Model):

@@ -10,11 +10,11 @@ from celery import current_app
 
 from catalog.memory import prompt_cache_args
 from catalog.models import Model
-from contracts import credentials, signing, tasks
+from contracts import credentials, groups, signing, tasks
 from contracts.engine_args import kind_args
 
 from . import memory
-from .models import Node, Replica
+from .models import Node, Replica, ReplicaShare
 
 
 def send_start(replica: Replica) -> None:
@@ -31,9 +31,57 @@ def send_start(replica: Replica) -> None:
     # The name the gateway forwards as "model": vLLM refuses any other than the one it serves.
     # The nonce tells this replica's engine secret from an earlier replica's of the same id
     # (contracts.credentials); not secret itself, the node's token is.
-    extra = {"model": replica.model_name, "nonce": credentials.replica_nonce(replica.created)}
+    nonce = credentials.replica_nonce(replica.created)
+    extra = {"model": replica.model_name, "nonce": nonce}
+    shares = list(replica.shares.select_related("node"))
+    if shares:
+        # Workers first: the head's llama-server connects to them as it starts.
+        for share in shares:
+            send_start_worker(replica, share, nonce)
+        extra["group"] = group_order(replica, node, shares, nonce)
     kwargs = signing.with_proof(node.token_hash, tasks.START_REPLICA, node.name, args, extra)
     current_app.send_task(tasks.START_REPLICA, args=args, kwargs=kwargs, queue=tasks.node_queue(node.name))
+
+
+def send_start_worker(replica: Replica, share: ReplicaShare, nonce: str) -> None:
+    worker = share.node
+    args = [replica.pk, share.port]
+    extra = {
+        "nonce": nonce,
+        "head": replica.node.name,
+        "source": replica.source,
+        "memory_bytes": share.memory_gb << 30,
+    }
+    kwargs = signing.with_proof(worker.token_hash, groups.START_RPC_WORKER, worker.name, args, extra)
+    current_app.send_task(groups.START_RPC_WORKER, args=args, kwargs=kwargs, queue=tasks.node_queue(worker.name))
+
+
+def group_order(replica: Replica, head: Node, shares: list[ReplicaShare], nonce: str) -> groups.GroupOrder:
+    """What the head is told of its workers: each one's fenced address and its key, sealed for the head.
+
+    The key is derived from the worker's token hash, which only the worker and the control plane
+    hold, and sealed under the head's: a node that reads the broker sees nothing it can use.
+    """
+    workers = []
+    for share in shares:
+        psk = groups.rpc_psk(share.node.token_hash, replica.pk, nonce)
+        workers.append(
+            groups.GroupWorker(
+                node=share.node.name,
+                endpoint=f"{share.node.address or '127.0.0.1'}:{share.port}",
+                sealed_psk=groups.seal_psk(head.token_hash, psk, replica.pk, nonce, share.node.name),
+                share=share.share,
+            )
+        )
+    return groups.GroupOrder(head_share=round(max(0.0, 1 - sum(s.share for s in shares)), 4), workers=workers)
+
+
+def send_stop_workers(replica_id: int, node_names: list[str]) -> None:
+    for name in node_names:
+        key = Node.objects.filter(name=name).values_list("token_hash", flat=True).first() or ""
+        args = [replica_id]
+        kwargs = signing.with_proof(key, groups.STOP_RPC_WORKER, name, args)
+        current_app.send_task(groups.STOP_RPC_WORKER, args=args, kwargs=kwargs, queue=tasks.node_queue(name))
 
 
 def send_stop(replica_id: int, node_name: str) -> None:

@@ -29,6 +29,7 @@ from .snapshots import (  # noqa: F401  (the snapshots are placement's words: im
     ProfileView,
     ReplicaView,
     Scaling,
+    Share,
     Unplaced,
 )
 
@@ -81,6 +82,11 @@ def _book_held(replicas: Iterable[ReplicaView], rooms: dict[str, _Room]) -> dict
         if room is not None and room.node.ready:
             room.memory_gb -= replica.held_gb
             room.gpus -= replica.gpus
+        # A group's workers hold their share of it: that memory is used on their nodes.
+        for node, memory_gb, _ in replica.shares:
+            share_room = rooms.get(node)
+            if share_room is not None and share_room.node.ready:
+                share_room.memory_gb -= memory_gb
     return by_model
 
 
@@ -170,7 +176,13 @@ def _place_missing(
     per_profile: dict[str, int] = defaultdict(int)
     to_place: list[int | None] = []
     for replica in live:
-        if _reachable(replica, rooms):
+        if _reachable(replica, rooms) and (broken := _group_broken(replica, rooms)):
+            # A group is one replica: a worker failed or lost fails it, and a new group is placed
+            # (the old one's engine on its head is stopped; what it held is free again).
+            _release(replica, rooms)
+            _stop(plan, replica, rooms, broken)
+            to_place.append(None)
+        elif _reachable(replica, rooms):
             on_node[replica.node] += 1
             per_profile[replica.profile] += 1
         else:
@@ -191,8 +203,10 @@ def _place_missing(
             )
             continue
         room = rooms[assignment.node]
-        room.memory_gb -= assignment.profile.need_gb
+        room.memory_gb -= assignment.memory_gb
         room.gpus -= assignment.profile.gpus
+        for share in assignment.shares:
+            rooms[share.node].memory_gb -= share.memory_gb
         on_node[assignment.node] += 1
         per_profile[assignment.profile.name] += 1
         plan.assign.append(assignment)
@@ -311,6 +325,32 @@ def _frees_room_for(model: ModelView, replica: ReplicaView, rooms: dict[str, _Ro
     return any(why_not(profile, freed, engines_known) is None for profile in model.profiles)
 
 
+def _group_broken(replica: ReplicaView, rooms: dict[str, _Room]) -> str | None:
+    """Why a group cannot serve any more, naming the worker; None for one node, or a whole group."""
+    for node, _, _ in replica.shares:
+        room = rooms.get(node)
+        if room is None or not room.node.ready:
+            return f"worker {node} was lost: the group is placed again"
+    if not replica.retry_due:
+        # A failure waits its retry delay, as a replica on one node does: no new group every pass.
+        return None
+    for node, _, state in replica.shares:
+        if state == FAILED:
+            return f"worker {node} failed: the group is placed again"
+    if replica.shares and replica.state == FAILED:
+        return "its head failed: the group is placed again"
+    return None
+
+
+def _release(replica: ReplicaView, rooms: dict[str, _Room]) -> None:
+    """Give back what a failed group held: its engines are gone or going."""
+    rooms[replica.node].memory_gb += replica.held_gb
+    rooms[replica.node].gpus += replica.gpus
+    for node, memory_gb, _ in replica.shares:
+        if node in rooms and rooms[node].node.ready:
+            rooms[node].memory_gb += memory_gb
+
+
 def _reachable(replica: ReplicaView, rooms: dict[str, _Room]) -> bool:
     room = rooms.get(replica.node or "")
     return replica.node is not None and room is not None and room.node.ready
@@ -354,7 +394,101 @@ def _place_one(
                 best, best_key = room, key
         if best is not None:
             return Assignment(replica_id, model.name, profile, best.node.name, model.source, model.cause)
+        if profile.nodes > 1:
+            candidates = _group_candidates(profile, usable_by_engine.get(profile.engine, ()))
+            if group := _group(profile, candidates, model.source):
+                head, workers = group
+                return _group_assignment(model, replica_id, profile, head, workers)
     return None
+
+
+def _group_candidates(profile: ProfileView, rooms: Iterable[_Room], engines_known: bool = True) -> list[_Room]:
+    """Nodes that could take a share of a group of this profile: ready, with its engine, labels and some room."""
+    return [
+        room
+        for room in rooms
+        if room.node.ready
+        and not room.node.draining
+        and (not engines_known or profile.engine in room.node.engines)
+        and room.memory_gb > 0
+        and room.gpus >= profile.gpus
+        and all(room.node.labels.get(k) == v for k, v in profile.node_selector.items())
+    ]
+
+
+def _can_lead(profile: ProfileView, room: _Room) -> bool:
+    # llama.cpp's head runs llama-server with --rpc: its build must have the backend. vLLM's is Ray's head.
+    return room.node.rpc or profile.engine != "llamacpp"
+
+
+def _group(profile: ProfileView, candidates: list[_Room], source: str) -> tuple[_Room, list[_Room]] | None:
+    """The fewest nodes, up to the profile's `nodes`, whose free memory together holds it: (head, workers).
+
+    The most free memory first, so a group is as few nodes as it can be (each one more is
+    traffic on every token); the head is the largest that can lead, the weights on its disk first.
+    """
+    by_room = sorted(candidates, key=lambda r: (-r.memory_gb, r.node.name))
+    heads = [r for r in by_room if _can_lead(profile, r)]
+    if not heads:
+        return None
+    head = min(heads, key=lambda r: (-r.memory_gb, source not in r.node.holds, r.node.name))
+    chosen, total = [head], head.memory_gb
+    for room in by_room:
+        if total >= profile.need_gb or len(chosen) >= profile.nodes:
+            break
+        if room is not head:
+            chosen.append(room)
+            total += room.memory_gb
+    if total < profile.need_gb:
+        return None
+    return head, chosen[1:]
+
+
+def _group_assignment(
+    model: ModelView, replica_id: int | None, profile: ProfileView, head: _Room, workers: list[_Room]
+) -> Assignment:
+    """Layers split by each node's free memory (llama.cpp's --tensor-split), each node booked its part."""
+    total = head.memory_gb + sum(w.memory_gb for w in workers)
+
+    def part(room: _Room) -> tuple[float, int]:
+        fraction = room.memory_gb / total
+        return round(fraction, 4), min(room.memory_gb, -(-profile.need_gb * room.memory_gb // total))
+
+    head_share, head_gb = part(head)
+    shares = tuple(Share(w.node.name, *part(w)) for w in workers)
+    said = [f"{head.node.name} leads with {head_share:.0%} of the layers, {head_gb} GB of {head.memory_gb} free"]
+    said += [
+        f"{w.node.name} holds {s.share:.0%}, {s.memory_gb} GB of {w.memory_gb} free"
+        for w, s in zip(workers, shares, strict=True)
+    ]
+    explanation = f"across {len(workers) + 1} nodes, no one of which holds {profile.need_gb} GB: " + "; ".join(said)
+    return Assignment(
+        replica_id,
+        model.name,
+        profile,
+        head.node.name,
+        model.source,
+        model.cause,
+        shares=shares,
+        head_share=head_share,
+        head_gb=head_gb,
+        explanation=explanation,
+    )
+
+
+def group_short(profile: ProfileView, rooms: Iterable[_Room], engines_known: bool = True) -> str:
+    """Why no group of this profile fits, in a sentence (the end of `explain`'s)."""
+    candidates = sorted(_group_candidates(profile, rooms, engines_known), key=lambda r: -r.memory_gb)
+    if not candidates:
+        return f"across up to {profile.nodes} nodes: no node has room for a share"
+    if not any(_can_lead(profile, r) for r in candidates):
+        return f"across up to {profile.nodes} nodes: none of the nodes with room can lead a group (no RPC backend)"
+    largest = candidates[: profile.nodes]
+    held = sum(r.memory_gb for r in largest)
+    return (
+        f"across up to {profile.nodes} nodes: the {len(largest)} with the most free memory hold {held} GB together, "
+        f"needs {profile.need_gb}"
+    )
 
 
 def why_not(profile: ProfileView, room: _Room, engines_known: bool = True) -> str | None:
@@ -420,12 +554,14 @@ def explain(model: ModelView, rooms: Iterable[_Room], engines_known: bool = True
             reason = why_not(profile, room, engines_known)
             if reason is not None:
                 by_reason.setdefault(reason, []).append(room.node.name)
-        text = _group(by_reason)
+        text = _grouped(by_reason)
+        if profile.nodes > 1:
+            text += f"; {group_short(profile, rooms, engines_known)}"
         parts.append(f"profile {profile.name}: {text}" if len(model.profiles) > 1 else text)
     return ". ".join(parts)
 
 
-def _group(by_reason: dict[str, list[str]]) -> str:
+def _grouped(by_reason: dict[str, list[str]]) -> str:
     shown = []
     for reason, names in list(by_reason.items())[:REASONS_SHOWN]:
         listed = ", ".join(names[:NAMES_PER_REASON])

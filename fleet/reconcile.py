@@ -22,8 +22,8 @@ from mirror.readiness import source_being_written
 from . import autoscale, drain
 from . import memory as measured_memory
 from .live import listening_since, redis_client
-from .models import Fetch, Node, Replica, heard_from_lately
-from .orders import send_start, send_stop
+from .models import Fetch, Node, Replica, ReplicaShare, heard_from_lately
+from .orders import send_start, send_stop, send_stop_workers
 from .placement import HOLDING_WEIGHTS, ModelView, NodeView, Plan, ProfileView, ReplicaView, Scaling, place
 
 # What nodes report is handled in fleet/reports.py; fleet/tasks.py and the tests still reach it here.
@@ -100,6 +100,7 @@ def node_views(
             gpus=len(n.gpus or ()),
             labels=dict(n.labels or {}),
             holds=frozenset(holds.get(n.pk, ())),
+            rpc=n.rpc,
         )
         for n in nodes
     ]
@@ -125,6 +126,7 @@ def model_views() -> list[ModelView]:
                     min_memory_gb=p.min_memory_gb,
                     node_selector=dict(p.node_selector or {}),
                     gpus=p.gpus,
+                    nodes=p.nodes,
                     measured_gb=measured_memory.measured_gb_for(
                         peaks.get((m.name, p.name)), m.source, p.engine, p.engine_args()
                     ),
@@ -138,7 +140,7 @@ def model_views() -> list[ModelView]:
 
 
 def replica_views(
-    replicas: list[Replica], node_names: dict[int, str], measured: dict | None = None
+    replicas: list[Replica], node_names: dict[int, str], measured: dict | None = None, now: datetime | None = None
 ) -> list[ReplicaView]:
     """`measured` is {replica id: fleet.memory.Measured}, from the nodes' latest heartbeats."""
     measured = measured or {}
@@ -157,6 +159,8 @@ def replica_views(
             measured_gb=measured[r.pk].host_gb
             if r.pk in measured and r.node_id and measured[r.pk].node == node_names.get(r.node_id)
             else 0,
+            shares=tuple((node_names.get(s.node_id, ""), s.memory_gb, s.state) for s in r.shares.all()),
+            retry_due=now is None or now - r.since >= retry_delay(r.attempts),
         )
         for r in replicas
     ]
@@ -170,7 +174,39 @@ def stop(replica: Replica, reason: str = "", tell: bool = True) -> None:
     replica.enter(Replica.State.STOPPING, reason)
     replica.save()
     if tell:
-        transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
+        tell_stop(replica)
+
+
+def tell_stop(replica: Replica) -> None:
+    """Once committed, tell its node to stop it, and a group's every worker (issue 37)."""
+    workers = [s.node.name for s in replica.shares.all()]
+    transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
+    if workers:
+        transaction.on_commit(lambda r=replica.pk, w=workers: send_stop_workers(r, w))
+
+
+def free_port(node: Node) -> int | None:
+    """The lowest port of LLMGW_RPC_PORTS no share on this node uses; None when all are taken."""
+    used = set(ReplicaShare.objects.filter(node=node).values_list("port", flat=True))
+    low, high = settings.RPC_PORT_RANGE
+    return next((port for port in range(low, high + 1) if port not in used), None)
+
+
+def _assign_shares(replica: Replica, a, by_name: dict[str, Node]) -> str | None:
+    """Keep a group's workers as its shares, each with a port of its node; why not, when a node has none free."""
+    old = [s.node.name for s in replica.shares.all()]
+    if old:
+        # The group moved (its head was lost): its old workers stop theirs.
+        transaction.on_commit(lambda r=replica.pk, w=old: send_stop_workers(r, w))
+        replica.shares.all().delete()
+    for share in a.shares:
+        node = by_name[share.node]
+        port = free_port(node)
+        if port is None:
+            replica.shares.all().delete()
+            return f"worker {node.name} has no free port in LLMGW_RPC_PORTS for its share"
+        ReplicaShare.objects.create(replica=replica, node=node, share=share.share, memory_gb=share.memory_gb, port=port)
+    return None
 
 
 def reconcile(now: datetime | None = None, models: list[ModelView] | None = None) -> Plan | None:
@@ -251,17 +287,26 @@ def reconcile_unlocked(
     node_names = {n.pk: n.name for n in nodes}
     # Locked to the pass's end: a node's report on one of them waits rather than being
     # overwritten by a pass that read the row before it.
-    replicas = list(Replica.objects.select_related("node").select_for_update(of=("self",)))
+    replicas = list(
+        Replica.objects.select_related("node").select_for_update(of=("self",)).prefetch_related("shares__node")
+    )
     by_id = {r.pk: r for r in replicas}
     # Each model's count for this pass, between its fewest and most, from the gateway's load.
     models = autoscale.apply(models, replicas, now)
     # What each replica's engine holds now, as its node last measured it (fleet/memory.py).
     measured, _ = measured_memory.latest(n.name for n in nodes)
-    plan = place(node_views(nodes, replicas, now, heard_since), models, replica_views(replicas, node_names, measured))
+    plan = place(
+        node_views(nodes, replicas, now, heard_since), models, replica_views(replicas, node_names, measured, now)
+    )
     autoscale.made_room(plan)
     ready_nodes = {n.name for n in nodes if heard(n, now, heard_since)}
     running = running_on(sorted(ready_nodes))
 
+    for replica_id in plan.forget:
+        # A group forgotten (its head lost): the workers that are still heard from stop their shares.
+        workers = [s.node.name for s in by_id[replica_id].shares.all() if s.node.name in ready_nodes]
+        if workers:
+            transaction.on_commit(lambda r=replica_id, w=workers: send_stop_workers(r, w))
     Replica.objects.filter(pk__in=plan.forget).delete()
     stopping = [r.pk for r in replicas if r.state == Replica.State.STOPPING]
     serving_stopped = any(by_id[i].state == Replica.State.READY for i in plan.stop)
@@ -286,13 +331,20 @@ def reconcile_unlocked(
         replica.source = a.source
         replica.engine = a.profile.engine
         replica.args = list(a.profile.args)
-        replica.memory_gb = a.profile.need_gb
+        replica.memory_gb = a.memory_gb
         replica.gpus = a.profile.gpus
         replica.endpoint = ""
         if not replica.cause:
             replica.cause = a.cause
-        replica.enter(Replica.State.PENDING)
+        # A group says where its shares are and why those nodes; one node says nothing more.
+        replica.enter(Replica.State.PENDING, a.explanation)
         replica.save()
+        if a.shares or replica.pk in by_id:
+            if problem := _assign_shares(replica, a, by_name):
+                replica.node = None
+                replica.enter(Replica.State.PENDING, problem)
+                replica.save()
+                continue
         # robust: a start that raises is logged, and the pass's other starts are still sent (issue 34);
         # the one that failed is sent again once its node says it does not run it (START_RESEND_S).
         transaction.on_commit(lambda r=replica: send_start(r), robust=True)
@@ -319,11 +371,11 @@ def reconcile_unlocked(
             if drain.drained(replica.pk, waited.total_seconds(), in_flight.get(replica.pk, 0)):
                 replica.since = now
                 replica.save(update_fields=["since"])
-                transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
+                tell_stop(replica)
         elif replica.state == Replica.State.STOPPING and waited >= timedelta(seconds=STOP_RESEND_S):
             replica.since = now
             replica.save(update_fields=["since"])
-            transaction.on_commit(lambda r=replica.pk, n=replica.node.name: send_stop(r, n))
+            tell_stop(replica)
         elif (
             replica.state in RESENT_STATES
             and waited >= unanswered_after(replica.state)
@@ -353,6 +405,7 @@ def _stop_extras(running: dict[str, set[int]], by_name: dict[str, Node]) -> None
     if not running:
         return
     theirs = set(Replica.objects.filter(node__isnull=False).values_list("node_id", "pk"))
+    theirs |= set(ReplicaShare.objects.values_list("node_id", "replica_id"))
     client = redis_client()
     for name, ids in running.items():
         for replica_id in ids:

@@ -14,12 +14,13 @@ from urllib.parse import urlsplit
 from celery import current_app
 from django.conf import settings
 from django.db import connection, transaction
+from django.utils import timezone
 
 from contracts import signing, tasks
 
 from .live import redis_client
-from .models import Node, Replica
-from .orders import send_stop
+from .models import Node, Replica, ReplicaShare
+from .orders import send_stop, send_stop_workers
 from .placement import MAKING_ROOM
 
 REPORTED_STATES = set(tasks.REPLICA_STATES)
@@ -92,7 +93,9 @@ def repeated_report(node_id: int, replica_id: int, state: str, endpoint: str, re
         return said_before(cursor.fetchone(), state, endpoint, reason)
 
 
-def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason: str, seq: int = 0) -> str:
+def record_report(
+    node: Node, replica_id: int, state: str, endpoint: str, reason: str, seq: int = 0, role: str = ""
+) -> str:
     """Apply what a node's agent says about a replica; returns what was done, for the log.
 
     `seq` is the report's order on the node; one older than a report already applied
@@ -102,7 +105,9 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
     """
     if state not in REPORTED_STATES:
         return f"ignored: {state!r} is not a state an agent reports"
-    if state == "ready" and (problem := endpoint_problem(node, endpoint)):
+    # A worker's share is not routed to (its head is): its endpoint is nothing to check.
+    worker = ReplicaShare.objects.filter(replica_id=replica_id, node=node).exists() if state == "ready" else False
+    if state == "ready" and not worker and (problem := endpoint_problem(node, endpoint)):
         state, endpoint, reason = "failed", "", problem
     if state in SAME_AGAIN_STATES:
         row = Replica.objects.filter(pk=replica_id, node_id=node.pk).values_list(
@@ -114,17 +119,25 @@ def record_report(node: Node, replica_id: int, state: str, endpoint: str, reason
     try:
         with transaction.atomic():
             replica = Replica.objects.select_for_update().filter(pk=replica_id).first()
-            if replica is None or replica.node_id != node.pk:
+            share = None
+            if replica is not None and replica.node_id != node.pk:
+                share = ReplicaShare.objects.filter(replica=replica, node=node).first()
+            if replica is None or (replica.node_id != node.pk and share is None):
                 if state != "stopped":
                     # The node runs an engine nobody wants there: the replica was deleted
-                    # or moved while the node was away.
-                    transaction.on_commit(lambda: send_stop(replica_id, node.name))
+                    # or moved while the node was away (a worker: its share of a group).
+                    if role == "worker":
+                        transaction.on_commit(lambda: send_stop_workers(replica_id, [node.name]))
+                    else:
+                        transaction.on_commit(lambda: send_stop(replica_id, node.name))
                     return "told to stop: the replica is not on this node"
                 return "ignored: the replica is not on this node"
             if seq:
                 claimed = _claim_report(node.name, replica_id, seq)
                 if claimed is None:
                     return f"ignored: report {seq} is older than one already applied"
+            if share is not None:
+                return _record_share(replica, share, state, reason)
             return _apply(replica, state, endpoint, reason)
     except Exception:
         # Not applied (the database went away before the commit, say): the report is given back
@@ -157,6 +170,32 @@ def _apply(replica: Replica, state: str, endpoint: str, reason: str) -> str:
     replica.enter(state, reason[:4000], endpoint if state == "ready" else "")
     replica.save()
     return state
+
+
+def _record_share(replica: Replica, share: ReplicaShare, state: str, reason: str) -> str:
+    """A worker's report of its share of a group (issue 37): the group is one replica, and fails with it.
+
+    Any other node's report for the replica is a stranger's, and changes nothing (record_report).
+    """
+    worker = share.node.name
+    if state == "stopped" and replica.state == Replica.State.STOPPING:
+        share.delete()
+        return "share deleted: stopped as asked"
+    if replica.state == Replica.State.STOPPING:
+        return "ignored: the replica is stopping"
+    if state in ("failed", "stopped"):
+        said = reason or "its rpc-server stopped without being asked to"
+        share.state, share.reason, share.since = ReplicaShare.State.FAILED, said[:4000], timezone.now()
+        share.save()
+        replica.attempts += 1
+        replica.enter(Replica.State.FAILED, f"worker {worker} failed: {said}"[:4000])
+        replica.save()
+        return "failed: a worker of the group failed"
+    if state != share.state:
+        share.state, share.since = state, timezone.now()
+    share.reason = ""
+    share.save()
+    return f"share {state}"
 
 
 # The highest report number applied for a replica, set only upward, in one step on the server; returns the

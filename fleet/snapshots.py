@@ -31,6 +31,8 @@ class NodeView:
     labels: dict[str, str] = field(default_factory=dict)
     # Sources whose weights are already on this node's disk.
     holds: frozenset[str] = frozenset()
+    # Its engine has llama.cpp's RPC backend: it may lead a replica across nodes (issue 37).
+    rpc: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class ProfileView:
     gpus: int = 0
     # The most its replicas have been measured to use, in whole GB (fleet.memory); 0 until measured.
     measured_gb: int = 0
+    # How many nodes one replica may span when no single node holds it (issue 37).
+    nodes: int = 1
 
     @property
     def need_gb(self) -> int:
@@ -102,6 +106,10 @@ class ReplicaView:
     args: tuple[str, ...] | None = None
     # What its engine holds now, as its node last measured it, in whole GB; 0 when not measured.
     measured_gb: int = 0
+    # A group's workers (issue 37): (node, GB held there, state) per share; empty for one node.
+    shares: tuple[tuple[str, int, str], ...] = ()
+    # A failed replica's wait before it is started again is over (fleet.reconcile.retry_delay).
+    retry_due: bool = True
 
     @property
     def held_gb(self) -> int:
@@ -118,8 +126,21 @@ class ReplicaView:
 
 
 @dataclass(frozen=True)
+class Share:
+    """A worker's part of a group: its node, its part of the layers and the GB it holds there."""
+
+    node: str
+    share: float
+    memory_gb: int
+
+
+@dataclass(frozen=True)
 class Assignment:
-    """Run a replica of `model` with `profile` on `node`; `replica` is None for a new one."""
+    """Run a replica of `model` with `profile` on `node`; `replica` is None for a new one.
+
+    A group (issue 37): `node` is its head, holding `head_gb` (its part `head_share`), and
+    `shares` its workers; `explanation` says per node why it was chosen.
+    """
 
     replica: int | None
     model: str
@@ -127,6 +148,15 @@ class Assignment:
     node: str
     source: str
     cause: str = ""
+    shares: tuple[Share, ...] = ()
+    head_share: float = 1.0
+    head_gb: int | None = None
+    explanation: str = ""
+
+    @property
+    def memory_gb(self) -> int:
+        """What the head holds: all of it for one node."""
+        return self.profile.need_gb if self.head_gb is None else self.head_gb
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,9 @@ def _report(node: enrolment.Enrolled, seq: int, body: dict) -> None:
     allowed = state != "ready" or endpoint_problem(node.as_node(), endpoint) is None
     if allowed and reconciling.repeated_report(node.id, replica_id, state, endpoint, reason):
         return
-    outcome = reconciling.record_report(node.as_node(), replica_id, state, endpoint, reason, seq=seq)
+    outcome = reconciling.record_report(
+        node.as_node(), replica_id, state, endpoint, reason, seq=seq, role=report.get("role", "")
+    )
     log.info("replica %s on %s reported %s: %s", replica_id, node.name, state, outcome)
 
 

@@ -114,6 +114,17 @@ AGENT_CACHE = env_path("LLMGW_AGENT_CACHE", VAR_DIR / "agent-cache", BASE_DIR)
 # Files of one set fetched at once: one TCP stream rarely fills a fast link.
 FETCH_PARALLEL = env_int("LLMGW_FETCH_PARALLEL", 4, minimum=1)
 RECONCILE_INTERVAL_S = env_int("LLMGW_RECONCILE_INTERVAL_S", 5, minimum=1)
+# Ports a worker of a replica across nodes listens at (its fenced transport, issue 37): FIRST-LAST.
+RPC_PORTS = env_str("LLMGW_RPC_PORTS", "50100-50199")
+try:
+    _rpc_low, _rpc_high = (int(p) for p in RPC_PORTS.split("-"))
+    if not 1024 <= _rpc_low <= _rpc_high <= 65535:
+        raise ValueError
+except ValueError:
+    raise ImproperlyConfigured(
+        f"LLMGW_RPC_PORTS is {RPC_PORTS!r}: it must be FIRST-LAST, two ports between 1024 and 65535, first <= last"
+    ) from None
+RPC_PORT_RANGE = (_rpc_low, _rpc_high)
 # Engines may be told to run code shipped with the weights (vLLM's --trust-remote-code)
 # only when this is set: the mirror is a place files are copied into by hand.
 LLMGW_ALLOW_REMOTE_CODE = env_bool("LLMGW_ALLOW_REMOTE_CODE", False)

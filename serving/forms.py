@@ -62,6 +62,11 @@ class ServeForm(forms.Form):
         "Min memory (GB)",
         "From the weights' header: weights + KV cache at this pool + overhead; size × 1.5 + 2 where no header was read.",
     )
+    nodes = text(
+        "Nodes",
+        "How many nodes one replica may span when no single node holds it (llama.cpp's RPC backend, vLLM over Ray); "
+        "1 for one node. Offered above 1 when the largest node is too small, with the estimate per node.",
+    )
     selector_key = text("Node selector key", "A label nodes must carry, e.g. size.")
     selector_value = text("Node selector value", "Its value, e.g. large.")
 
@@ -76,6 +81,7 @@ class ServeForm(forms.Form):
                 "parallel",
                 "ctx_size",
                 "min_memory_gb",
+                "nodes",
                 "selector_key",
                 "selector_value",
             ),
@@ -101,6 +107,7 @@ class ServeForm(forms.Form):
             "profile": plan.profile,
             "parallel": str(plan.parallel or ""),
             "min_memory_gb": str(plan.min_memory_gb or ""),
+            "nodes": str(plan.nodes),
         }
         return cls(initial=initial, byte_base=byte_base)
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import quote
 
 from catalog.models import Kind, Model, Profile
-from catalog.rules import source_problem
+from catalog.rules import GROUP_ENGINES, MAX_NODES, nodes_problem, source_problem
 from contracts import engines as engine_specs
 
 
@@ -82,6 +82,10 @@ class ServePlan:
     memory: dict = field(default_factory=dict)
     # Requests one replica answers at once (llama.cpp's --parallel); 0 for an engine without slots.
     parallel: int = 0
+    # How many nodes one replica spans: more than 1 only when no single node holds it (issue 37),
+    # with about what it needs on each.
+    nodes: int = 1
+    per_node_gb: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -179,6 +183,13 @@ def plan_serve(
             f"{joined}{', and ' if joined else ''}the largest node has {biggest} GB and this needs about "
             f"{plan.min_memory_gb}"
         )
+        if plan.engine in GROUP_ENGINES and (spread := nodes_to_hold(fleet, plan.min_memory_gb)):
+            plan.nodes = spread
+            plan.per_node_gb = -(-plan.min_memory_gb // spread)
+            plan.warning += (
+                f"; one replica across {spread} nodes needs about {plan.per_node_gb} GB on each "
+                "(the profile's nodes, split by each node's free memory)"
+            )
 
     if catalog is not None:
         plan.already = model in catalog.taken or model in catalog.declared
@@ -206,6 +217,17 @@ def runs_anywhere(fleet: Sequence[NodeFacts] | None, engine: str) -> bool:
 
 def gpu_total(fleet: Sequence[NodeFacts] | None) -> int:
     return sum(node.gpus for node in fleet or ())
+
+
+def nodes_to_hold(fleet: Sequence[NodeFacts] | None, need_gb: int) -> int:
+    """The fewest nodes whose memory together holds `need_gb`, up to the catalog's most; 0 when none do."""
+    sizes = sorted((node.memory_gb for node in fleet or ()), reverse=True)
+    total = 0
+    for count, size in enumerate(sizes[:MAX_NODES], start=1):
+        total += size
+        if total >= need_gb:
+            return count
+    return 0
 
 
 def largest_node_memory_gb(fleet: Sequence[NodeFacts] | None) -> int:
@@ -346,6 +368,11 @@ def build_model(form: Mapping[str, str], byte_base: str) -> tuple[Model, Profile
     # vLLM without a card is not a setup anyone runs; a profile for it asks for one.
     profile.gpus = spec.default_gpus if spec else 0
     _slots_and_pool(get, problems, spec, model, profile)
+    if get("nodes"):
+        said = len(problems)
+        profile.nodes = problems.whole_number(get("nodes"), "the node count", "nodes")
+        if len(problems) == said and (problem := nodes_problem(profile.nodes, engine)):
+            problems.append(("nodes", problem))
     if get("min_memory_gb"):
         profile.min_memory_gb = problems.whole_number(get("min_memory_gb"), "the memory requirement", "min_memory_gb")
     key, value = get("selector_key"), get("selector_value")

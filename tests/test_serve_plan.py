@@ -101,7 +101,12 @@ def test_the_seeds_case_a_4_7_gb_gguf_asks_for_8_gb_and_a_7_gb_fleet_is_warned()
     fleet = [NodeFacts(("llamacpp",), 0, 7), NodeFacts(("llamacpp",), 0, 4)]
     p = plan([("model.gguf", int(4.7 * GB))], fleet)
     assert p.min_memory_gb == 8
-    assert p.warning == "the largest node has 7 GB and this needs about 8"
+    # Two nodes together hold it (issue 37): the offer says so, with the estimate per node.
+    assert p.warning == (
+        "the largest node has 7 GB and this needs about 8; one replica across 2 nodes needs about 4 GB on each "
+        "(the profile's nodes, split by each node's free memory)"
+    )
+    assert (p.nodes, p.per_node_gb) == (2, 4)
     assert p.refusal == ""
 
 

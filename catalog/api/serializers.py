@@ -9,7 +9,18 @@ from ..rules import routing_problem
 class ProfileSerializer(serializers.ModelSerializer):
     class Meta:
         model = Profile
-        fields = ["name", "engine", "args", "weight", "priority", "min_memory_gb", "node_selector", "gpus", "parallel"]
+        fields = [
+            "name",
+            "engine",
+            "args",
+            "weight",
+            "priority",
+            "min_memory_gb",
+            "node_selector",
+            "gpus",
+            "parallel",
+            "nodes",
+        ]
 
     def validate(self, attrs):
         _clean(Profile(**attrs))

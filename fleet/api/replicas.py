@@ -10,7 +10,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers, viewsets
 
 from .. import engine_stats, memory
-from ..models import MeasuredMemory, Replica, Scale
+from ..models import MeasuredMemory, Replica, ReplicaShare, Scale
 
 
 class MeasuredSerializer(serializers.Serializer):
@@ -54,6 +54,17 @@ def live_figures(replicas: list[Replica]) -> dict:
     }
 
 
+class ShareSerializer(serializers.ModelSerializer):
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    share = serializers.FloatField(help_text="Its part of the layers (llama.cpp's --tensor-split), 0 to 1.")
+    memory_gb = serializers.IntegerField(help_text="What placement booked for it on its node, whole GB.")
+
+    class Meta:
+        model = ReplicaShare
+        fields = ["node", "share", "memory_gb", "port", "state", "reason", "since"]
+        read_only_fields = fields
+
+
 class ReplicaSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model_name", read_only=True)
     profile = serializers.CharField(source="profile_name", read_only=True)
@@ -67,6 +78,12 @@ class ReplicaSerializer(serializers.ModelSerializer):
     )
     engine_load = serializers.SerializerMethodField(
         help_text="The engine's own live figures (the page's 'engine'); null when its node has not posted them lately."
+    )
+    shares = ShareSerializer(
+        many=True,
+        read_only=True,
+        help_text="A replica across several nodes: its workers, each holding a share of the layers; `node` is its "
+        "head. Empty for a replica on one node.",
     )
 
     class Meta:
@@ -90,6 +107,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "engine_load",
             "gpus",
             "cause",
+            "shares",
         ]
         read_only_fields = fields
 
@@ -135,7 +153,7 @@ class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
     """
 
     serializer_class = ReplicaSerializer
-    queryset = Replica.objects.select_related("node")
+    queryset = Replica.objects.select_related("node").prefetch_related("shares__node")
     filterset_class = ReplicaFilter
 
     def get_serializer(self, *args, **kwargs):
