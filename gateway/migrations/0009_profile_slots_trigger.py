@@ -55,7 +55,7 @@ def watch(columns: list[str]):
 class Migration(migrations.Migration):
     dependencies = [
         ("gateway", "0008_team_budget_triggers"),
-        ("catalog", "0007_prices"),
+        ("catalog", "0008_profile_nodes"),
     ]
 
     operations = [migrations.RunPython(watch(COLUMNS), watch(BEFORE))]
