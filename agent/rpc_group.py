@@ -34,6 +34,7 @@ from contracts import groups
 from . import engine_binary, engine_state, engines
 
 RPC_SERVER_SETTING = "LLMGW_RPC_SERVER"
+TUNNEL_START_S = 10.0
 STUNNEL_SETTING = "LLMGW_STUNNEL"
 
 
@@ -132,6 +133,16 @@ def answers_tcp(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def _listening(pid: int, port: int) -> bool:
+    try:
+        return any(
+            c.status == psutil.CONN_LISTEN and c.laddr.port == port
+            for c in psutil.Process(pid).net_connections(kind="tcp")
+        )
+    except psutil.Error:
+        return False
+
+
 def _alive(process: subprocess.Popen | None, pid: int | None) -> bool:
     if process is not None:
         return process.poll() is None
@@ -169,9 +180,12 @@ class Workers:
             current = wants.get(str(replica_id), {})
             spec = {"port": int(port), "nonce": nonce, "head": head}
             if {k: current.get(k) for k in spec} != spec:
-                wants[str(replica_id)] = {**spec, "wanted": True}
+                # Another group of the same id: what runs of the old one is stopped first.
+                old = [current[k] for k in ("stunnel_pid", "server_pid") if current.get(k)]
+                wants[str(replica_id)] = {**spec, "wanted": True, "old_pids": current.get("old_pids", []) + old}
             else:
-                current["wanted"] = True
+                # Sent again: wanted, and tried again if it had failed.
+                current.update(wanted=True, failed=False)
             write_private(path, json.dumps(wants))
 
     @classmethod
@@ -191,6 +205,8 @@ class Workers:
             wants = json.loads(path.read_text()) if path.exists() else {}
             said = []
             for replica_id, entry in list(wants.items()):
+                for pid in entry.pop("old_pids", []):
+                    engines.stop_group(pid, grace=3)
                 if not entry.get("wanted"):
                     self._stop(entry)
                     shutil.rmtree(group_dir(self.cache, int(replica_id)), ignore_errors=True)
@@ -334,6 +350,15 @@ class Tunnels:
             process = engines.spawn([tunnel, str(conf)], where / f"stunnel-{n}.log", engines.engine_env(""))
             ports.append(port)
             pids.append(process.pid)
+        # llama-server connects as it loads: each tunnel must be listening first.
+        deadline = time.monotonic() + TUNNEL_START_S
+        while not all(_listening(pid, port) for pid, port in zip(pids, ports, strict=True)):
+            if time.monotonic() > deadline or not all(engines.group_alive(pid) for pid in pids):
+                self.stop(pids)
+                raise engines.EngineError(
+                    f"stunnel did not listen within {TUNNEL_START_S:.0f} s; its log: {engines.last_lines(where / 'stunnel-0.log')}"
+                )
+            time.sleep(0.05)
         return ports, pids
 
     @staticmethod
