@@ -216,7 +216,10 @@ def test_a_restarted_group_sends_no_tensor_twice(group):
         group.start()
         group.stop_head()  # the connection closes, and the worker's stunnel logs what it carried
         log = group.stunnel_log()
-        sent = wait_until(lambda: bytes_to_rpc_server(log), what="the worker's stunnel to log the bytes it passed on")
+        sent = wait_until(
+            lambda: bytes_to_rpc_server(log) is not None and (bytes_to_rpc_server(log),),
+            what="the worker's stunnel to log the bytes of every connection it passed on",
+        )[0]
         group.stop_worker()  # the worker too: its rpc-server starts anew, with only its cache on disk
         return sent
 

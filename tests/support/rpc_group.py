@@ -48,10 +48,15 @@ def worker_entry(cache: Path, replica_id: int) -> dict:
     return json.loads(path.read_text()).get(str(replica_id), {}) if path.exists() else {}
 
 
-def bytes_to_rpc_server(log: Path) -> int:
-    """What the worker's stunnel passed on to rpc-server, summed over the connections it logged as closed."""
+def bytes_to_rpc_server(log: Path) -> int | None:
+    """What the worker's stunnel passed on to rpc-server, once every connection it accepted has
+    closed (it logs each one's bytes then); None while one is still open."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    return sum(int(n) for n in re.findall(r"(\d+) byte\(s\) sent to socket", text))
+    accepted = text.count("accepted connection")
+    ended = re.findall(r"Connection (?:closed|reset): \d+ byte\(s\) sent to TLS, (\d+) byte\(s\) sent to socket", text)
+    if not accepted or len(ended) < accepted:
+        return None
+    return sum(int(n) for n in ended)
 
 
 # Run inside another namespace by its own interpreter: the probes of a stranger on the fleet network.
