@@ -247,6 +247,12 @@ def test_a_worker_whose_rpc_server_is_killed_fails_the_group_naming_it(group):
     assert worker_failed and "rpc-server" in worker_failed[-1][3]
 
 
-def test_the_node_says_it_can_be_a_worker_and_a_head():
+def test_the_node_says_it_can_be_a_worker_and_a_head_only_when_its_programs_run(monkeypatch):
     assert engine_binary.llama_server()
     assert rpc_group.can_be_worker() and rpc_group.can_be_head()
+    # A program that is there but is no rpc-server (or no stunnel) is not taken for one.
+    monkeypatch.setenv(rpc_group.RPC_SERVER_SETTING, "/bin/true")
+    assert not rpc_group.can_be_worker()
+    monkeypatch.delenv(rpc_group.RPC_SERVER_SETTING)
+    monkeypatch.setenv(rpc_group.STUNNEL_SETTING, "/bin/false")
+    assert not rpc_group.can_be_worker() and not rpc_group.can_be_head()
