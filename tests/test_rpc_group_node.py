@@ -256,3 +256,22 @@ def test_the_node_says_it_can_be_a_worker_and_a_head_only_when_its_programs_run(
     monkeypatch.delenv(rpc_group.RPC_SERVER_SETTING)
     monkeypatch.setenv(rpc_group.STUNNEL_SETTING, "/bin/false")
     assert not rpc_group.can_be_worker() and not rpc_group.can_be_head()
+
+
+def test_a_worker_is_started_only_by_an_order_the_control_plane_signed_for_this_node(tmp_path, monkeypatch):
+    from agent.rpc_tasks import start_rpc_worker
+
+    monkeypatch.setenv("LLMGW_NODE_NAME", "worker-1")
+    monkeypatch.setenv("LLMGW_NODE_TOKEN", WORKER_TOKEN)
+    monkeypatch.setenv("LLMGW_AGENT_CACHE", str(tmp_path))
+    args, extra = [7, 7070], {"nonce": NONCE, "head": "head", "source": "http://m/", "memory_bytes": 1}
+    # Signed with another node's key, or for another node: dropped, nothing wanted.
+    for key, node in (
+        (signing.token_hash("another node's token"), "worker-1"),
+        (signing.token_hash(WORKER_TOKEN), "n2"),
+    ):
+        start_rpc_worker.apply(args=args, kwargs=signing.with_proof(key, groups.START_RPC_WORKER, node, args, extra))
+        assert not worker_entry(tmp_path, 7)
+    genuine = signing.with_proof(signing.token_hash(WORKER_TOKEN), groups.START_RPC_WORKER, "worker-1", args, extra)
+    start_rpc_worker.apply(args=args, kwargs=genuine)
+    assert worker_entry(tmp_path, 7) == {"port": 7070, "nonce": NONCE, "head": "head", "wanted": True, "old_pids": []}
