@@ -53,7 +53,7 @@ def bytes_to_rpc_server(log: Path) -> int | None:
     closed (it logs each one's bytes then); None while one is still open."""
     text = log.read_text(errors="replace") if log.exists() else ""
     accepted = text.count("accepted connection")
-    ended = re.findall(r"Connection (?:closed|reset): \d+ byte\(s\) sent to TLS, (\d+) byte\(s\) sent to socket", text)
+    ended = re.findall(r"Connection [a-z/]+: \d+ byte\(s\) sent to TLS, (\d+) byte\(s\) sent to socket", text)
     if not accepted or len(ended) < accepted:
         return None
     return sum(int(n) for n in ended)
