@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -20,16 +21,17 @@ from agent import engine_binary, engine_state, engines, rpc_group, supervisor
 from contracts import groups, signing
 
 from . import netns
-from .support.rpc_group import Reports, bytes_to_rpc_server, probe, worker_entry, write_wide_llama
+from .support.rpc_group import STAND_IN, Reports, bytes_to_rpc_server, probe, worker_entry, write_wide_llama
 from .support.waiting import wait_until
 
 if reason := netns.unavailable():
     pytest.skip(reason, allow_module_level=True)
-if not (rpc_group.rpc_server() and rpc_group.stunnel() and rpc_group.can_be_head()):
-    pytest.skip(
-        "rpc-server, stunnel or a llama-server built with RPC is missing: run `make engine` and scripts/test-deps.sh",
-        allow_module_level=True,
-    )
+if not rpc_group.stunnel():
+    pytest.skip("stunnel is missing: run scripts/test-deps.sh", allow_module_level=True)
+needs_rpc_build = pytest.mark.skipif(
+    not (rpc_group.rpc_server() and rpc_group.can_be_head()),
+    reason="rpc-server or a llama-server built with RPC is missing: run `make engine`",
+)
 
 HEAD_TOKEN, WORKER_TOKEN = "llmgw-node-head-token", "llmgw-node-worker-token"
 GROUP, ALONE = 1, 2  # the replica across two nodes, and the same model on the head alone
@@ -143,6 +145,7 @@ def group(network, tmp_path_factory):
             rpc_group.Tunnels.stop(entry.get("tunnels", {}).get("pids", []))
 
 
+@needs_rpc_build
 def test_the_group_answers_token_for_token_what_the_model_answers_on_one_node(group):
     group.start()
     across = group.ask(GROUP)
@@ -159,6 +162,7 @@ def test_the_group_answers_token_for_token_what_the_model_answers_on_one_node(gr
     assert ("ready", "") in [(r[1], r[3]) for r in group.worker_reports.of(GROUP, role="worker")]
 
 
+@needs_rpc_build
 def test_a_stranger_on_the_fleet_network_gets_nothing_from_the_worker(group, network, tmp_path):
     fleet, stranger = network
     group.start()
@@ -205,6 +209,7 @@ def test_a_stranger_on_the_fleet_network_gets_nothing_from_the_worker(group, net
             assert path.stat().st_mode & 0o777 == 0o600, path
 
 
+@needs_rpc_build
 def test_a_restarted_group_sends_no_tensor_twice(group):
     group.stop_head()
     group.stop_worker()
@@ -232,6 +237,7 @@ def test_a_restarted_group_sends_no_tensor_twice(group):
     assert second < first / 10, f"the second start sent {second} bytes, the first {first}"
 
 
+@needs_rpc_build
 def test_a_worker_whose_rpc_server_is_killed_fails_the_group_naming_it(group):
     group.start()
     pid = worker_entry(group.worker_cache, GROUP)["server_pid"]
@@ -247,6 +253,7 @@ def test_a_worker_whose_rpc_server_is_killed_fails_the_group_naming_it(group):
     assert worker_failed and "rpc-server" in worker_failed[-1][3]
 
 
+@needs_rpc_build
 def test_the_node_says_it_can_be_a_worker_and_a_head_only_when_its_programs_run(monkeypatch):
     assert engine_binary.llama_server()
     assert rpc_group.can_be_worker() and rpc_group.can_be_head()
@@ -275,3 +282,59 @@ def test_a_worker_is_started_only_by_an_order_the_control_plane_signed_for_this_
     genuine = signing.with_proof(signing.token_hash(WORKER_TOKEN), groups.START_RPC_WORKER, "worker-1", args, extra)
     start_rpc_worker.apply(args=args, kwargs=genuine)
     assert worker_entry(tmp_path, 7) == {"port": 7070, "nonce": NONCE, "head": "head", "wanted": True, "old_pids": []}
+
+
+def test_a_worker_lost_behind_its_tunnel_is_named_by_the_head_and_the_worker_says_which_program_died(
+    tmp_path, monkeypatch
+):
+    # The tunnels' side alone, against a stand-in rpc-server (tests/support/rpc_group.py STAND_IN):
+    # runs where the RPC build is missing too.
+    stand_in = tmp_path / "rpc-server"
+    stand_in.write_text(STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    monkeypatch.setenv(rpc_group.RPC_SERVER_SETTING, str(stand_in))
+    reports = Reports()
+    worker = supervisor.Supervisor(tmp_path / "w", reports, token=WORKER_TOKEN, rpc_listen="127.0.0.1")
+    port = engines.free_port()
+    rpc_group.Workers.want(tmp_path / "w", GROUP, port, NONCE, "head")
+    try:
+        wait_until(
+            lambda: (worker.step(), worker_entry(tmp_path / "w", GROUP).get("ready"))[1], what="the worker to be ready"
+        )
+        head_key = signing.token_hash(HEAD_TOKEN)
+        psk = groups.rpc_psk(signing.token_hash(WORKER_TOKEN), GROUP, NONCE)
+        order = groups.GroupOrder(
+            head_share=0.5,
+            workers=[
+                groups.GroupWorker(
+                    node="worker-1",
+                    endpoint=f"127.0.0.1:{port}",
+                    sealed_psk=groups.seal_psk(head_key, psk, GROUP, NONCE, "worker-1"),
+                    share=1.0,
+                )
+            ],
+        )
+        (tmp_path / "h").mkdir()
+        ports, pids = rpc_group.Tunnels(tmp_path / "h", head_key).start(GROUP, NONCE, order)
+        tunnels = {"ports": ports, "pids": pids}
+        held = socket.create_connection(("127.0.0.1", ports[0]))  # as llama-server holds its own
+        held.sendall(rpc_group.RPC_HELLO)
+        assert held.recv(64)
+        assert rpc_group.Tunnels.dropped(order, tunnels) == ""
+        os.kill(worker_entry(tmp_path / "w", GROUP)["server_pid"], signal.SIGKILL)
+        # The worker's agent runs on meanwhile: it stops the stunnel of a worker whose rpc-server died.
+        said = wait_until(
+            lambda: (worker.step(), rpc_group.Tunnels.dropped(order, tunnels))[1],
+            what="the head to see its worker gone",
+        )
+        assert said.startswith("lost its RPC worker worker-1 at 127.0.0.1:")
+        assert "worker-1" in rpc_group.Tunnels.lost(order, ports, pids)
+        wait_until(
+            lambda: (worker.step(), "failed" in reports.states(GROUP, role="worker"))[1], what="the worker's report"
+        )
+        assert "rpc-server exited" in reports.of(GROUP, role="worker")[-1][3]
+        held.close()
+        rpc_group.Tunnels.stop(pids)
+    finally:
+        rpc_group.Workers.unwant(tmp_path / "w", GROUP)
+        worker.step()

@@ -81,3 +81,28 @@ def probe(argv_prefix: list[str], python: str, host: str, port: int) -> str:
     """RPC's HELLO sent to host:port from where `argv_prefix` runs: answered, closed, refused."""
     done = subprocess.run([*argv_prefix, python, "-c", PROBE, host, str(port)], capture_output=True, text=True)
     return done.stdout.strip() or done.stderr.strip()
+
+
+# For the checks that need only rpc-server's first exchange: a stand-in that answers HELLO as
+# ggml-rpc.cpp does (8 bytes of size, 28 of version and capabilities) and keeps the connection.
+STAND_IN = """#!{python}
+import socket, sys
+a = sys.argv
+if "--help" in a:
+    print("  -c, --cache  enable local file cache")
+    sys.exit(0)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((a[a.index("--host") + 1], int(a[a.index("--port") + 1])))
+s.listen()
+while True:
+    c, _ = s.accept()
+    data = b""
+    while len(data) < 33 and (got := c.recv(64)):
+        data += got
+    if data[:1] == bytes([14]):
+        c.sendall((28).to_bytes(8, "little") + bytes(28))
+        while c.recv(4096):
+            pass
+    c.close()
+"""
