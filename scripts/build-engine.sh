@@ -62,8 +62,10 @@ if [ ! -x "$DIR/llama-server" ] || [ ! -x "$DIR/rpc-server" ]; then
     tar -xzf "$SDIST" -C "$WORK/src" --strip-components=1 "llama_cpp_python-$VERSION/vendor/llama.cpp"
     # shellcheck disable=SC2086  # ARGS is a list of words on purpose
     cmake -S "$WORK/src/vendor/llama.cpp" -B "$WORK/build" $ARGS >"$WORK/configure.log"
-    cmake --build "$WORK/build" --target llama-server rpc-server -j2 >"$WORK/build.log"
-    cp "$WORK/build/bin/llama-server" "$WORK/build/bin/rpc-server" "$WORK/"
+    # llama.cpp's target for rpc-server is `ggml-rpc-server` (tools/rpc); kept here as rpc-server.
+    cmake --build "$WORK/build" --target llama-server ggml-rpc-server -j2 >"$WORK/build.log"
+    cp "$WORK/build/bin/llama-server" "$WORK/"
+    cp "$WORK/build/bin/ggml-rpc-server" "$WORK/rpc-server"
     printf '%s\n' "$ARGS" > "$WORK/CMAKE_ARGS"
     rm -rf "$WORK/src" "$WORK/build"
     rm -rf "$DIR" && mv "$WORK" "$DIR"
