@@ -297,6 +297,7 @@ def test_a_worker_lost_behind_its_tunnel_is_named_by_the_head_and_the_worker_say
     worker = supervisor.Supervisor(tmp_path / "w", reports, token=WORKER_TOKEN, rpc_listen="127.0.0.1")
     port = engines.free_port()
     rpc_group.Workers.want(tmp_path / "w", GROUP, port, NONCE, "head")
+    pids: list[int] = []
     try:
         wait_until(
             lambda: (worker.step(), worker_entry(tmp_path / "w", GROUP).get("ready"))[1], what="the worker to be ready"
@@ -334,7 +335,7 @@ def test_a_worker_lost_behind_its_tunnel_is_named_by_the_head_and_the_worker_say
         )
         assert "rpc-server exited" in reports.of(GROUP, role="worker")[-1][3]
         held.close()
-        rpc_group.Tunnels.stop(pids)
     finally:
+        rpc_group.Tunnels.stop(pids)
         rpc_group.Workers.unwant(tmp_path / "w", GROUP)
         worker.step()
