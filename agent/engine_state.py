@@ -87,12 +87,14 @@ def want(
     args: list[str],
     model: str = "",
     nonce: str = "",
+    group: dict | None = None,
 ) -> bool:
     """Ask for this replica to run; False when it is already wanted exactly so.
 
     `nonce` is what the control plane sent to tell this replica from an earlier one of
     the same id; with the node's token it makes the engine's secret (contracts.credentials).
-    The secret itself is never written here.
+    The secret itself is never written here. `group` (contracts.groups.GroupOrder) makes this
+    node the head of a replica across several nodes; its workers' keys are written sealed.
     """
     spec = {
         "engine": engine,
@@ -101,6 +103,7 @@ def want(
         "args": list(args),
         "model": model,
         "nonce": nonce,
+        "group": group,
     }
     with locked_state(cache) as state:
         entry = state["replicas"].get(str(replica_id))
@@ -130,7 +133,14 @@ def _new_entry(replica_id: int, spec: dict) -> dict:
 
 
 def wanted_as(
-    cache: Path, replica_id: int, engine: str, source: str, args: list[str], model: str = "", nonce: str = ""
+    cache: Path,
+    replica_id: int,
+    engine: str,
+    source: str,
+    args: list[str],
+    model: str = "",
+    nonce: str = "",
+    group: dict | None = None,
 ) -> bool:
     """Whether this replica is already wanted exactly so; a waiting restart is brought forward.
 
@@ -141,7 +151,7 @@ def wanted_as(
         entry = state["replicas"].get(str(replica_id))
         if not entry or not entry.get("wanted") or "replace" in entry:
             return False
-        spec = {"engine": engine, "source": source, "args": list(args), "model": model, "nonce": nonce}
+        spec = {"engine": engine, "source": source, "args": list(args), "model": model, "nonce": nonce, "group": group}
         if _spec_of(entry, spec) != spec:
             return False
         if entry.get("pid") is None:

@@ -36,11 +36,13 @@ def start_on_node(
     allow_remote_code: bool = False,
     model: str = "",
     nonce: str = "",
+    group: dict | None = None,
 ) -> bool:
     """Fetch and hand over one replica; False when it failed (and was reported so).
 
     `model` is the catalog's name, which the engine is to serve under; `nonce` goes
-    into its engine's secret (contracts.credentials).
+    into its engine's secret (contracts.credentials). `group` is a contracts.groups.GroupOrder
+    when this node heads a replica across several nodes.
     """
     try:
         if engine not in engines.ENGINES:
@@ -50,7 +52,10 @@ def start_on_node(
     except engines.EngineError as e:
         report(replica_id, "failed", "", str(e))
         return False
-    if engine_state.wanted_as(cache, replica_id, engine, source, list(args), model, nonce):
+    if group is not None and engine != "llamacpp":
+        report(replica_id, "failed", "", f"a replica across several nodes runs on llamacpp here, not {engine}")
+        return False
+    if engine_state.wanted_as(cache, replica_id, engine, source, list(args), model, nonce, group):
         return True
     report(replica_id, "fetching", "", "")
     try:
@@ -59,12 +64,14 @@ def start_on_node(
         # The fetch module's errors are sentences; anything else is said as it is.
         report(replica_id, "failed", "", str(e) or e.__class__.__name__)
         return False
-    engine_state.want(cache, replica_id, engine, source, weights, list(args), model, nonce)
+    engine_state.want(cache, replica_id, engine, source, weights, list(args), model, nonce, group)
     return True
 
 
 @shared_task(name=START_REPLICA, base=FromControlPlane, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
-def start_replica(replica_id: int, source: str, engine: str, args: list[str], model: str = "", nonce: str = "") -> None:
+def start_replica(
+    replica_id: int, source: str, engine: str, args: list[str], model: str = "", nonce: str = "", group=None
+) -> None:
     # `model` and `nonce` have defaults: a start queued before the control plane sent them
     # still runs, the engine under its own default name, its secret made without a nonce.
     start_on_node(
@@ -78,6 +85,7 @@ def start_replica(replica_id: int, source: str, engine: str, args: list[str], mo
         allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,
         model=model,
         nonce=nonce,
+        group=group,
     )
 
 

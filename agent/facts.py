@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from . import __version__, engine_binary, runtime, selftest
+from . import __version__, engine_binary, rpc_group, runtime, selftest
 
 
 def _importable(module: str) -> bool:
@@ -81,7 +81,11 @@ def installed(cache: Path | None = None) -> dict:
     """
     found = engines()
     unusable = selftest.unusable(found, Path(cache or runtime.cache_dir()) / "selftest")
-    return {"engines": [e for e in found if e not in unusable], "engines_unusable": unusable, "gpus": gpus()}
+    usable = [e for e in found if e not in unusable]
+    # A share of a replica across nodes (issue 37): probed by running rpc-server, stunnel and llama-server.
+    rpc = "llamacpp" in usable and rpc_group.can_be_worker()
+    head = "llamacpp" in usable and rpc_group.can_be_head()
+    return {"engines": usable, "engines_unusable": unusable, "gpus": gpus(), "rpc": rpc, "rpc_head": head}
 
 
 def collect(node: str, labels: dict, cache: Path, static: dict | None = None) -> dict:
@@ -91,6 +95,8 @@ def collect(node: str, labels: dict, cache: Path, static: dict | None = None) ->
         "engines": static["engines"],
         "engines_unusable": static.get("engines_unusable", {}),
         "gpus": static["gpus"],
+        "rpc": bool(static.get("rpc", False)),
+        "rpc_head": bool(static.get("rpc_head", False)),
         "memory_gb": memory_gb(),
         "disk_free_bytes": disk_free_bytes(cache),
         "labels": dict(labels),

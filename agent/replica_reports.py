@@ -30,18 +30,20 @@ def celery_report(key: str) -> Report:
     """The reporter of this node, signing with `key` (the node's token hash, runtime.key())."""
     node = runtime.node_name()
 
-    def signed(replica_id: int, state: str, endpoint: str, reason: str) -> dict:
+    def signed(replica_id: int, state: str, endpoint: str, reason: str, role: str = "") -> dict:
         # An engine's last lines may hold a NUL, which the control plane refuses in any text.
         body = ReplicaReport(replica=replica_id, state=state, endpoint=endpoint, reason=reason.replace("\x00", ""))
+        if role:
+            body["role"] = role  # "worker": this node's share of a replica across several (contracts/groups.py)
         return signing.sign_message(key, REPLICA_REPORT, node, body)
 
-    def report(replica_id: int, state: str, endpoint: str, reason: str) -> None:
-        message = signed(replica_id, state, endpoint, reason)
+    def report(replica_id: int, state: str, endpoint: str, reason: str, role: str = "") -> None:
+        message = signed(replica_id, state, endpoint, reason, role)
         current_app.send_task(REPLICA_REPORT, args=[message], queue=CONTROL_QUEUE)
 
-    def again(replica_id: int, state: str, endpoint: str, reason: str) -> None:
+    def again(replica_id: int, state: str, endpoint: str, reason: str, role: str = "") -> None:
         # Nothing new: posted for the control plane's next collection, not a message of its own.
-        message = json.dumps(signed(replica_id, state, endpoint, reason))
+        message = json.dumps(signed(replica_id, state, endpoint, reason, role))
         post_report(progress.redis_client(), current_app.send_task, node, replica_id, message)
 
     report.again = again

@@ -35,7 +35,7 @@ from django.conf import settings
 
 from contracts import credentials, signing
 
-from . import cache_evict, engine_state, engine_stats, engines, fence, runtime
+from . import cache_evict, engine_state, engine_stats, engines, fence, rpc_group, runtime
 from .replica_reports import Report, celery_report
 
 __all__ = ["Report", "Supervisor", "celery_report", "start"]
@@ -84,6 +84,7 @@ class Supervisor:
         liveness_busy_grace: float = LIVENESS_BUSY_GRACE_S,
         token: str | None = None,
         engine_user: str = "",
+        rpc_listen: str = "",
     ):
         self.cache = Path(cache)
         # (uid, gid) engines run as (LLMGW_ENGINE_USER, agent.fence); None: the agent's own.
@@ -116,6 +117,11 @@ class Supervisor:
         self.last_report: dict[int, float] = {}
         # Set by each step: an engine is starting, so the next look comes in STARTING_INTERVAL_S.
         self.starting = False
+        # This node's shares of replicas across several nodes (agent.rpc_group): stunnel listens
+        # on the address the node was enrolled with, rpc-server on loopback behind it.
+        self.rpc_workers = rpc_group.Workers(
+            self.cache, report, self.key, listen=rpc_listen or self.host, user=self.engine_user
+        )
 
     def log_path(self, replica_id: int) -> Path:
         return engine_state.state_dir(self.cache) / f"replica-{replica_id}.log"
@@ -220,6 +226,13 @@ class Supervisor:
                         reports.append(
                             self._crashed(entry, now, None, f"did not answer within {self.startup_timeout:.0f} s")
                         )
+                elif entry.get("group") and (
+                    lost := rpc_group.Tunnels.dropped(entry["group"], entry.get("tunnels", {}))
+                ):
+                    # A worker gone while the engine sat idle: llama-server would find out at the next request.
+                    engines.stop_group(entry["pid"], grace=5)
+                    self.children.pop(entry["pid"], None)
+                    reports.append(self._crashed(entry, now, None, lost))
                 else:
                     if now - entry.get("ready_since", now) > STABLE_S:
                         entry["restarts"] = 0
@@ -238,6 +251,10 @@ class Supervisor:
             if (stopped := self._stop(entry)) is not None:
                 reports.append(stopped)
         reports += self._check_liveness(to_check, now)
+        try:
+            self.rpc_workers.step()
+        except Exception:
+            log.exception("the RPC workers' step failed")
         changed = {r[0] for r in reports}
         for send, batch in ((self.report, reports), (self.report_again, [r for r in repeats if r[0] not in changed])):
             for replica_id, *rest in batch:
@@ -319,6 +336,13 @@ class Supervisor:
             # Permanent: starting again would fail the same way until the catalog changes.
             entry.update(next_start=float("inf"), reason=str(e))
             return (replica_id, "failed", "", str(e))
+        if entry.get("group"):
+            try:
+                argv += self._open_tunnels(entry)
+            except (engines.EngineError, OSError, ValueError) as e:
+                reason = f"the head of this replica across nodes could not start its tunnels: {e}"
+                entry.update(next_start=now + self.backoff_max, reason=reason)
+                return (replica_id, "failed", "", reason)
         if not self.key:
             log.warning(
                 "replica %s: this node has no enrolment token, so its engine is started without a secret "
@@ -357,10 +381,30 @@ class Supervisor:
         )
         return (replica_id, "starting", "", "")
 
+    def _open_tunnels(self, entry: dict) -> list[str]:
+        """The head's tunnels to its workers, and llama-server's arguments that use them."""
+        self._close_tunnels(entry)
+        group = entry["group"]
+        ports, pids = rpc_group.Tunnels(self.cache, self.key).start(entry["replica"], entry.get("nonce", ""), group)
+        entry["tunnels"] = {"ports": ports, "pids": pids}
+        weights = engines.weights_argument("llamacpp", Path(entry["weights"]))
+        return rpc_group.head_args(group, ports, rpc_group.layer_count(weights))
+
+    def _close_tunnels(self, entry: dict) -> str:
+        """Stop the head's tunnels; first, which worker was lost, when one was (a sentence, or empty)."""
+        tunnels = entry.pop("tunnels", None)
+        if not tunnels or not entry.get("group"):
+            return ""
+        lost = rpc_group.Tunnels.lost(entry["group"], tunnels["ports"], tunnels["pids"])
+        rpc_group.Tunnels.stop(tunnels["pids"])
+        return lost
+
     def _crashed(self, entry: dict, now: float, code: int | None, why: str = "") -> tuple[int, str, str, str]:
         restarts = entry.get("restarts", 0) + 1
         delay = min(self.backoff_max, 2.0 ** (restarts - 1))
         why = why or (f"exited with code {code}" if code is not None else "exited")
+        if lost := self._close_tunnels(entry):
+            why = f"{why}: it {lost}" if not why.startswith("lost") else why
         reason = f"the engine {why}; starting it again in {delay:.0f} s. Its last lines:\n" + engines.last_lines(
             self.log_path(entry["replica"])
         )
@@ -375,6 +419,8 @@ class Supervisor:
             child = self.children.pop(entry["pid"], None)
             if child is not None:
                 child.wait(timeout=5)
+        if tunnels := entry.get("tunnels"):
+            rpc_group.Tunnels.stop(tunnels["pids"])
         with engine_state.locked_state(self.cache) as state:
             current = state["replicas"].get(str(replica_id))
             if current and current.get("wanted"):
@@ -530,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         allow_remote_code=settings.LLMGW_ALLOW_REMOTE_CODE,
         token=token,
         engine_user=settings.ENGINE_USER,
+        rpc_listen=settings.LLMGW_ENGINE_ADVERTISE,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s supervisor: %(message)s")
     # The engines' own count of their load (slots busy, requests deferred), for the control plane.

@@ -7,7 +7,7 @@ Names are never renamed: an agent of the last release may still be sending them.
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from . import keys, signing
 
@@ -72,6 +72,11 @@ class Facts(TypedDict, total=False):
     # The replicas this node is running or starting (wanted in its engine state): the
     # control plane sends again a start that never arrived, and stops one it does not know.
     replicas: list[int]
+    # Can hold a share of one replica across several nodes (issue 37, contracts/groups.py):
+    # llama.cpp's rpc-server and stunnel are here and run. Absent from agents before it.
+    rpc: bool
+    # Can be a group's head: its llama-server was built with the RPC backend (takes --rpc).
+    rpc_head: bool
 
 
 class ReplicaReport(TypedDict):
@@ -83,6 +88,9 @@ class ReplicaReport(TypedDict):
     # the node was enrolled with (loopback without one); anything else is refused.
     endpoint: str
     reason: str
+    # "worker" for a share of a replica across several nodes (contracts/groups.py): the node
+    # runs that replica's rpc-server, not its engine. Absent for a replica's own engine.
+    role: NotRequired[str]
 
 
 class FetchReport(TypedDict, total=False):

@@ -18,6 +18,8 @@ command -v systemd-analyze >/dev/null 2>&1 || missing="$missing systemd"
 command -v nginx >/dev/null 2>&1 || missing="$missing nginx-light"
 command -v prometheus >/dev/null 2>&1 || missing="$missing prometheus"
 command -v nft >/dev/null 2>&1 || missing="$missing nftables"
+# stunnel: the PSK-authenticated transport of one replica across several nodes (issue 37).
+command -v stunnel4 >/dev/null 2>&1 || command -v stunnel >/dev/null 2>&1 || missing="$missing stunnel4"
 if [ -n "$missing" ]; then
     if [ "$(id -u)" != 0 ]; then
         echo "The tests need:$missing. Install them with: sudo apt-get install$missing" >&2
