@@ -43,9 +43,8 @@ def _port_slice() -> range:
         ephemeral_from = 32768
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    index = (
-        int(worker) % max(count, 1) if worker.isdigit() else 0
-    )  # a worker started again after a crash is gwN, N >= count
+    # A worker started again after one crashed is gwN with N >= count: it takes a slice of the run's.
+    index = int(worker) % max(count, 1) if worker.isdigit() else 0
     width = (ephemeral_from - _PORTS_FROM) // max(count, 1)
     start = _PORTS_FROM + index * width
     return range(start, start + width)
