@@ -59,6 +59,8 @@ SQLITE_TESTS := tests/test_postgres.py tests/test_settings.py tests/test_gateway
 # on the processes they start, so even two cores run three workers well (docs/testing.md has
 # the times). `make test TEST_WORKERS=0` runs everything in one process, as before.
 TEST_WORKERS ?= 3
+# The fast tier starts no process: its tests keep the CPU busy themselves, one worker a core.
+FAST_WORKERS ?= 2
 
 test: test-deps lint
 	$(PY) manage.py check
@@ -70,7 +72,7 @@ test: test-deps lint
 # forms, serializers, rules, the database-only ones), on the tests' PostgreSQL and Redis.
 # tests/conftest.py marks the others `processes`; docs/testing.md says which tier a test is in.
 test-fast: $(DEV)
-	LLMGW_TEST_TIER=fast $(PY) -m pytest -n $(TEST_WORKERS) -m "not processes" -q
+	LLMGW_TEST_TIER=fast $(PY) -m pytest -n $(FAST_WORKERS) -m "not processes" -q
 
 bench: venv
 	$(PY) bench/bytes.py
