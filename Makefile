@@ -54,17 +54,25 @@ lint: $(DEV)
 SQLITE_TESTS := tests/test_postgres.py tests/test_settings.py tests/test_gateway_table.py \
 	tests/test_reconcile.py tests/test_replica_reports.py tests/test_gateway_keys.py
 
+# Both tiers run in TEST_WORKERS processes at once (pytest-xdist), a module's tests in one of
+# them; each worker has its own PostgreSQL, Redis and var/ (tests/services.py). Most tests wait
+# on the processes they start, so even two cores run three workers well (docs/testing.md has
+# the times). `make test TEST_WORKERS=0` runs everything in one process, as before.
+TEST_WORKERS ?= 3
+# The fast tier starts no process: its tests keep the CPU busy themselves, one worker a core.
+FAST_WORKERS ?= 2
+
 test: test-deps lint
 	$(PY) manage.py check
 	$(PY) manage.py makemigrations --check --dry-run
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 	LLMGW_TEST_DATABASE=sqlite $(PY) -m pytest $(SQLITE_TESTS)
 
 # The fast tier, for the edit-run loop: the tests that start no process (pure functions,
 # forms, serializers, rules, the database-only ones), on the tests' PostgreSQL and Redis.
 # tests/conftest.py marks the others `processes`; docs/testing.md says which tier a test is in.
 test-fast: $(DEV)
-	LLMGW_TEST_TIER=fast $(PY) -m pytest -m "not processes" -q
+	LLMGW_TEST_TIER=fast $(PY) -m pytest -n $(FAST_WORKERS) -m "not processes" -q
 
 bench: venv
 	$(PY) bench/bytes.py

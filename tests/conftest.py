@@ -5,7 +5,9 @@ PROCESS_FIXTURES: a test that uses one, directly or through another fixture, is 
 `processes` and left out of `make test-fast` (docs/testing.md, "Which tier a test is in").
 """
 
+import functools
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -393,11 +395,37 @@ def pytest_collection_modifyitems(config, items):
             or any(_starts_a_process(f, seen) for f in functions if f is not None)
         ):
             item.add_marker(pytest.mark.processes)
-    # Last: tests/test_gateway_alone.py stops and starts the tests' PostgreSQL, and a
-    # connection opened before it in another context of this process (Playwright's, a
-    # fixture's thread) is dead after it ("the connection is closed") in whatever test
-    # came next. Run after everything else, it leaves no test behind it to break.
-    items.sort(key=lambda item: item.nodeid.startswith("tests/test_gateway_alone.py"))
+    # Last: a module that stops and starts the tests' PostgreSQL (tests/test_gateway_alone.py,
+    # tests/test_database_away.py) leaves dead a connection opened before it in another context
+    # of this process (Playwright's greenlet, a fixture's thread): "terminating connection due to
+    # administrator command", then "the connection is closed", in every test after it that uses
+    # that context. Run after everything else, such a module leaves no test behind it to break;
+    # under pytest-xdist they are one unit of work, the last (pytest_xdist_make_scheduler).
+    items.sort(key=lambda item: _stops_postgres(item.path))
+
+
+@functools.cache
+def _stops_postgres(module: Path) -> bool:
+    """Whether a test module stops the tests' PostgreSQL: it names tests/support/gateway_process.py's
+    stop_postgres. Read from its source, so pytest-xdist's controller, which imports no test, can tell."""
+    return module.suffix == ".py" and re.search(r"\bstop_postgres\b", module.read_text()) is not None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `-n N --dist loadfile` (`make test`): a module's tests in one worker, as pytest-xdist's
+    loadfile does, except that the modules that stop PostgreSQL are one unit, handed out last, so
+    they are the last tests their worker runs (pytest_collection_modifyitems says why)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LastUnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "modules that stop PostgreSQL" if _stops_postgres(config.rootpath / scope) else scope
+
+    return LastUnitScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ namespaces, the namespaces, the bridge), at the end of the test however it ends.
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import secrets
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 
 # 10.231.N.0/24, N picked per run among those this host does not already use.
 SUBNETS = ipaddress.ip_network("10.231.0.0/16")
+# Held from the pick of a /24 until its address is on the bridge: two test processes at once
+# (pytest-xdist's workers, another run) would otherwise both find N unused and both take it.
+SUBNET_LOCK = "/run/lock/llmgw-test-netns-subnet.lock"
 
 
 class NetnsError(Exception):
@@ -89,19 +93,22 @@ class Fleet:
 
     def __init__(self) -> None:
         self.tag = secrets.token_hex(3)
-        self.network = _free_subnet()
-        hosts = self.network.hosts()
-        self.address = str(next(hosts))  # this host's, on the bridge: Redis and the byte listener
-        self._addresses = hosts
         self.bridge = f"lg{self.tag}br"
         self.hosts: list[Host] = []
-        ip("link", "add", self.bridge, "type", "bridge")
-        try:
-            ip("addr", "add", f"{self.address}/{self.network.prefixlen}", "dev", self.bridge)
-            ip("link", "set", self.bridge, "up")
-        except NetnsError:
-            self.remove()
-            raise
+        os.makedirs(os.path.dirname(SUBNET_LOCK), exist_ok=True)
+        with open(SUBNET_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.network = _free_subnet()
+            hosts = self.network.hosts()
+            self.address = str(next(hosts))  # this host's, on the bridge: Redis and the byte listener
+            self._addresses = hosts
+            ip("link", "add", self.bridge, "type", "bridge")
+            try:
+                ip("addr", "add", f"{self.address}/{self.network.prefixlen}", "dev", self.bridge)
+                ip("link", "set", self.bridge, "up")
+            except NetnsError:
+                self.remove()
+                raise
 
     def add_host(self, label: str) -> Host:
         index = len(self.hosts) + 1

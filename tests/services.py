@@ -14,6 +14,7 @@ SQLite (the Makefile's SQLITE_TESTS) a second time on SQLite.
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -26,21 +27,75 @@ import pytest
 _state: dict = {}
 
 
+# Ports the tests pick for their servers: below the kernel's ephemeral range (where a connect()
+# takes its source port, and where a server's bind(port 0) lands), so a port picked here and
+# bound a moment later cannot meanwhile become some connection's source. Each pytest-xdist
+# worker picks from a slice of its own, so two workers of one run never pick the same.
+_PORTS_FROM = 10000
+_handed_out: set[int] = set()
+
+
+def _port_slice() -> range:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            ephemeral_from = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_from = 32768
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    # A worker started again after one crashed is gwN with N >= count: it takes a slice of the run's.
+    index = int(worker) % max(count, 1) if worker.isdigit() else 0
+    width = (ephemeral_from - _PORTS_FROM) // max(count, 1)
+    start = _PORTS_FROM + index * width
+    return range(start, start + width)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing on this host listens on (on any address), for a server a test starts.
+
+    Never the same one twice in a test process, never one another worker of the run may
+    pick (`_port_slice`), and never in the ephemeral range; bound moments later by the
+    server, it is free then unless some other program on the machine took it meanwhile.
+    """
+    ports = _port_slice()
+    if len(ports) < 100:  # an unusual ephemeral range: the kernel's own pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for _ in range(200):
+        port = ports[secrets.randbelow(len(ports))]
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1} after 200 tries")
+
+
+def _xdist_controller(early_config) -> bool:
+    """Whether this process hands the tests to pytest-xdist's workers (`-n N`) and runs none itself."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return False
+    options = early_config.known_args_namespace
+    return bool(getattr(options, "numprocesses", None) or getattr(options, "tx", None))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config, parser, args):
+    """This test process's var/, PostgreSQL and Redis: each xdist worker its own, the controller none."""
     var = tempfile.mkdtemp(prefix="llmgw-test-")
     _state["var"] = var
     os.environ["LLMGW_VAR"] = var
     os.environ["LLMGW_MIRROR_ROOT"] = os.path.join(var, "mirror")
     # The tests make their own database and catalog; a developer's must not leak in.
-    for name in ("DATABASE_URL", "LLMGW_CATALOG", "LLMGW_ADMIN_USER", "LLMGW_ADMIN_PASSWORD"):
+    for name in ("DATABASE_URL", "REDIS_URL", "LLMGW_CATALOG", "LLMGW_ADMIN_USER", "LLMGW_ADMIN_PASSWORD"):
         os.environ.pop(name, None)
+    if _xdist_controller(early_config):
+        return  # it runs no test; each worker, started with this environment, starts its own
     database = os.environ.get("LLMGW_TEST_DATABASE", "postgres")
     if database == "postgres":
         os.environ["DATABASE_URL"] = start_postgres()

@@ -11,6 +11,7 @@ import redis
 from gateway.errors import Refusal
 from gateway.limits import Limiter, Limits
 
+from .services import free_port
 from .support.waiting import wait_until
 
 
@@ -53,14 +54,6 @@ def test_a_key_of_two_requests_a_minute_gets_its_third_refused_through_a_unix_so
     finally:
         server.terminate()
         server.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _openssl(*args: str) -> None:
@@ -106,7 +99,7 @@ def tls_redis(tmp_path_factory):
         "-out",
         str(cert),
     )
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [
             shutil.which("redis-server"),
