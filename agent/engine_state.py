@@ -17,7 +17,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import engines
+from . import engines, unix_address
 
 
 def state_dir(cache: Path) -> Path:
@@ -33,7 +33,8 @@ def poke(cache: Path) -> None:
     """Tell the supervisor the state changed (a start or a stop wanted); nothing when none listens."""
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.setblocking(False)
-        sock.sendto(b"!", str(waker_path(cache)))
+        with unix_address.reachable(waker_path(cache)) as address:
+            sock.sendto(b"!", address)
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ from contracts import credentials, keys, signing
 from contracts.sources import seed_alias
 from contracts.swarm import Swarm, SwarmError, info_hash_of, torrent_info
 
-from . import runtime
+from . import runtime, unix_address
 from .download import new_session
 from .progress import redis_client
 from .sources import TIMEOUT, describe, origin, refusal_of, status_error
@@ -363,7 +363,12 @@ def mirror_refusal(source: str) -> str:
 def serve(node_swarm: NodeSwarm, path: Path, stop: threading.Event) -> None:
     """Answer fetches from the worker's processes: one connection per fetch, progress sent back as it goes."""
     path.unlink(missing_ok=True)
-    listener = Listener(str(path), family="AF_UNIX", authkey=_authkey())
+    with unix_address.reachable(path) as address:
+        listener = Listener(address, family="AF_UNIX", authkey=_authkey())
+    # multiprocessing unlinks the address it bound when the listener closes: that may be the
+    # short /proc/self/fd/N/ form, whose descriptor is closed by then, so the real path is unlinked here.
+    if (unlink := getattr(getattr(listener, "_listener", None), "_unlink", None)) is not None:
+        unlink.cancel()
     os.chmod(path, 0o600)
 
     def one(conn) -> None:
@@ -391,7 +396,7 @@ def serve(node_swarm: NodeSwarm, path: Path, stop: threading.Event) -> None:
                 log.exception("a fetch through the session failed")
                 _send(conn, ("error", f"the node's libtorrent session failed: {error}", True))
 
-    threading.Thread(target=lambda: (stop.wait(), listener.close()), daemon=True).start()
+    threading.Thread(target=lambda: (stop.wait(), listener.close(), path.unlink(missing_ok=True)), daemon=True).start()
     while not stop.is_set():
         try:
             conn = listener.accept()
@@ -423,7 +428,8 @@ def fetch(torrent: bytes, directory: Path, source: str, single_file: bool, progr
     conn = None
     if path.exists():
         try:
-            conn = Client(str(path), family="AF_UNIX", authkey=_authkey())
+            with unix_address.reachable(path) as address:
+                conn = Client(address, family="AF_UNIX", authkey=_authkey())
         except (OSError, EOFError):
             conn = None  # left behind by a session that is gone
     if conn is None:

@@ -35,7 +35,7 @@ from django.conf import settings
 
 from contracts import credentials, signing
 
-from . import cache_evict, engine_state, engine_stats, engines, fence, rpc_group, runtime
+from . import cache_evict, engine_state, engine_stats, engines, fence, rpc_group, runtime, unix_address
 from .replica_reports import Report, celery_report
 
 __all__ = ["Report", "Supervisor", "celery_report", "start"]
@@ -459,9 +459,11 @@ class Waker:
     def __init__(self, cache: Path) -> None:
         self.path = engine_state.waker_path(cache)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # a socket the last supervisor left: no one reads it
-        self.sock.bind(str(self.path))
+        with unix_address.reachable(self.path) as address:
+            self.sock.bind(address)
         self.sock.setblocking(False)
 
     def __enter__(self) -> Waker:

@@ -35,7 +35,7 @@ def fake_apt_get(tmp_path: Path) -> tuple[Path, Path]:
 def test_make_run_on_a_debian_without_cmake_installs_it_before_the_engine_is_built(tmp_path):
     bin_dir, record = fake_apt_get(tmp_path)
     # A PATH with everything the script looks for but cmake: a fresh Debian with a compiler.
-    for tool in ("sh", "id", "cat", "tr", "gcc", "g++", "make", "tar", "gzip", "sha256sum"):
+    for tool in ("sh", "id", "cat", "tr", "gcc", "g++", "make", "tar", "gzip", "sha256sum", "stunnel4", "stunnel"):
         found = shutil.which(tool)
         if found:
             (bin_dir / tool).symlink_to(found)

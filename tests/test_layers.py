@@ -96,7 +96,13 @@ def test_a_node_loads_only_what_the_allow_list_and_node_txt_give_it_and_has_no_d
     seen = probe()
     assert (seen["apps"], seen["databases"], seen["urlconf"]) == (["agent"], 0, None)
     assert seen["checks"] == []
-    assert seen["tasks"] == ["agent.fetch", "agent.start_replica", "agent.stop_replica"]
+    assert seen["tasks"] == [
+        "agent.fetch",
+        "agent.start_replica",
+        "agent.start_rpc_worker",
+        "agent.stop_replica",
+        "agent.stop_rpc_worker",
+    ]
 
     loaded = set(seen["loaded"])
     first_party = loaded & FIRST_PARTY

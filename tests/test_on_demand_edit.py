@@ -101,6 +101,7 @@ def change_form(model: Model, **fields) -> dict:
         "profiles-0-min_memory_gb": 0,
         "profiles-0-gpus": 0,
         "profiles-0-parallel": 1,
+        "profiles-0-nodes": 1,
         "profiles-0-node_selector": "{}",
     }
     data.update(fields)

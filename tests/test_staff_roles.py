@@ -60,6 +60,8 @@ EVERY_STAFF = {
 # people/access.py gives them and using models through their own key; tests/test_me_page.py,
 # tests/test_people_api.py and tests/test_playground.py attack those, not this walk of staff roles.
 EVERY_SIGNED_IN = ("people:", "people-", "playground:")
+# Open to anyone on purpose: what a load balancer and Prometheus ask (tests/test_health.py), naming no row.
+OPEN = {"healthz"}
 QUERIES = {
     "api-progress": "?source=http://127.0.0.1:8001/tiny/v1/",
     "fleet:progress": "?source=http://127.0.0.1:8001/tiny/v1/",
@@ -217,7 +219,7 @@ def addresses(rows: Rows, llmgw: bool = True) -> list[Address]:
     for entry, name, pieces in _patterns(get_resolver()):
         if entry.callback.__name__ == "catch_all_view" or name in EVERY_STAFF or name.endswith(":autocomplete"):
             continue
-        if name.startswith(EVERY_SIGNED_IN):
+        if name.startswith(EVERY_SIGNED_IN) or name in OPEN:
             continue
         if entry.name is None and getattr(entry.callback, "view_class", None) is RedirectView:
             continue  # the admin's old address of a row, which only redirects to its page
