@@ -406,9 +406,13 @@ def pytest_collection_modifyitems(config, items):
 
 @functools.cache
 def _stops_postgres(module: Path) -> bool:
-    """Whether a test module stops the tests' PostgreSQL: it names tests/support/gateway_process.py's
-    stop_postgres. Read from its source, so pytest-xdist's controller, which imports no test, can tell."""
-    return module.suffix == ".py" and re.search(r"\bstop_postgres\b", module.read_text()) is not None
+    """Whether a test module stops the tests' PostgreSQL, or ends every connection to its database: it
+    names tests/support/gateway_process.py's stop_postgres, or drops the database WITH (FORCE) (a restore,
+    tests/test_backup_restore.py). Read from its source, so pytest-xdist's controller, which imports no
+    test, can tell."""
+    if module.suffix != ".py":
+        return False
+    return re.search(r"\bstop_postgres\b|WITH \(FORCE\)", module.read_text()) is not None
 
 
 @pytest.hookimpl(optionalhook=True)
