@@ -131,7 +131,8 @@ def _install_control(deployed: Deployed) -> None:
     control.run(deploy.doc_line("install -m 0755 deploy/llmgw-manage"))
     # The first llmgw-manage, before any unit ran (issue 41 item 4).
     control.run(deploy.doc_line("llmgw-manage check --deploy"))
-    for unit in ("llmgw-admin", "llmgw-bytes", "llmgw-control", "llmgw-pulls"):
+    # The units the guide enables, as it lists them (the scheduler, llmgw-beat, among them).
+    for unit in deploy.doc_line("systemctl enable --now llmgw-admin").split()[3:]:
         control.start_unit(unit)
 
 
