@@ -90,6 +90,7 @@ def test_a_free_space_floor_evicts_and_without_bounds_nothing_is_touched(cache):
     assert evict(cache, huge_floor) == [only]
 
 
+@pytest.mark.processes  # a stand-in engine writing its log (a Python child the collection cannot see)
 def test_an_engines_log_is_rotated_while_it_writes_and_only_a_few_are_kept(cache):
     log_path = engine_state.state_dir(cache) / "replica-5.log"
     writer = (

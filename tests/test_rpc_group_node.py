@@ -254,6 +254,7 @@ def test_a_worker_whose_rpc_server_is_killed_fails_the_group_naming_it(group):
 
 
 @needs_rpc_build
+@pytest.mark.processes  # agent.facts runs rpc-server, stunnel and llama-server to see that they run
 def test_the_node_says_it_can_be_a_worker_and_a_head_only_when_its_programs_run(monkeypatch):
     assert engine_binary.llama_server()
     assert rpc_group.can_be_worker() and rpc_group.can_be_head()
