@@ -218,7 +218,8 @@ def _get(url: str, who: Credentials, limit: int, deadline: Deadline) -> tuple[re
             with response:
                 body = response.raw.read(limit + 1, decode_content=True)
     except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as error:
-        if cut.cut:
+        # the read timeout is the deadline's too (min(READ_S, left)): whichever clock fired first, it is the deadline
+        if cut.cut or deadline.left() <= 0.05:
             raise Stopped(deadline.sentence) from None
         raise PullError(f"{url} could not be reached: {type(error).__name__}") from None
     if cut.cut:  # a body cut short can look whole (no Content-Length): never taken
