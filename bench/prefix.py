@@ -138,6 +138,9 @@ class Run:
             LLMGW_GATEWAY_REFRESH_MS="200",
             LLMGW_PREFIX_LOAD_BOUND=str(options.bound),
             LLMGW_PREFIX_SLOT_MARGIN=str(options.margin),
+            # The hit rate is read from usage.prompt_tokens_details, which clients see as 0 unless
+            # the operator shows it (docs/gateway.md, "What clients see of the prompt cache").
+            LLMGW_GATEWAY_SHOW_CACHED_TOKENS="true",
         )
         self.manage = [sys.executable, str(ROOT / "manage.py")]
         subprocess.run(self.manage + ["migrate", "-v", "0"], env=self.env, cwd=ROOT, check=True)
