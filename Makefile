@@ -13,11 +13,13 @@ DEV    := $(VENV)/.dev-requirements-installed
 
 venv: $(STAMP)
 
-# llama.cpp's llama-server, so this machine's own agent can run GGUF models. Built from
-# the pinned source for this CPU the first time (about 6 minutes on two cores) by
-# scripts/build-engine.sh, never with -march=native (docs/engines.md says why), kept under
-# ~/.cache/llmgw/engines/ keyed by the instruction sets it was built with, and linked into
-# .venv/bin/. A build first installs cmake and the compilers when missing, on a fresh Debian
+# llama.cpp's llama-server (with the RPC backend) and rpc-server, so this machine's own agent
+# can run GGUF models. Built from the pinned source for this CPU the first time (about 6 minutes
+# on two cores) by scripts/build-engine.sh, never with -march=native (docs/engines.md says why),
+# kept under ~/.cache/llmgw/engines/ (LLMGW_ENGINE_BUILDS) keyed by the instruction sets it was
+# built with; as root the binaries are also copied under /usr/local/lib/llmgw/engines/
+# (LLMGW_ENGINE_INSTALL), where an agent's own user reads them under ProtectHome=yes; the copy
+# (or, not as root, the build) is linked into .venv/bin/. A build first installs cmake and the compilers when missing, on a fresh Debian
 # (scripts/ensure-engine-tools.sh). Run every time: `LLMGW_ENGINE_ISA=avx2 make engine`
 # switches the link to the AVX2-only build and `make engine` back, each a link once built
 # (docs/testing.md).
