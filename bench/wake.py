@@ -85,7 +85,7 @@ class Steps(threading.Thread):
     """When each step of one wake happened, in wall-clock seconds, seen from outside every process.
 
     The replica's row (`created`, and `since` once ready) is read from the database; the engine's
-    process is found by psutil (its start time, to 10 ms); its health check is asked every 10 ms.
+    process is found by psutil (when first seen, looked for every 10 ms); its health check is asked every 10 ms.
     """
 
     def __init__(self, model: str, known: set[int], engine_pids: set[int]) -> None:
@@ -107,11 +107,13 @@ class Steps(threading.Thread):
                 if row:
                     self.at["placed"] = row.created.timestamp()
             if "spawned" not in self.at:
-                for process in psutil.process_iter(["name", "cmdline", "create_time"]):
+                for process in psutil.process_iter(["name", "cmdline"]):
                     if process.info["name"] == "llama-server" and process.pid not in self.engine_pids:
                         argv = process.info["cmdline"] or []
                         port = int(argv[argv.index("--port") + 1])
-                        self.at["spawned"] = process.info["create_time"]
+                        # When first seen, not psutil's create_time: that counts from the boot time,
+                        # which drifts from the wall clock (half a second here).
+                        self.at["spawned"] = time.time()
                         break
             if port and "answers" not in self.at and engines.answers(port, timeout=0.5):
                 self.at["answers"] = time.time()
