@@ -1,4 +1,6 @@
+from django import forms
 from django.contrib import admin
+from django.contrib.auth import get_user_model
 
 from .models import ApiToken, Team, TeamMember
 
@@ -24,11 +26,36 @@ class ApiTokenAdmin(admin.ModelAdmin):
         return False
 
 
+class TeamMemberForm(forms.ModelForm):
+    """A member named by username: operators manage teams without reading the accounts (auth.view_user),
+    so a list of every person to pick from, or a raw id to look up, is not theirs to have."""
+
+    user = forms.ModelChoiceField(
+        queryset=get_user_model().objects.all(),
+        to_field_name="username",
+        label="person (username)",
+        widget=forms.TextInput(attrs={"size": 24, "placeholder": "username"}),
+        error_messages={
+            "invalid_choice": "No one has the username %(value)s: a person signs in to llmgw once (with the "
+            "provider, or a local account made for them) before they can join a team."
+        },
+    )
+
+    class Meta:
+        model = TeamMember
+        fields = ["user", "role"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.instance.pk:
+            self.initial["user"] = self.instance.user.get_username()
+
+
 class TeamMemberInline(admin.TabularInline):
     model = TeamMember
+    form = TeamMemberForm
     fields = ["user", "role", "from_provider", "added"]
     readonly_fields = ["from_provider", "added"]
-    raw_id_fields = ["user"]
     extra = 0
 
 
