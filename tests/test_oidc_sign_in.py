@@ -171,7 +171,8 @@ def test_a_person_disabled_at_the_provider_loses_the_pages_at_the_next_refresh_a
 
     # Within LLMGW_OIDC_RENEW_S the next page goes back to the provider, which no longer signs sam in.
     wait_until(sent_away, timeout=RENEW_S + 30, interval=0.5, what="the disabled person to be sent to the login page")
-    assert "no longer confirms your sign-in" in page.locator(".messagelist").inner_text()
+    said = page.locator(".messagelist, #content").first.inner_text()
+    assert "no longer confirms your sign-in" in said, f"{page.url} says: {said}"
     assert signed_in_as(page, admin) is None
 
     start_sign_in(page, admin, provider, "sam")
