@@ -40,7 +40,6 @@ from .supervisor_loop import Supervisor
 __all__ = ["Report", "Supervisor", "celery_report", "start"]
 
 
-
 def start() -> subprocess.Popen:
     """Called by the agent command: the supervisor as a process of its own beside the worker.
 
