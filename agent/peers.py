@@ -395,14 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     if options.parent:
-
-        def watch_parent() -> None:
-            while not stop.is_set():
-                if os.getppid() != options.parent:
-                    stop.set()
-                stop.wait(1)
-
-        threading.Thread(target=watch_parent, daemon=True).start()
+        threading.Thread(target=runtime.stop_with_parent, args=(options.parent, stop), daemon=True).start()
     node_swarm = NodeSwarm(options.cache, settings.PEER_PORT)
     log.info("serving the fleet on port %d", node_swarm.swarm.listen_port)
     threading.Thread(

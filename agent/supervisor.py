@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     if options.parent:
-        threading.Thread(target=_watch_parent, args=(options.parent, stop), daemon=True).start()
+        threading.Thread(target=runtime.stop_with_parent, args=(options.parent, stop), daemon=True).start()
     supervisor = Supervisor(
         options.cache,
         celery_report(signing.token_hash(token)),
@@ -119,14 +119,6 @@ def _the_only_supervisor(cache: Path) -> IO | None:
                 single.close()
                 return None
             time.sleep(0.5)
-
-
-def _watch_parent(parent: int, stop: threading.Event) -> None:
-    """Stop when the agent that started this process is gone."""
-    while not stop.is_set():
-        if os.getppid() != parent:
-            stop.set()
-        stop.wait(1)
 
 
 def _start_beside(supervisor: Supervisor, cache: Path, stop: threading.Event) -> None:
