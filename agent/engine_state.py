@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import select
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,37 @@ def poke(cache: Path) -> None:
         sock.setblocking(False)
         with unix_address.reachable(waker_path(cache)) as address:
             sock.sendto(b"!", address)
+
+
+class Waker:
+    """The supervisor's end of `poke`: a datagram socket in the state directory, waited on with a timeout."""
+
+    def __init__(self, cache: Path) -> None:
+        self.path = waker_path(cache)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a socket the last supervisor left: no one reads it
+        with unix_address.reachable(self.path) as address:
+            self.sock.bind(address)
+        self.sock.setblocking(False)
+
+    def __enter__(self) -> Waker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+    def wait(self, timeout: float) -> None:
+        """Until a poke, or `timeout` seconds; every poke waiting is taken, so a burst is one look."""
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        while ready:
+            try:
+                self.sock.recv(16)
+            except BlockingIOError:
+                break
 
 
 @contextlib.contextmanager

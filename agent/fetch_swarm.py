@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -54,6 +55,38 @@ def fetch_by_torrent(
     version = cache_parts(source)[1][-1]
     info = checked_torrent(data, source, version, entries, entries.torrent["info_hash"])
     single_file = info.num_files() == 1 or len(entries) == 1
+    with ExitStack() as files:
+        # Each file's own lock too, as the HTTP path takes: a single-file fetch of one of them lands on the same path.
+        for entry in todo:
+            files.enter_context(locked(cache, directory / entry.name, progress))
+        try:
+            done = peers.fetch(
+                data,
+                directory,
+                source,
+                single_file,
+                _on_status(source, progress),
+                stall_bytes_s=getattr(settings, "FETCH_STALL_BYTES_S", 1 << 20),
+                stall_s=getattr(settings, "FETCH_STALL_S", 20),
+            )
+        except SwarmError as error:
+            raise FetchError(f"fetching {source}: {error}", transient=error.transient) from None
+        progress.set_state("verifying")
+        _verify_whole_files(source, cache, directory, entries, verified)
+        progress.set_state("fetching")
+    log.info(
+        "%s: fetched, %s from peers and %s from the mirror in %.1f s%s",
+        source,
+        human_bytes(done["bytes_from_peers"]),
+        human_bytes(done["bytes_from_mirror"]),
+        done["seconds"],
+        f"; banned for bad pieces: {', '.join(done['banned'])}" if done["banned"] else "",
+    )
+    return True
+
+
+def _on_status(source: str, progress: Progress) -> Callable[[dict], None]:
+    """What the session's status does here: its events and an all-stalled sentence logged once, the progress kept."""
     said_stalled = [""]
 
     def on_status(status: dict) -> None:
@@ -65,49 +98,27 @@ def fetch_by_torrent(
         said_stalled[0] = stalled
         progress.swarm(status)
 
-    with ExitStack() as files:
-        # Each file's own lock too, as the HTTP path takes: a single-file fetch of one of them lands on the same path.
-        for entry in todo:
-            files.enter_context(locked(cache, directory / entry.name, progress))
-        try:
-            done = peers.fetch(
-                data,
-                directory,
-                source,
-                single_file,
-                on_status,
-                stall_bytes_s=getattr(settings, "FETCH_STALL_BYTES_S", 1 << 20),
-                stall_s=getattr(settings, "FETCH_STALL_S", 20),
+    return on_status
+
+
+def _verify_whole_files(source: str, cache: Path, directory: Path, entries: Manifest, verified: Verified) -> None:
+    """Every file fetched held to the manifest's sha256, synced to disk and recorded as verified."""
+    for entry in entries:
+        path = directory / entry.name
+        if entry.name in verified or not entry.sha256:
+            continue  # already verified, or no sha256 to hold it to: `_mark_complete` says so
+        actual = sha256_file(path)
+        if actual != entry.sha256:
+            # Every piece agreed with the torrent and the file does not with the manifest: a
+            # mirror that changed between the two. The file goes, and the next round starts again.
+            path.unlink(missing_ok=True)
+            peers.resume_path(cache, entries.torrent["info_hash"]).unlink(missing_ok=True)
+            raise FetchError(
+                f"{source}: {entry.name} does not match its sha256 after the fetch (expected {entry.sha256}, got "
+                f"{actual}); it was removed and the next attempt fetches it again",
+                transient=True,
             )
-        except SwarmError as error:
-            raise FetchError(f"fetching {source}: {error}", transient=error.transient) from None
-        progress.set_state("verifying")
-        for entry in entries:
-            path = directory / entry.name
-            if entry.name in verified or not entry.sha256:
-                continue  # already verified, or no sha256 to hold it to: `_mark_complete` says so
-            actual = sha256_file(path)
-            if actual != entry.sha256:
-                # Every piece agreed with the torrent and the file does not with the manifest: a
-                # mirror that changed between the two. The file goes, and the next round starts again.
-                path.unlink(missing_ok=True)
-                peers.resume_path(cache, entries.torrent["info_hash"]).unlink(missing_ok=True)
-                raise FetchError(
-                    f"{source}: {entry.name} does not match its sha256 after the fetch (expected {entry.sha256}, got "
-                    f"{actual}); it was removed and the next attempt fetches it again",
-                    transient=True,
-                )
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-            verified[entry.name] = (entry.bytes, path.stat().st_mtime_ns, entry.sha256)
-            part_of(path).unlink(missing_ok=True)  # an HTTP attempt's, no longer needed
-        progress.set_state("fetching")
-    log.info(
-        "%s: fetched, %s from peers and %s from the mirror in %.1f s%s",
-        source,
-        human_bytes(done["bytes_from_peers"]),
-        human_bytes(done["bytes_from_mirror"]),
-        done["seconds"],
-        f"; banned for bad pieces: {', '.join(done['banned'])}" if done["banned"] else "",
-    )
-    return True
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+        verified[entry.name] = (entry.bytes, path.stat().st_mtime_ns, entry.sha256)
+        part_of(path).unlink(missing_ok=True)  # an HTTP attempt's, no longer needed

@@ -216,65 +216,71 @@ def serve(node: str, cache: Path) -> ThreadingHTTPServer | None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(NodeCollector(node, cache, facts.installed()))
     token = settings.AGENT_METRICS_TOKEN.encode()
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = REQUEST_TIMEOUT_S
-
-        def setup(self) -> None:
-            super().setup()
-            # The whole request, however it trickles: a read's own timeout starts again at every byte.
-            self.deadline = threading.Timer(REQUEST_TIMEOUT_S, self.cut_off)
-            self.deadline.daemon = True
-            self.deadline.start()
-
-        def cut_off(self) -> None:
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # closed meanwhile
-
-        def finish(self) -> None:
-            self.deadline.cancel()
-            super().finish()
-
-        def log_message(self, *args) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            self.deadline.cancel()  # the request is in; answering it is held to each write's timeout
-            if self.path.split("?")[0] == "/healthz":
-                # Open like the other processes' /healthz: it names what it checked, nothing more.
-                status, body = verdict("agent", health_checks(cache))
-                return self._answer(status, body, "application/json")
-            if self.path.split("?")[0] != "/metrics":
-                return self._answer(404, b"Only /metrics and /healthz are here.\n", "text/plain")
-            if token:
-                scheme, _, given = self.headers.get("Authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
-                    return self._answer(
-                        401, b"Scraping needs 'Authorization: Bearer <LLMGW_AGENT_METRICS_TOKEN>'.\n", "text/plain"
-                    )
-            try:
-                body = generate_latest(registry)
-            except Exception:
-                log.exception("the node's metrics could not be collected")
-                return self._answer(
-                    500, b"The node's metrics could not be collected; the agent's log says why.\n", "text/plain"
-                )
-            self._answer(200, body, CONTENT_TYPE_PLAIN_0_0_4)
-
-        def _answer(self, status: int, body: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            if status == 401:
-                self.send_header("WWW-Authenticate", 'Bearer realm="metrics"')
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer((host, port), Handler)
+    handler = type("Handler", (MetricsHandler,), {"registry": registry, "token": token, "cache": cache})
+    server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     # A client cut off, or gone, is not the agent's error.
     server.handle_error = lambda request, client_address: log.debug("metrics: %s went away", client_address)
     threading.Thread(target=server.serve_forever, name="agent-metrics", daemon=True).start()
     return server
+
+
+class MetricsHandler(BaseHTTPRequestHandler):
+    """/metrics (behind the token, when there is one) and /healthz; `serve` gives it its registry, token and cache."""
+
+    timeout = REQUEST_TIMEOUT_S
+    registry: CollectorRegistry
+    token: bytes
+    cache: Path
+
+    def setup(self) -> None:
+        super().setup()
+        # The whole request, however it trickles: a read's own timeout starts again at every byte.
+        self.deadline = threading.Timer(REQUEST_TIMEOUT_S, self.cut_off)
+        self.deadline.daemon = True
+        self.deadline.start()
+
+    def cut_off(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed meanwhile
+
+    def finish(self) -> None:
+        self.deadline.cancel()
+        super().finish()
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.deadline.cancel()  # the request is in; answering it is held to each write's timeout
+        if self.path.split("?")[0] == "/healthz":
+            # Open like the other processes' /healthz: it names what it checked, nothing more.
+            status, body = verdict("agent", health_checks(self.cache))
+            return self._answer(status, body, "application/json")
+        if self.path.split("?")[0] != "/metrics":
+            return self._answer(404, b"Only /metrics and /healthz are here.\n", "text/plain")
+        if self.token:
+            scheme, _, given = self.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token):
+                return self._answer(
+                    401, b"Scraping needs 'Authorization: Bearer <LLMGW_AGENT_METRICS_TOKEN>'.\n", "text/plain"
+                )
+        try:
+            body = generate_latest(self.registry)
+        except Exception:
+            log.exception("the node's metrics could not be collected")
+            return self._answer(
+                500, b"The node's metrics could not be collected; the agent's log says why.\n", "text/plain"
+            )
+        self._answer(200, body, CONTENT_TYPE_PLAIN_0_0_4)
+
+    def _answer(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", 'Bearer realm="metrics"')
+        self.end_headers()
+        self.wfile.write(body)

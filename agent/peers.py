@@ -28,7 +28,6 @@ only:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -36,7 +35,6 @@ import signal
 import sys
 import threading
 import time
-from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -48,9 +46,10 @@ from contracts import credentials, keys, signing
 from contracts.sources import seed_alias
 from contracts.swarm import Swarm, SwarmError, info_hash_of, torrent_info
 
-from . import runtime, unix_address
+from . import runtime, session_socket
 from .download import new_session
 from .progress import redis_client
+from .session_socket import socket_path
 from .sources import TIMEOUT, describe, origin, refusal_of, status_error
 
 log = logging.getLogger(__name__)
@@ -71,17 +70,8 @@ def state_dir(cache: Path) -> Path:
     return Path(cache) / ".swarm"
 
 
-def socket_path(cache: Path) -> Path:
-    return state_dir(cache) / "session.sock"
-
-
 def resume_path(cache: Path, info_hash: str) -> Path:
     return state_dir(cache) / "resume" / info_hash
-
-
-def _authkey() -> bytes:
-    # Whoever may talk to the session is whoever has the node's token: the agent's processes.
-    return hashlib.sha256(b"llmgw-swarm:" + runtime.token().encode()).digest()
 
 
 def web_seeds(source: str, single_file: bool, connections: int | None = None) -> list[str]:
@@ -357,61 +347,7 @@ def mirror_refusal(source: str) -> str:
         return str(status_error(source, 401, response)) if response.status_code == 401 else ""
 
 
-# --- the session's process, and how a fetch talks to it ---------------------------------
-
-
-def serve(node_swarm: NodeSwarm, path: Path, stop: threading.Event) -> None:
-    """Answer fetches from the worker's processes: one connection per fetch, progress sent back as it goes."""
-    path.unlink(missing_ok=True)
-    with unix_address.reachable(path) as address:
-        listener = Listener(address, family="AF_UNIX", authkey=_authkey())
-    # multiprocessing unlinks the address it bound when the listener closes: that may be the
-    # short /proc/self/fd/N/ form, whose descriptor is closed by then, so the real path is unlinked here.
-    if (unlink := getattr(getattr(listener, "_listener", None), "_unlink", None)) is not None:
-        unlink.cancel()
-    os.chmod(path, 0o600)
-
-    def one(conn) -> None:
-        with conn:
-            try:
-                ask = conn.recv()
-
-                def progress(status) -> None:
-                    conn.send(("status", status.__dict__))  # a closed connection stops the fetch here
-
-                result = node_swarm.fetch(
-                    ask["torrent"],
-                    Path(ask["directory"]),
-                    ask["source"],
-                    ask["single_file"],
-                    progress,
-                    **ask["stall"],
-                )
-                conn.send(("done", result))
-            except SwarmError as error:
-                _send(conn, ("error", str(error), error.transient))
-            except (EOFError, OSError, BrokenPipeError):
-                pass  # the fetch that asked is gone (cancelled, killed)
-            except Exception as error:
-                log.exception("a fetch through the session failed")
-                _send(conn, ("error", f"the node's libtorrent session failed: {error}", True))
-
-    threading.Thread(target=lambda: (stop.wait(), listener.close(), path.unlink(missing_ok=True)), daemon=True).start()
-    while not stop.is_set():
-        try:
-            conn = listener.accept()
-        except (OSError, EOFError):
-            if stop.is_set():
-                return
-            continue
-        threading.Thread(target=one, args=(conn,), name="swarm-fetch", daemon=True).start()
-
-
-def _send(conn, message) -> None:
-    try:
-        conn.send(message)
-    except (OSError, BrokenPipeError):
-        pass
+# --- the session's process, and a fetch through it -----------------------------------------
 
 
 _local: NodeSwarm | None = None
@@ -424,41 +360,14 @@ def fetch(torrent: bytes, directory: Path, source: str, single_file: bool, progr
     `progress(status_dict)` is called as it goes; raising from it stops the fetch.
     """
     cache = runtime.cache_dir()
-    path = socket_path(cache)
-    conn = None
-    if path.exists():
-        try:
-            with unix_address.reachable(path) as address:
-                conn = Client(address, family="AF_UNIX", authkey=_authkey())
-        except (OSError, EOFError):
-            conn = None  # left behind by a session that is gone
+    conn = session_socket.connect(cache)
     if conn is None:
         global _local
         with _local_lock:
             if _local is None:
                 _local = NodeSwarm(cache, 0)
         return _local.fetch(torrent, directory, source, single_file, lambda s: progress(s.__dict__), **stall)
-    with conn:
-        conn.send(
-            {
-                "torrent": torrent,
-                "directory": str(directory),
-                "source": source,
-                "single_file": single_file,
-                "stall": stall,
-            }
-        )
-        while True:
-            try:
-                kind, *said = conn.recv()
-            except EOFError:
-                raise SwarmError("the node's libtorrent session went away during the fetch", transient=True) from None
-            if kind == "status":
-                progress(said[0])
-            elif kind == "done":
-                return said[0]
-            else:
-                raise SwarmError(said[0], transient=said[1])
+    return session_socket.ask(conn, torrent, directory, source, single_file, progress, stall)
 
 
 def start():
@@ -486,17 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     if options.parent:
-
-        def watch_parent() -> None:
-            while not stop.is_set():
-                if os.getppid() != options.parent:
-                    stop.set()
-                stop.wait(1)
-
-        threading.Thread(target=watch_parent, daemon=True).start()
+        threading.Thread(target=runtime.stop_with_parent, args=(options.parent, stop), daemon=True).start()
     node_swarm = NodeSwarm(options.cache, settings.PEER_PORT)
     log.info("serving the fleet on port %d", node_swarm.swarm.listen_port)
-    threading.Thread(target=serve, args=(node_swarm, socket_path(options.cache), stop), daemon=True).start()
+    threading.Thread(
+        target=session_socket.serve, args=(node_swarm.fetch, socket_path(options.cache), stop), daemon=True
+    ).start()
     stop.wait()
     node_swarm.close()
     socket_path(options.cache).unlink(missing_ok=True)

@@ -8,6 +8,7 @@ database or a second configuration file.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from django.conf import settings
@@ -40,3 +41,14 @@ def key() -> str:
     so the token itself never leaves the node; "" without a token."""
     raw = token()
     return signing.token_hash(raw) if raw else ""
+
+
+def stop_with_parent(parent: int, stop: threading.Event) -> None:
+    """Set `stop` when the agent that started this process (the supervisor, the libtorrent session) is gone.
+
+    Started in a daemon thread; returns once `stop` is set either way.
+    """
+    while not stop.is_set():
+        if os.getppid() != parent:
+            stop.set()
+        stop.wait(1)

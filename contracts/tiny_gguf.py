@@ -48,8 +48,44 @@ def write_llama(
     `path` (`NAME-00001-of-0000N.gguf`, ...). One file is written to a temporary name
     and renamed, so a reader never loads half of it.
     """
+    from gguf import GGUFWriter
+
+    tensors = _tensors(seed, layer_types)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if files > 1:
+        # Tensors per file so that the model comes out in exactly `files` parts.
+        target = path
+        writer = GGUFWriter(path, "llama", split_max_tensors=-(-len(tensors) // files))
+    else:
+        target = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        writer = GGUFWriter(target, "llama")
+    _add_metadata(writer, name, quantized=bool(layer_types))
+    for tensor_name, (data, qtype) in tensors:
+        writer.add_tensor(tensor_name, data, raw_dtype=qtype)
+
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        if files == 1:
+            os.replace(target, path)
+    finally:
+        if files == 1:
+            target.unlink(missing_ok=True)
+    if files == 1:
+        return [path]
+    written = sorted(path.parent.glob(f"{path.stem}*.gguf"))
+    if len(written) != files:
+        raise RuntimeError(f"the GGUF writer made {len(written)} files, not {files}: {written}")
+    return written
+
+
+def _tensors(seed: int, layer_types: tuple[str, ...] | None) -> list:
+    """[(name, (data, quantization type or None))] of the model, its weights drawn from `seed`."""
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+    from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     rng = np.random.default_rng(seed)
@@ -79,16 +115,13 @@ def write_llama(
             (f"{block}.ffn_down.weight", matrix(weight(WIDTH, FEED_FORWARD), qtype)),
         ]
     tensors += [("output_norm.weight", norm()), ("output.weight", (weight(VOCAB, WIDTH), None))]
+    return tensors
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if files > 1:
-        # Tensors per file so that the model comes out in exactly `files` parts.
-        target = path
-        writer = GGUFWriter(path, "llama", split_max_tensors=-(-len(tensors) // files))
-    else:
-        target = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        writer = GGUFWriter(target, "llama")
+
+def _add_metadata(writer, name: str, quantized: bool) -> None:
+    """The llama's shape and its byte-level vocabulary."""
+    from gguf import TokenType
+
     writer.add_name(name)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(WIDTH)
@@ -99,7 +132,7 @@ def write_llama(
     writer.add_rope_dimension_count(WIDTH // HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
-    writer.add_file_type(MOSTLY_Q8_0 if layer_types else ALL_F32)
+    writer.add_file_type(MOSTLY_Q8_0 if quantized else ALL_F32)
     writer.add_tokenizer_model("llama")
     writer.add_token_list([s.encode() for s in SPECIALS] + [f"<0x{b:02X}>".encode() for b in range(256)])
     writer.add_token_scores([0.0] * VOCAB)
@@ -107,22 +140,3 @@ def write_llama(
     writer.add_unk_token_id(0)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(EOS_TOKEN_ID)
-    for tensor_name, (data, qtype) in tensors:
-        writer.add_tensor(tensor_name, data, raw_dtype=qtype)
-
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        if files == 1:
-            os.replace(target, path)
-    finally:
-        if files == 1:
-            target.unlink(missing_ok=True)
-    if files == 1:
-        return [path]
-    written = sorted(path.parent.glob(f"{path.stem}*.gguf"))
-    if len(written) != files:
-        raise RuntimeError(f"the GGUF writer made {len(written)} files, not {files}: {written}")
-    return written

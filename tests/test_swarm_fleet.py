@@ -394,7 +394,7 @@ PLAIN_PEER = textwrap.dedent(
     import json, sys, time
     import libtorrent as lt
     torrent, host, port, save, rate = sys.argv[1:]
-    # TCP only, as the fleet's nodes are (contracts/swarm.py): the peer port is one TCP port.
+    # TCP only, as the fleet's nodes are (contracts/swarm/): the peer port is one TCP port.
     s = lt.session({"listen_interfaces": "0.0.0.0:0", "enable_dht": False, "enable_lsd": False,
                     "enable_outgoing_utp": False, "enable_incoming_utp": False})
     p = lt.add_torrent_params()

@@ -1,4 +1,4 @@
-"""contracts/swarm.py, the download primitive (issue 24), between real libtorrent sessions on loopback.
+"""contracts/swarm/, the download primitive (issue 24), between real libtorrent sessions on loopback.
 
 Every session here is a real one listening on its own port; what the agents do with it
 over network namespaces is in tests/test_swarm_fleet.py.

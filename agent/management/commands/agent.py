@@ -48,19 +48,8 @@ class Command(BaseCommand):
             parsed_labels = facts.parse_labels(labels)
         except ValueError as error:
             raise CommandError(f"--labels: {error}") from None
-        cache = (cache or runtime.cache_dir()).resolve()
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise CommandError(f"the cache {cache} cannot be made: {error.strerror}") from None
-        token = runtime.token()
-        if not token:
-            # Never enrolled from a database here: a node has none. `make run`
-            # makes this host's token and hands it over the same way.
-            raise CommandError(
-                "LLMGW_NODE_TOKEN is not set. A node needs the enrolment token the control plane made for it: "
-                f"run `manage.py node_token {node}` on the control plane and set LLMGW_NODE_TOKEN to what it prints."
-            )
+        cache = self.made_cache(cache)
+        token = self.token_of(node)
         worker.use_own_broker(app, node, token)
         self.check_broker()
         if problem := metrics.problem() or fence.engine_user_problem(settings.ENGINE_USER):
@@ -83,29 +72,32 @@ class Command(BaseCommand):
         restored = worker.take_back_unacknowledged(app, node_queue(node))
         if restored:
             self.stdout.write(f"Took back {restored} task(s) an earlier run of this agent did not finish.")
-        argv = [
-            "worker",
-            "--queues",
-            node_queue(node),
-            "--hostname",
-            f"agent@{node}",
-            "--concurrency",
-            str(concurrency),
-            "--pool",
-            "prefork",
-            "--loglevel",
-            loglevel,
-            # What contracts/celery_app.py forces anyway: no fanout channel a Redis client could speak on.
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-        ]
         self.stdout.write(
             f"Agent for node {node}: queue {node_queue(node)}, cache {cache}, "
             f"heartbeat every {settings.HEARTBEAT_S} s, broker {credentials.redis_url_shown(settings.REDIS_URL)}"
         )
         self.stdout.flush()
-        app.worker_main(argv)
+        app.worker_main(worker_argv(node, concurrency, loglevel))
+
+    def made_cache(self, cache: Path | None) -> Path:
+        cache = (cache or runtime.cache_dir()).resolve()
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise CommandError(f"the cache {cache} cannot be made: {error.strerror}") from None
+        return cache
+
+    def token_of(self, node: str) -> str:
+        """The node's enrolment token, or a CommandError saying where to get it."""
+        token = runtime.token()
+        if not token:
+            # Never enrolled from a database here: a node has none. `make run`
+            # makes this host's token and hands it over the same way.
+            raise CommandError(
+                "LLMGW_NODE_TOKEN is not set. A node needs the enrolment token the control plane made for it: "
+                f"run `manage.py node_token {node}` on the control plane and set LLMGW_NODE_TOKEN to what it prints."
+            )
+        return token
 
     def stop_engines(self, cache: Path) -> None:
         """Engines outlive the agent by design; this is for whoever wants them gone too (`make run`'s end)."""
@@ -150,3 +142,24 @@ class Command(BaseCommand):
                 raise CommandError(
                     f"nothing answers at REDIS_URL ({credentials.redis_url_shown(settings.REDIS_URL)}): {error}"
                 ) from None
+
+
+def worker_argv(node: str, concurrency: int, loglevel: str) -> list[str]:
+    """The Celery worker's arguments: the node's own queue and nothing that talks on a fanout channel."""
+    return [
+        "worker",
+        "--queues",
+        node_queue(node),
+        "--hostname",
+        f"agent@{node}",
+        "--concurrency",
+        str(concurrency),
+        "--pool",
+        "prefork",
+        "--loglevel",
+        loglevel,
+        # What contracts/celery_app.py forces anyway: no fanout channel a Redis client could speak on.
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+    ]
