@@ -471,9 +471,20 @@ def run(pull_id: int, swarm_factory: Callable | None = None, wait_s: float = WAI
     if pull is None or pull.state in (MirrorPull.State.DONE, MirrorPull.State.FAILED):
         return pull
     lock_path = disk.root() / STAGING / pull.model / f"{pull.version}.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    # "a+", not "w": opening must not empty the holder's word of which pull it runs.
-    with open(lock_path, "a+") as lock:
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        # "a+", not "w": opening must not empty the holder's word of which pull it runs.
+        lock = open(lock_path, "a+")  # noqa: SIM115 (closed by the with below)
+    except OSError as error:
+        # A mirror this worker may not write (a unit's ReadOnlyPaths, a full or read-only disk): said, not a traceback.
+        _end(
+            pull,
+            f"the pull could not make its staging folder {lock_path.parent} ({error.strerror or error}): this worker "
+            "may not write the mirror (pulls run on the pulls unit, docs/fleet.md); nothing was pulled",
+        )
+        pull.refresh_from_db()
+        return pull
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -287,3 +287,20 @@ def test_a_byte_listener_set_up_as_deploy_says_answers_the_host_nodes_send_and_r
     finally:
         process.kill()  # gunicorn's graceful stop takes seconds, and nothing here needs it
         process.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pull_that_cannot_make_its_staging_folder_fails_with_a_sentence_and_leaves_nothing(other, here):
+    """Issue 41: a worker that may not write the mirror left the pull's row as it was, with a traceback in its log."""
+    address = other.add("blocked", "v1", {"a.bin": b"a" * 1000})
+    record = pull.start(address)
+    (here / ".pull").write_text("not a folder")  # so the staging folder cannot be made, as on a read-only mirror
+
+    ended, _ = _run(record, within=30)
+
+    assert ended.state == MirrorPull.State.FAILED
+    assert ended.error.startswith(f"the pull could not make its staging folder {here / '.pull' / 'blocked'}"), (
+        ended.error
+    )
+    assert "this worker may not write the mirror" in ended.error and "nothing was pulled" in ended.error
+    assert not (here / "blocked").exists()
