@@ -169,8 +169,8 @@ class Run:
             worker.loop.kill()
 
 
-def stream(url: str, secret: str, max_tokens: int) -> tuple[float, int, list[int]]:
-    """One answer streamed: (seconds to its first token, tokens, the tokens' ids)."""
+def stream(url: str, secret: str, max_tokens: int) -> tuple[float, int, str]:
+    """One answer streamed: (seconds to its first token, tokens, the tokens' ids or text, to compare)."""
     body = {
         "prompt": PROMPT,
         "n_predict": max_tokens,
@@ -180,7 +180,7 @@ def stream(url: str, secret: str, max_tokens: int) -> tuple[float, int, list[int
         "return_tokens": True,
         "cache_prompt": False,
     }
-    started, first, ids = time.monotonic(), None, []
+    started, first, said, chunks, predicted = time.monotonic(), None, [], 0, None
     headers = {"Authorization": f"Bearer {secret}"}
     with requests.post(url, json=body, headers=headers, stream=True, timeout=600) as response:
         response.raise_for_status()
@@ -189,10 +189,12 @@ def stream(url: str, secret: str, max_tokens: int) -> tuple[float, int, list[int
                 continue
             chunk = json.loads(line[len("data: ") :])
             if chunk.get("stop"):
+                predicted = chunk.get("timings", {}).get("predicted_n")
                 continue
             first = first if first is not None else time.monotonic() - started
-            ids += chunk.get("tokens") or []
-    return first or 0.0, len(ids), ids
+            chunks += 1
+            said.append(str(chunk.get("tokens") or chunk.get("content", "")))
+    return first or 0.0, predicted or chunks, "|".join(said)
 
 
 def play(url: str, secret: str, clients: int, rounds: int, max_tokens: int) -> tuple[float, float]:
