@@ -316,7 +316,11 @@ def _make_room(
 
 
 def _room_candidates(
-    plan: Plan, model: ModelView, wanted: dict[str, ModelView], by_model: dict[str, list[ReplicaView]], rooms
+    plan: Plan,
+    model: ModelView,
+    wanted: dict[str, ModelView],
+    by_model: dict[str, list[ReplicaView]],
+    rooms: dict[str, _Room],
 ) -> tuple[list[making_room.Candidate], dict[str, int], dict[str, tuple[int, int]]]:
     """The idle replicas making room may stop, how many each model may lose, and what stopping ones give back per node.
 
