@@ -17,6 +17,12 @@ routing sends one to a replica the ring rarely names). Stopped at once on "none 
 flight on it", such a stream was cut (tests/test_rolling_replacement.py, 1 stream in
 about 80, in CI). A replica of a model with nothing in flight anywhere (idle, scaled to
 zero, stopped to make room) is stopped at once: a wake that made room waits for no pass.
+
+A replica across nodes (issue 37) drains as one: its row (the head's) is what is marked and
+held here, and once it has drained its head and every worker are told to stop together
+(fleet.reconcile.tell_stop), so no worker's rpc-server goes while its head still answers.
+A group with a node draining is replaced elsewhere by placement (fleet.placement._leaving_draining)
+and stopped through this same hold once the new group serves.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def place(nodes: Iterable[NodeView], models: Iterable[ModelView], replicas: Iter
     engines_known = any(room.node.engines or room.node.engines_unusable for room in rooms.values())
     usable_by_engine = _usable_by_engine(rooms, wanted, engines_known)
     for model in sorted(wanted.values(), key=lambda m: m.name):
-        live, outdated = _current_and_outdated(model, by_model.get(model.name, []))
+        live, outdated = _leaving_draining(*_current_and_outdated(model, by_model.get(model.name, [])), rooms)
         live = _trim_extras(plan, model, live, rooms)
         unplaced = _place_missing(plan, model, live, rooms, usable_by_engine, engines_known)
         if unplaced and model.make_room:
@@ -141,6 +141,23 @@ def _current_and_outdated(model: ModelView, held: list[ReplicaView]) -> tuple[li
             continue
         live.append(replica)
     return live, outdated
+
+
+def _leaving_draining(
+    live: list[ReplicaView], outdated: list[ReplicaView], rooms: dict[str, _Room]
+) -> tuple[list[ReplicaView], list[ReplicaView]]:
+    """A group with a node draining, its head's or a worker's, is replaced elsewhere as an outdated one is.
+
+    A rolling replacement (`_retire`): a new group is placed on nodes not draining, and the old
+    one, drained of its requests (fleet/drain.py), is stopped whole once the new one serves.
+    A replica on one node stays on a draining node, as before: draining only keeps new ones away.
+    """
+    leaving = [
+        r
+        for r in live
+        if r.shares and _reachable(r, rooms) and any(rooms[n].node.draining for n in _holds(r) if n in rooms)
+    ]
+    return [r for r in live if r not in leaving], outdated + leaving
 
 
 def _trim_extras(plan: Plan, model: ModelView, live: list[ReplicaView], rooms: dict[str, _Room]) -> list[ReplicaView]:
@@ -257,8 +274,57 @@ def _make_room(
 ) -> None:
     """Stop idle replicas of other models so that this one fits (fleet.room has the rules).
 
-    Its replica stays unplaced this pass, saying where it waits: the room is booked
-    until the stopped engines are gone, and the next pass places it there.
+    On one node when a profile fits one; else, for a profile that may span nodes, on the
+    nodes a group would take, together. Its replica stays unplaced this pass, saying where
+    it waits: the room is booked until the stopped engines are gone, and the next pass
+    places it there.
+    """
+    candidates, spare, stopping = _room_candidates(plan, model, wanted, by_model, rooms)
+    free = {n: (room.memory_gb, room.gpus) for n, room in rooms.items() if room.node.ready and not room.node.draining}
+
+    def fits_with(node: str, memory: int, gpus: int) -> bool:
+        freed = _Room(rooms[node].node, memory, gpus)
+        return any(why_not(profile, freed, engines_known) is None for profile in model.profiles)
+
+    def group_fits(now: dict[str, tuple[int, int]]) -> bool:
+        freed = [_Room(rooms[n].node, memory, gpus) for n, (memory, gpus) in now.items()]
+        return any(
+            _group(profile, _group_candidates(profile, freed, engines_known), model.source)
+            for profile in model.profiles
+            if profile.nodes > 1
+        )
+
+    choice = making_room.choose(candidates, spare, free, stopping, fits_with)
+    if choice is None and any(profile.nodes > 1 for profile in model.profiles):
+        choice = making_room.choose_group(candidates, spare, free, stopping, group_fits)
+    if choice is None:
+        return
+    for victim in choice.stop:
+        replica = next(r for r in by_model[victim.model] if r.id == victim.replica)
+        _stop(plan, replica, rooms, f"{MAKING_ROOM}{model.name}: frees {_freed(victim)}")
+        plan.made_room[victim.model] = plan.made_room.get(victim.model, 0) + 1
+    names = sorted({v.model for v in choice.stop})
+    where = ", ".join(choice.nodes or (choice.node,))
+    waiting = (
+        f"waiting for room on {where}: stopping idle replicas of {', '.join(names)}"
+        if names
+        else f"waiting for room on {where}: replicas there are stopping"
+    )
+    for i, u in enumerate(plan.unplaced):
+        if u.model == model.name:
+            plan.unplaced[i] = replace(u, reason=waiting)
+
+
+def _room_candidates(
+    plan: Plan,
+    model: ModelView,
+    wanted: dict[str, ModelView],
+    by_model: dict[str, list[ReplicaView]],
+    rooms: dict[str, _Room],
+) -> tuple[list[making_room.Candidate], dict[str, int], dict[str, tuple[int, int]]]:
+    """The idle replicas making room may stop, how many each model may lose, and what stopping ones give back per node.
+
+    A group (issue 37) is one candidate that frees its head's memory and every worker's share.
     """
     priority = model.scaling.priority if model.scaling else 100
     told = set(plan.stop)
@@ -269,8 +335,9 @@ def _make_room(
         reachable = [r for r in held if _reachable(r, rooms)]
         for r in reachable:
             if r.state == STOPPING or r.id in told:
-                memory, gpus = stopping.get(r.node, (0, 0))
-                stopping[r.node] = (memory + r.held_gb, gpus + r.gpus)
+                for node, (memory, gpus) in _holds(r).items():
+                    was = stopping.get(node, (0, 0))
+                    stopping[node] = (was[0] + memory, was[1] + gpus)
         if other is None or other.scaling is None or name == model.name or other.scaling.priority > priority:
             continue
         live = [r for r in reachable if r.state != STOPPING and r.id not in told]
@@ -285,44 +352,47 @@ def _make_room(
                 other.scaling.priority,
                 other.last_request,
                 measured=r.measured_gb > r.memory_gb,
+                shares=tuple((node, memory_gb) for node, memory_gb, _ in r.shares),
             )
             for r in live
             if r.state in (READY, FAILED) and r.id not in other.busy
         ]
-    free = {n: (room.memory_gb, room.gpus) for n, room in rooms.items() if room.node.ready and not room.node.draining}
+    return candidates, spare, stopping
 
-    def fits_with(node: str, memory: int, gpus: int) -> bool:
-        freed = _Room(rooms[node].node, memory, gpus)
-        return any(why_not(profile, freed, engines_known) is None for profile in model.profiles)
 
-    choice = making_room.choose(candidates, spare, free, stopping, fits_with)
-    if choice is None:
-        return
-    for victim in choice.stop:
-        _stop(
-            plan,
-            next(r for r in by_model[victim.model] if r.id == victim.replica),
-            rooms,
-            f"{MAKING_ROOM}{model.name}: frees {victim.memory_gb} GB on {victim.node}"
-            + (" (measured)" if victim.measured else ""),
-        )
-        plan.made_room[victim.model] = plan.made_room.get(victim.model, 0) + 1
-    names = sorted({v.model for v in choice.stop})
-    waiting = (
-        f"waiting for room on {choice.node}: stopping idle replicas of {', '.join(names)}"
-        if names
-        else f"waiting for room on {choice.node}: replicas there are stopping"
-    )
-    for i, u in enumerate(plan.unplaced):
-        if u.model == model.name:
-            plan.unplaced[i] = replace(u, reason=waiting)
+def _holds(replica: ReplicaView) -> dict[str, tuple[int, int]]:
+    """What a replica holds per node: its node's memory and GPUs, and a group's every worker's share."""
+    held = {replica.node: (replica.held_gb, replica.gpus)}
+    for node, memory_gb, _ in replica.shares:
+        was = held.get(node, (0, 0))
+        held[node] = (was[0] + memory_gb, was[1])
+    return held
+
+
+def _freed(victim: making_room.Candidate) -> str:
+    """What a replica stopped to make room frees, in the words its reason shows."""
+    measured = " (measured)" if victim.measured else ""
+    if not victim.shares:
+        return f"{victim.memory_gb} GB on {victim.node}{measured}"
+    parts = [f"{memory} GB on {node}" for node, (memory, _) in victim.frees().items()]
+    return f"{', '.join(parts)}{measured}: a group across {len(parts)} nodes, stopped whole"
 
 
 def _frees_room_for(model: ModelView, replica: ReplicaView, rooms: dict[str, _Room], engines_known: bool) -> bool:
-    """Whether a current profile would fit on this replica's node once the replica is gone."""
-    room = rooms[replica.node]
-    freed = _Room(room.node, room.memory_gb + replica.held_gb, room.gpus + replica.gpus)
-    return any(why_not(profile, freed, engines_known) is None for profile in model.profiles)
+    """Whether a current profile would fit once the replica is gone: on one of its nodes, or as a group.
+
+    A group (issue 37) gives back its head's memory and every worker's share at once.
+    """
+    freed = {name: _Room(room.node, room.memory_gb, room.gpus) for name, room in rooms.items()}
+    _release(replica, freed)
+    for node in _holds(replica):
+        if node in freed and any(why_not(profile, freed[node], engines_known) is None for profile in model.profiles):
+            return True
+    return any(
+        _group(profile, _group_candidates(profile, freed.values(), engines_known), model.source)
+        for profile in model.profiles
+        if profile.nodes > 1
+    )
 
 
 def _group_broken(replica: ReplicaView, rooms: dict[str, _Room]) -> str | None:

@@ -13,13 +13,19 @@ The rules (docs/placement.md#making-room):
 - among as few, lower priority first, then the model idle longest;
 - on the node where the fewest replicas have to go (ties: the earliest victims, then the node's name);
 - when replicas already stopping would free enough, nothing more is stopped.
+
+A replica across nodes (issue 37) is one replica here too: stopping it frees its head's memory
+and each worker's share, on their nodes, so it counts on every node it holds memory on, and is
+stopped whole. A waking model that needs a group (`choose_group`) has room made on the nodes
+together: the replicas that free the most memory on usable nodes first, until a group fits,
+then every one whose stop turns out not to be needed is kept.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -33,10 +39,22 @@ class Candidate:
     last_request: float
     # Whether memory_gb is what its node measured (more than it was booked at), not its booking.
     measured: bool = False
+    # A group's workers (issue 37): (node, GB its share holds there). Stopping the group frees them all.
+    shares: tuple[tuple[str, int], ...] = ()
+
+    def frees(self) -> dict[str, tuple[int, int]]:
+        """What stopping it gives back, per node: (memory GB, GPUs)."""
+        freed = {self.node: (self.memory_gb, self.gpus)}
+        for node, memory_gb in self.shares:
+            memory, gpus = freed.get(node, (0, 0))
+            freed[node] = (memory + memory_gb, gpus)
+        return freed
 
 
 # (node, free memory GB, free GPUs) -> whether the waking model fits there
 Fits = Callable[[str, int, int], bool]
+# {node: (free memory GB, free GPUs)} -> whether a group of the waking model fits across them
+FitsGroup = Callable[[dict[str, tuple[int, int]]], bool]
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,8 @@ class Choice:
     node: str
     # What to stop; empty when replicas already stopping there free enough.
     stop: tuple[Candidate, ...]
+    # For a group: every node room is made on (`node` is the first).
+    nodes: tuple[str, ...] = ()
 
 
 def choose(
@@ -68,7 +88,10 @@ def choose(
     rank = {c.replica: i for i, c in enumerate(order)}
     by_node: dict[str, list[Candidate]] = defaultdict(list)
     for candidate in order:
-        by_node[candidate.node].append(candidate)
+        # A group counts on each node it holds memory on, by what it frees there.
+        for node, (memory, gpus) in candidate.frees().items():
+            by_node[node].append(replace(candidate, node=node, memory_gb=memory, gpus=gpus))
+    whole = {c.replica: c for c in order}
     best: Choice | None = None
     best_key: tuple[int, int, str] | None = None
     for node in sorted(by_node):
@@ -81,8 +104,59 @@ def choose(
             # Fewest stopped; among equals, the set whose last victim comes earliest in the order.
             key = (len(chosen), max(rank[c.replica] for c in chosen), node)
             if best_key is None or key < best_key:
-                best, best_key = Choice(node, tuple(chosen)), key
+                best, best_key = Choice(node, tuple(whole[c.replica] for c in chosen)), key
     return best
+
+
+def choose_group(
+    candidates: Iterable[Candidate],
+    spare: dict[str, int],
+    free: dict[str, tuple[int, int]],
+    stopping: dict[str, tuple[int, int]],
+    fits: FitsGroup,
+) -> Choice | None:
+    """What to stop so that a group of the waking model fits across nodes; None when nothing would do.
+
+    The nodes are considered together: `fits` is asked of every usable node's room at once.
+    Replicas are taken by the memory they free on usable nodes, most first (then lower
+    priority, then idle longest), until a group fits; then each taken, the last in that
+    order first, is left running when the group fits without its stop.
+    """
+    now = _given_back(free, stopping)
+    if stopping and fits(now):
+        nodes = tuple(sorted(n for n in stopping if n in free))
+        return Choice(nodes[0], (), nodes) if nodes else None
+
+    def freed_here(c: Candidate) -> int:
+        return sum(memory for node, (memory, _) in c.frees().items() if node in free)
+
+    order = sorted(candidates, key=lambda c: (-freed_here(c), c.priority, c.last_request, c.replica))
+    left, taken = dict(spare), []
+    for candidate in order:
+        if freed_here(candidate) <= 0 or left.get(candidate.model, 0) <= 0:
+            continue
+        left[candidate.model] -= 1
+        taken.append(candidate)
+        if fits(_given_back(now, *(c.frees() for c in taken))):
+            break
+    else:
+        return None
+    for candidate in reversed(taken[:-1]):
+        rest = [c for c in taken if c is not candidate]
+        if fits(_given_back(now, *(c.frees() for c in rest))):
+            taken = rest
+    nodes = tuple(sorted({n for c in taken for n in c.frees() if n in free}))
+    return Choice(nodes[0], tuple(taken), nodes)
+
+
+def _given_back(free: dict[str, tuple[int, int]], *freed: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """`free` with what each of `freed` gives back added, on the nodes `free` has (usable ones)."""
+    now = dict(free)
+    for back in freed:
+        for node, (memory, gpus) in back.items():
+            if node in now:
+                now[node] = (now[node][0] + memory, now[node][1] + gpus)
+    return now
 
 
 def _fewest(
