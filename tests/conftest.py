@@ -6,6 +6,7 @@ PROCESS_FIXTURES: a test that uses one, directly or through another fixture, is 
 """
 
 import functools
+import inspect
 import os
 import re
 import shutil
@@ -347,8 +348,8 @@ PROCESS_MODULES = {"subprocess", "tests.fleet_netns", "tests.netns", "multiproce
 
 def _starts_a_process(function, seen: set) -> bool:
     """Whether `function`'s code (its inner functions and lambdas too) names a process starter, or calls
-    a function of the tests that does."""
-    code = getattr(function, "__code__", None)
+    a function of the tests that does. A decorated one (a context manager) is read through to what it wraps."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
     if code is None or code in seen:
         return False
     seen.add(code)
