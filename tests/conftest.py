@@ -348,8 +348,13 @@ PROCESS_MODULES = {"subprocess", "tests.fleet_netns", "tests.netns", "multiproce
 
 def _starts_a_process(function, seen: set) -> bool:
     """Whether `function`'s code (its inner functions and lambdas too) names a process starter, or calls
-    a function of the tests that does. A decorated one (a context manager) is read through to what it wraps."""
-    code = getattr(inspect.unwrap(function), "__code__", None)
+    a function of the tests that does. A decorated one (a context manager) is read through to what it wraps,
+    and a class of the tests by its methods (a server started in its __init__)."""
+    if inspect.isclass(function):
+        methods = [m for m in vars(function).values() if inspect.isfunction(m)]
+        return any(_starts_a_process(method, seen) for method in methods)
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
     if code is None or code in seen:
         return False
     seen.add(code)
@@ -433,9 +438,22 @@ def pytest_xdist_make_scheduler(config, log):
     return LastUnitScheduling(config, log)
 
 
-@pytest.fixture(autouse=True)
-def _the_fast_tier_starts_no_process(request, monkeypatch):
-    """In `make test-fast`, a test that starts a process after all fails with a sentence, not a slow run."""
+_running = ["the session's setup"]  # the test whose setup, call or teardown runs now
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running[0] = item.nodeid
+    return (yield)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _the_fast_tier_starts_no_process():
+    """In `make test-fast`, a test that starts a process after all fails with a sentence, not a slow run.
+
+    Session-scoped, so that a process a module- or session-scoped fixture starts is refused too
+    (a function-scoped guard is set up after them): the test it is refused in is named.
+    """
     if os.environ.get("LLMGW_TEST_TIER") != "fast":
         yield
         return
@@ -450,13 +468,13 @@ def _the_fast_tier_starts_no_process(request, monkeypatch):
         if isinstance(args, (list, tuple)) and any(str(arg).endswith("mirror/header_reader.py") for arg in args):
             return started(self, args, *a, **kw)
         raise AssertionError(
-            f"{request.node.nodeid} starts a process ({args!r}) in the fast tier: mark it "
+            f"{_running[0]} starts a process ({args!r}) in the fast tier: mark it "
             "@pytest.mark.processes, or name what starts it in tests/conftest.py's PROCESS_* sets"
         )
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    subprocess.Popen.__init__ = refuse
     yield
-    monkeypatch.setattr(subprocess.Popen, "__init__", started)
+    subprocess.Popen.__init__ = started
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
