@@ -31,6 +31,19 @@ def _flush_keeping_types(style, connection, reset_sequences=True, allow_cascade=
 
 
 @pytest.fixture(scope="session")
+def django_db_keepdb(request, django_db_modify_db_settings) -> bool:
+    """Whether pytest-django keeps the test database: yes when it was made from the migrated template
+    (tests/services.py, clone_migrated), which leaves it only the migrations newer than the template to run."""
+    if request.config.getvalue("reuse_db"):
+        return True
+    from django.db import connection
+
+    from .services import clone_migrated
+
+    return connection.vendor == "postgresql" and clone_migrated(connection.creation._get_test_db_name())
+
+
+@pytest.fixture(scope="session")
 def django_db_setup(django_db_setup, django_db_blocker):
     """pytest-django's test database; on PostgreSQL, sessions left open are ended before it is dropped.
 
