@@ -27,6 +27,11 @@ def _flush_keeping_types(style, connection, reset_sequences=True, allow_cascade=
     """django.core.management.sql.sql_flush, but leaving KEPT_BY_FLUSH's tables as they are."""
     tables = connection.introspection.django_table_names(only_existing=True, include_views=False)
     kept = [table for table in tables if table not in KEPT_BY_FLUSH]
+    if connection.vendor == "postgresql" and not reset_sequences:
+        # DELETE, not TRUNCATE: a test leaves a few rows, and TRUNCATE makes every table's and index's
+        # files anew (a tenth of a second a flush). Django's foreign keys are checked at the commit
+        # (DEFERRABLE INITIALLY DEFERRED), so the order of the tables does not matter.
+        return [f"DELETE FROM {connection.ops.quote_name(table)};" for table in kept]
     return connection.ops.sql_flush(style, kept, reset_sequences=reset_sequences, allow_cascade=allow_cascade)
 
 
