@@ -6,6 +6,7 @@ PROCESS_FIXTURES: a test that uses one, directly or through another fixture, is 
 """
 
 import functools
+import inspect
 import os
 import re
 import shutil
@@ -26,7 +27,25 @@ def _flush_keeping_types(style, connection, reset_sequences=True, allow_cascade=
     """django.core.management.sql.sql_flush, but leaving KEPT_BY_FLUSH's tables as they are."""
     tables = connection.introspection.django_table_names(only_existing=True, include_views=False)
     kept = [table for table in tables if table not in KEPT_BY_FLUSH]
+    if connection.vendor == "postgresql" and not reset_sequences:
+        # DELETE, not TRUNCATE: a test leaves a few rows, and TRUNCATE makes every table's and index's
+        # files anew (a tenth of a second a flush). Django's foreign keys are checked at the commit
+        # (DEFERRABLE INITIALLY DEFERRED), so the order of the tables does not matter.
+        return [f"DELETE FROM {connection.ops.quote_name(table)};" for table in kept]
     return connection.ops.sql_flush(style, kept, reset_sequences=reset_sequences, allow_cascade=allow_cascade)
+
+
+@pytest.fixture(scope="session")
+def django_db_keepdb(request, django_db_modify_db_settings) -> bool:
+    """Whether pytest-django keeps the test database: yes when it was made from the migrated template
+    (tests/services.py, clone_migrated), which leaves it only the migrations newer than the template to run."""
+    if request.config.getvalue("reuse_db"):
+        return True
+    from django.db import connection
+
+    from .services import clone_migrated
+
+    return connection.vendor == "postgresql" and clone_migrated(connection.creation._get_test_db_name())
 
 
 @pytest.fixture(scope="session")
@@ -347,7 +366,12 @@ PROCESS_MODULES = {"subprocess", "tests.fleet_netns", "tests.netns", "multiproce
 
 def _starts_a_process(function, seen: set) -> bool:
     """Whether `function`'s code (its inner functions and lambdas too) names a process starter, or calls
-    a function of the tests that does."""
+    a function of the tests that does. A decorated one (a context manager) is read through to what it wraps,
+    and a class of the tests by its methods (a server started in its __init__)."""
+    if inspect.isclass(function):
+        methods = [m for m in vars(function).values() if inspect.isfunction(m)]
+        return any(_starts_a_process(method, seen) for method in methods)
+    function = inspect.unwrap(function)
     code = getattr(function, "__code__", None)
     if code is None or code in seen:
         return False
@@ -432,9 +456,22 @@ def pytest_xdist_make_scheduler(config, log):
     return LastUnitScheduling(config, log)
 
 
-@pytest.fixture(autouse=True)
-def _the_fast_tier_starts_no_process(request, monkeypatch):
-    """In `make test-fast`, a test that starts a process after all fails with a sentence, not a slow run."""
+_running = ["the session's setup"]  # the test whose setup, call or teardown runs now
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running[0] = item.nodeid
+    return (yield)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _the_fast_tier_starts_no_process():
+    """In `make test-fast`, a test that starts a process after all fails with a sentence, not a slow run.
+
+    Session-scoped, so that a process a module- or session-scoped fixture starts is refused too
+    (a function-scoped guard is set up after them): the test it is refused in is named.
+    """
     if os.environ.get("LLMGW_TEST_TIER") != "fast":
         yield
         return
@@ -449,13 +486,13 @@ def _the_fast_tier_starts_no_process(request, monkeypatch):
         if isinstance(args, (list, tuple)) and any(str(arg).endswith("mirror/header_reader.py") for arg in args):
             return started(self, args, *a, **kw)
         raise AssertionError(
-            f"{request.node.nodeid} starts a process ({args!r}) in the fast tier: mark it "
+            f"{_running[0]} starts a process ({args!r}) in the fast tier: mark it "
             "@pytest.mark.processes, or name what starts it in tests/conftest.py's PROCESS_* sets"
         )
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    subprocess.Popen.__init__ = refuse
     yield
-    monkeypatch.setattr(subprocess.Popen, "__init__", started)
+    subprocess.Popen.__init__ = started
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -32,14 +31,12 @@ if reason := netns.unavailable():
 
 from agent.fetch import cache_path  # noqa: E402
 from contracts import keys  # noqa: E402
-from fleet.enrolment import issue_token  # noqa: E402
 
-from .fleet_netns import ControlPlane, Node  # noqa: E402
 from .support.database import db_access  # noqa: E402, F401  (a fixture)
 from .support.fleet import send_fetch  # noqa: E402
-from .support.mirror import settle  # noqa: E402
+from .support.swarm_fleet import swarm_fleet_on_a_bridge  # noqa: E402
 from .support.waiting import wait_until  # noqa: E402
-from .test_swarm_fleet import STALL, assert_same_as_the_mirror, content, fetched, progress_of, source_of  # noqa: E402
+from .test_swarm_fleet import assert_same_as_the_mirror, fetched, progress_of, source_of  # noqa: E402
 
 MIB = 1 << 20
 VERSIONS = {"v1": {"a.bin": 10 * MIB + 3, "b.bin": 6 * MIB, "config.json": 100}, "v2": {"c.bin": 9 * MIB}}
@@ -47,25 +44,7 @@ VERSIONS = {"v1": {"a.bin": 10 * MIB + 3, "b.bin": 6 * MIB, "config.json": 100},
 
 @pytest.fixture(scope="module")
 def fleet_without_mirror(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported above)
-    log_dir = tmp_path_factory.mktemp("no-mirror-netns")
-    network = netns.Fleet()
-    control = None
-    nodes: dict[str, Node] = {}
-    try:
-        mirror = log_dir / "mirror"
-        for version, files in VERSIONS.items():
-            (mirror / "tiny" / version).mkdir(parents=True)
-            for name, size in files.items():
-                (mirror / "tiny" / version / name).write_bytes(content(version + name, size))
-        settle(mirror)
-        control = ControlPlane(network, mirror, log_dir, whole=False)
-        for name in ("n1", "n2", "n3"):
-            node = Node(name, network.add_host(name), issue_token(name), control, log_dir)
-            env = {**Node.env(node), **STALL}
-            node.env = lambda env=env: env
-            nodes[name] = node
-        with ThreadPoolExecutor(len(nodes)) as pool:  # the agents start together: each start waits on its own
-            list(pool.map(Node.start_agent, nodes.values()))
+    with swarm_fleet_on_a_bridge(tmp_path_factory.mktemp("no-mirror-netns"), VERSIONS) as (_, control, nodes):
         for version in VERSIONS:
             send_fetch("n1", source_of(control, version), broker_url=control.redis_url)
         for version in VERSIONS:
@@ -98,12 +77,6 @@ def fleet_without_mirror(db_access, tmp_path_factory):  # noqa: F811  (the fixtu
         os.killpg(control.byte_listener.popen.pid, signal.SIGKILL)
         control.proxy.stop()
         yield control, nodes
-    finally:
-        for node in nodes.values():
-            node.kill_everything()
-        if control is not None:
-            control.stop()
-        network.remove()
 
 
 def test_with_the_byte_listener_killed_two_more_nodes_fetch_the_set_whole_from_the_first(fleet_without_mirror):

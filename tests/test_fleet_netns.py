@@ -63,7 +63,7 @@ ASK = {
 
 
 @pytest.fixture(scope="module")
-def fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported above)
+def engine_fleet(db_access, tmp_path_factory):  # noqa: F811  (db_access: the fixture imported above)
     """The bridge, the control plane on this host, and nodes n1 and n2 in their namespaces; all removed at the end."""
     log_dir = tmp_path_factory.mktemp("fleet-netns")
     network = netns.Fleet()
@@ -94,7 +94,7 @@ def fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported abo
 
 
 @pytest.fixture(scope="module")
-def client_key(fleet):
+def client_key(engine_fleet):
     _, secret = create_key("fleet-netns")
     return secret
 
@@ -156,8 +156,10 @@ def state(nodes: list[Node]) -> str:
     return f"replicas {rows}; engines {[n.engines() for n in nodes]}"
 
 
-def test_both_nodes_enrol_and_two_replicas_answer_through_the_gateway_from_the_nodes_own_addresses(fleet, client_key):
-    control, nodes = fleet
+def test_both_nodes_enrol_and_two_replicas_answer_through_the_gateway_from_the_nodes_own_addresses(
+    engine_fleet, client_key
+):
+    control, nodes = engine_fleet
 
     def enrolled():
         rows = {n.name: n for n in NodeRow.objects.all()}
@@ -205,8 +207,8 @@ def test_both_nodes_enrol_and_two_replicas_answer_through_the_gateway_from_the_n
         assert chat_requests_in(node.engine_log(replica.pk)) > 0
 
 
-def test_a_nodes_engine_refuses_a_request_from_the_network_without_its_replica_secret(fleet, client_key):
-    control, nodes = fleet
+def test_a_nodes_engine_refuses_a_request_from_the_network_without_its_replica_secret(engine_fleet, client_key):
+    control, nodes = engine_fleet
     replicas = ready("tiny")
     assert len(replicas) == 2
     for replica in replicas:
@@ -237,8 +239,8 @@ for method, path, headers in [
 """
 
 
-def test_a_host_on_the_fleets_network_without_a_nodes_credentials_gets_nothing_from_the_byte_listener(fleet):
-    control, nodes = fleet
+def test_a_host_on_the_fleets_network_without_a_nodes_credentials_gets_nothing_from_the_byte_listener(engine_fleet):
+    control, nodes = engine_fleet
     stranger = control.fleet.add_host("x")
     for url in (control.byte_listener_url, control.bytes_url):  # the listener, and the way the nodes go
         reads = subprocess.run(
@@ -251,9 +253,9 @@ def test_a_host_on_the_fleets_network_without_a_nodes_credentials_gets_nothing_f
 
 
 def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_gateway_keeps_answering(
-    fleet, client_key
+    engine_fleet, client_key
 ):
-    control, (n1, n2) = fleet
+    control, (n1, n2) = engine_fleet
     control.proxy.rate = 4000  # bytes a second for each file: a fetch of the second model takes a minute
     source = serve(control, "late", "v2")
     target = cache_path(source, n1.cache)
@@ -291,8 +293,8 @@ def test_a_node_cut_off_mid_fetch_has_its_replicas_placed_on_the_other_and_the_g
     assert sorted(n2.engines().values()) == ["late", "late", "tiny", "tiny"]
 
 
-def test_a_node_that_comes_back_stops_its_old_engines_and_the_gateway_never_routes_to_them(fleet, client_key):
-    control, (n1, n2) = fleet
+def test_a_node_that_comes_back_stops_its_old_engines_and_the_gateway_never_routes_to_them(engine_fleet, client_key):
+    control, (n1, n2) = engine_fleet
     # n1 comes back empty-handed first (its processes were killed), and takes work again.
     n1.host.restore()
     n1.start_agent()
@@ -340,9 +342,9 @@ def test_a_node_that_comes_back_stops_its_old_engines_and_the_gateway_never_rout
 
 
 def test_the_control_plane_killed_and_started_again_while_replicas_serve_answers_every_request_and_places_nothing_twice(
-    fleet, client_key
+    engine_fleet, client_key
 ):
-    control, nodes = fleet
+    control, nodes = engine_fleet
     engines_before = {n.name: n.engines() for n in nodes}
     rows_before = sorted(Replica.objects.values_list("pk", "model_name", "node__name", "endpoint", "state"))
     assert len(rows_before) == 4 and all(row[4] == "ready" for row in rows_before), rows_before

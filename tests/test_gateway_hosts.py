@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from .services import free_port
 from .support.factories import add_model, add_replica
 from .support.gateway import chat, clear_of_minute_boundary, client, until_routed
 from .support.processes import BASE_DIR, Process, process_env, wait_until
+from .support.tcp_relay import TcpRelay
 
 if reason := netns.unavailable():
     pytest.skip(reason, allow_module_level=True)
@@ -43,54 +43,10 @@ pytestmark = pytest.mark.django_db(transaction=True)
 GATEWAY_PORT = 8080
 
 
-class Relay:
-    """A TCP relay from the bridge to a server on this host's loopback: how the hosts reach it."""
-
-    def __init__(self, listen: str, target: tuple[str, int]) -> None:
-        self.target = target
-        self.server = socket.create_server((listen, 0))
-        self.address = (listen, self.server.getsockname()[1])
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                conn.close()
-                continue
-            upstream.settimeout(None)
-            for a, b in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._closed = True
-        self.server.close()
-
-
 @pytest.fixture
 def hosts(tmp_path):
     fleet = netns.Fleet()
-    relays: list[Relay] = []
+    relays: list[TcpRelay] = []
     started: list[Process] = []
     try:
         yield fleet, relays, started, tmp_path
@@ -98,7 +54,7 @@ def hosts(tmp_path):
         for process in started:
             process.stop()
         for relay in relays:
-            relay.close()
+            relay.cut()
         fleet.remove()
 
 
@@ -160,7 +116,7 @@ def test_one_of_two_gateways_on_two_hosts_killed_under_load_behind_nginx_fails_n
     db = settings.DATABASES["default"]
     redis_url = urlparse(settings.REDIS_URL)
     for target in ((db["HOST"], int(db["PORT"])), (redis_url.hostname, redis_url.port), ("127.0.0.1", replica.port)):
-        relays.append(Relay(fleet.address, target))
+        relays.append(TcpRelay(target, listen=fleet.address))
     (pg_host, pg_port), (redis_host, redis_port), (replica_host, replica_port) = (r.address for r in relays)
     env = {
         "DATABASE_URL": f"postgres://{db['USER']}@{pg_host}:{pg_port}/{db['NAME']}",

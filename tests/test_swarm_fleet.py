@@ -48,27 +48,18 @@ from agent.peers import resume_path  # noqa: E402
 from contracts import credentials, signing  # noqa: E402
 from contracts import progress as contracts_progress  # noqa: E402
 from contracts.swarm import info_hash_of  # noqa: E402
-from fleet.enrolment import issue_token, revoke_token  # noqa: E402
+from fleet.enrolment import revoke_token  # noqa: E402
 
 from .fleet_netns import ControlPlane, Node  # noqa: E402
 from .support.database import db_access  # noqa: E402, F401  (a fixture)
 from .support.fleet import send_fetch  # noqa: E402
-from .support.mirror import settle  # noqa: E402
 from .support.processes import unaliased  # noqa: E402
+from .support.swarm_fleet import swarm_fleet_on_a_bridge  # noqa: E402
 from .support.waiting import wait_until  # noqa: E402
 
 MIB = 1 << 20
 PIECE = 4 * MIB
 BLOCK = 16 << 10  # libtorrent's request size: a piece is written in these
-# Short, so that a stall is seen in seconds: under 64 KiB/s for 3 s is a stall.
-STALL = {"LLMGW_FETCH_STALL_S": "3", "LLMGW_FETCH_STALL_BYTES_S": str(64 << 10)}
-
-
-def content(name: str, size: int) -> bytes:
-    import hashlib
-
-    block = b"".join(hashlib.sha256(f"{name}:{i}".encode()).digest() for i in range(4096))
-    return (block * (size // len(block) + 1))[:size]
 
 
 VERSIONS = {
@@ -81,32 +72,8 @@ VERSIONS = {
 
 @pytest.fixture(scope="module")
 def swarm_fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported above)
-    log_dir = tmp_path_factory.mktemp("swarm-netns")
-    network = netns.Fleet()
-    control = None
-    nodes: dict[str, Node] = {}
-    try:
-        mirror = log_dir / "mirror"
-        for version, files in VERSIONS.items():
-            (mirror / "tiny" / version).mkdir(parents=True)
-            for name, size in files.items():
-                (mirror / "tiny" / version / name).write_bytes(content(version + name, size))
-        settle(mirror)
-        control = ControlPlane(network, mirror, log_dir, whole=False)
-        for name in ("n1", "n2", "n3"):
-            node = Node(name, network.add_host(name), issue_token(name), control, log_dir)
-            env = {**Node.env(node), **STALL}
-            node.env = lambda env=env: env  # one peer port for the node's whole life
-            node.start_agent()
-            nodes[name] = node
-        stranger = network.add_host("stranger")
-        yield control, nodes, stranger
-    finally:
-        for node in nodes.values():
-            node.kill_everything()
-        if control is not None:
-            control.stop()
-        network.remove()
+    with swarm_fleet_on_a_bridge(tmp_path_factory.mktemp("swarm-netns"), VERSIONS) as (network, control, nodes):
+        yield control, nodes, network.add_host("stranger")
 
 
 def source_of(control: ControlPlane, version: str) -> str:

@@ -117,7 +117,8 @@ def test_a_fetch_stopped_halfway_resumes_with_only_the_pieces_it_had_not_verifie
     torrent = torrent_of(source)
     seeder = sessions()
     # Slow enough to stop halfway (a torrent's own limit: libtorrent exempts local peers from the session's).
-    seeder.handle(seeder.seed(torrent, source)).set_upload_limit(8 * MIB)
+    seeding = seeder.handle(seeder.seed(torrent, source))
+    seeding.set_upload_limit(8 * MIB)
     first = sessions()
     resume = tmp_path / "got.resume"
 
@@ -144,6 +145,7 @@ def test_a_fetch_stopped_halfway_resumes_with_only_the_pieces_it_had_not_verifie
     verified = lt.read_resume_data(resume.read_bytes()).have_pieces
     kept = sum(1 for have in verified if have)
     assert 4 <= kept < 11, kept  # 41 MiB: 11 pieces (a file's last piece is its own)
+    seeding.set_upload_limit(-1)  # the limit was only to stop halfway: the rest at full speed
     again = sessions()
     done = again.fetch(torrent, tmp_path / "got", peers=[("127.0.0.1", seeder.listen_port)], resume_path=resume)
     same_files(tmp_path / "got", big)

@@ -1,9 +1,10 @@
-"""A TCP relay on loopback in front of a server, cut at will: that server "away" for one process alone.
+"""A TCP relay in front of a server, cut at will: that server "away" for one process alone.
 
 A process given the relay's port instead of the server's sees the server go away when
 the relay is cut (its connections reset, new ones refused), while every other process
 of the test session goes on using the server itself: no shared PostgreSQL stopped
-under the other tests.
+under the other tests. Listening on a bridge's address, it is also how hosts in network
+namespaces reach a server that listens on loopback only.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import threading
 
 
 class TcpRelay:
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], listen: str = "127.0.0.1") -> None:
         self.upstream = upstream
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server((listen, 0))
         self.port = self._listener.getsockname()[1]
+        self.address = (listen, self.port)
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
