@@ -146,17 +146,14 @@ def _current_and_outdated(model: ModelView, held: list[ReplicaView]) -> tuple[li
 def _leaving_draining(
     live: list[ReplicaView], outdated: list[ReplicaView], rooms: dict[str, _Room]
 ) -> tuple[list[ReplicaView], list[ReplicaView]]:
-    """A group with a node draining, its head's or a worker's, is replaced elsewhere as an outdated one is.
+    """A replica on a draining node (a group's head or any of its workers) is replaced elsewhere as an outdated one is.
 
-    A rolling replacement (`_retire`): a new group is placed on nodes not draining, and the old
-    one, drained of its requests (fleet/drain.py), is stopped whole once the new one serves.
-    A replica on one node stays on a draining node, as before: draining only keeps new ones away.
+    A rolling replacement (`_retire`): a new one is placed on nodes not draining, and the old
+    one, drained of its requests (fleet/drain.py), is stopped (a group whole) once the new one
+    serves; while no new one fits, the old one keeps serving. So a drained node empties, as
+    docs/fleet.md's "Removing a node" waits for.
     """
-    leaving = [
-        r
-        for r in live
-        if r.shares and _reachable(r, rooms) and any(rooms[n].node.draining for n in _holds(r) if n in rooms)
-    ]
+    leaving = [r for r in live if _reachable(r, rooms) and any(rooms[n].node.draining for n in _holds(r) if n in rooms)]
     return [r for r in live if r not in leaving], outdated + leaving
 
 

@@ -263,3 +263,22 @@ def test_a_replica_that_runs_what_the_catalog_says_is_left_alone():
     same = ReplicaView(1, "tiny", "cpu", "cpu-1", READY, 8, 0, SOURCE, engine="llamacpp", args=())
     plan = place([cpu_node("cpu-1", 64)], [model()], [same])
     assert plan.stop == [] and plan.assign == []
+
+
+def test_a_replica_on_a_draining_node_is_replaced_elsewhere_and_stopped_once_the_new_one_serves():
+    """docs/fleet.md, "Removing a node": drain it, and wait until it holds no replica."""
+    fleet = [cpu_node("a", draining=True), cpu_node("b")]
+    old = ReplicaView(1, "tiny", "cpu", "a", READY, 8, 0, SOURCE, engine="llamacpp", args=())
+    plan = place(fleet, [model()], [old])
+    assert nodes_of(plan) == ["b"] and plan.stop == [], "the old one serves until the new one does"
+
+    new = ReplicaView(2, "tiny", "cpu", "b", READY, 8, 0, SOURCE, engine="llamacpp", args=())
+    plan = place(fleet, [model()], [old, new])
+    assert (plan.stop, plan.assign) == ([1], [])
+
+
+def test_a_replica_on_a_draining_node_keeps_serving_while_no_other_node_can_take_it():
+    fleet = [cpu_node("a", draining=True), cpu_node("b", memory_gb=4)]
+    old = ReplicaView(1, "tiny", "cpu", "a", READY, 8, 0, SOURCE, engine="llamacpp", args=())
+    plan = place(fleet, [model()], [old])
+    assert (plan.stop, plan.assign) == ([], [])
