@@ -101,6 +101,7 @@ def node_views(
             labels=dict(n.labels or {}),
             holds=frozenset(holds.get(n.pk, ())),
             rpc=n.rpc,
+            rpc_head=n.rpc_head,
         )
         for n in nodes
     ]

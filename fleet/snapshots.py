@@ -31,8 +31,10 @@ class NodeView:
     labels: dict[str, str] = field(default_factory=dict)
     # Sources whose weights are already on this node's disk.
     holds: frozenset[str] = frozenset()
-    # Its engine has llama.cpp's RPC backend: it may lead a replica across nodes (issue 37).
+    # A replica across nodes (issue 37): it runs rpc-server and stunnel, so it may hold a worker's share ...
     rpc: bool = False
+    # ... and its llama-server has the RPC backend, so it may lead one.
+    rpc_head: bool = False
 
 
 @dataclass(frozen=True)
