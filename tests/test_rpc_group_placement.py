@@ -222,6 +222,28 @@ def test_a_worker_failure_fails_the_group_naming_it_and_reconcile_places_a_new_g
 
 
 @pytestmark_db
+def test_the_heads_own_restarts_after_its_worker_failed_keep_the_group_failed_until_it_is_placed_again(fleet, broker):
+    # Found end to end (test_rpc_group_fleet.py): the head's supervisor starts its engine again
+    # after its backoff, each start reported `starting` then `failed`, and each report put off
+    # the group's retry: no new group was ever placed.
+    reconcile.reconcile(models=big())
+    replica = Replica.objects.get()
+    replica_report(node.report("b", replica.pk, "ready"))
+    replica_report(node.report("a", replica.pk, "ready", "http://127.0.0.1:9000/v1"))
+    replica_report(node.report("b", replica.pk, "failed", reason="rpc-server exited with signal 9"))
+    failed_since = Replica.objects.get().since
+    replica_report(node.report("a", replica.pk, "failed", reason="it lost its RPC worker b at 10.0.0.2:50100"))
+    replica_report(node.report("a", replica.pk, "starting"))
+    replica.refresh_from_db()
+    assert (replica.state, replica.since, replica.attempts) == ("failed", failed_since, 1)
+    assert replica.reason == "worker b failed: rpc-server exited with signal 9"
+    Replica.objects.filter(pk=replica.pk).update(since=timezone.now() - timedelta(seconds=11))
+    reconcile.reconcile(models=big())
+    assert Replica.objects.get(pk=replica.pk).state == "stopping"
+    assert Replica.objects.exclude(pk=replica.pk).count() == 1
+
+
+@pytestmark_db
 def test_a_worker_node_lost_places_the_group_again_on_the_nodes_left(fleet, broker):
     reconcile.reconcile(models=big())
     old = Replica.objects.get()
