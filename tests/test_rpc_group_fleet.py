@@ -10,14 +10,21 @@ stunnel on another node. The tests run in order on that one fleet:
 1. the group answers through the gateway, at temperature 0 token for token what a plain
    llama-server on the same GGUF and build answers alone;
 2. a host on the fleet network that is not the head (the third node's namespace) connects to
-   the worker's RPC port and gets no RPC answer: the stunnel PSK handshake fails.
+   the worker's RPC port and gets no RPC answer: the stunnel PSK handshake fails;
+3. the worker's rpc-server SIGKILLed fails the group with a sentence naming the worker, the
+   control plane places a new group, and requests sent meanwhile are held and answered;
+4. that new group's worker, on a node that held a share before, is sent the weights no second
+   time: rpc-server's cache has them (the bytes its stunnel read, from /proc, while it runs).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -40,7 +47,7 @@ from fleet.models import Node as NodeRow  # noqa: E402
 from fleet.models import Replica  # noqa: E402
 from gateway.keys import create_key  # noqa: E402
 
-from .fleet_netns import ControlPlane, Node, endpoint_host  # noqa: E402
+from .fleet_netns import Asker, ControlPlane, Node, endpoint_host  # noqa: E402
 from .staff_api import token_session  # noqa: E402
 from .support.database import db_access  # noqa: E402, F401  (a fixture)
 from .support.mirror import settle  # noqa: E402
@@ -52,6 +59,33 @@ pytestmark = pytest.mark.engine
 NAMES = ("g1", "g2", "g3")
 PROMPT = "Once upon a time"
 ASK = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+
+# What the first group's worker read (tests 1 and 4): {node: bytes its stunnel read}.
+FIRST_READ: dict[str, int] = {}
+
+
+def programs(node: Node, name: str) -> dict[int, list[str]]:
+    """{pid: argv} of the programs called `name` running in the node's namespace."""
+    found = {}
+    for pid in node.host.pids():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and Path(argv[0]).name == name:
+            found[pid] = argv
+    return found
+
+
+def stunnel_read(node: Node, replica_id: int) -> int:
+    """What the worker's stunnel for this replica has read (from the head and from rpc-server), in bytes."""
+    [pid] = [pid for pid, argv in programs(node, "stunnel4").items() if f"replica-{replica_id}" in " ".join(argv)] or [
+        pid for pid, argv in programs(node, "stunnel").items() if f"replica-{replica_id}" in " ".join(argv)
+    ]
+    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(io["rchar"])
 
 
 def machine_memory_gb() -> int:
@@ -187,6 +221,7 @@ def test_three_nodes_each_too_small_serve_one_replica_across_two_that_answers_as
     assert int(answer.headers["x-llmgw-replica"]) == group.pk
     assert answer.json()["usage"]["completion_tokens"] == ASK["max_tokens"]
     assert answer.json()["choices"][0]["text"] == alone(weights, tmp_path)
+    FIRST_READ[worker.node.name] = stunnel_read(nodes[worker.node.name], group.pk)
 
 
 def test_a_host_on_the_fleet_network_that_is_not_the_head_gets_no_rpc_answer_from_the_worker(group_fleet, group):
@@ -197,3 +232,53 @@ def test_a_host_on_the_fleet_network_that_is_not_the_head_gets_no_rpc_answer_fro
     said = probe(stranger.host.argv([]), sys.executable, address, worker.port)
     # The port takes the connection (the worker's stunnel listens there) and closes it: no RPC answer.
     assert said == "closed", said
+
+
+def test_a_worker_rpc_server_killed_fails_the_group_naming_it_and_a_new_group_answers_what_was_held(
+    group_fleet, client, group
+):
+    control, nodes, _ = group_fleet
+    [share] = list(group.shares.select_related("node"))
+    worker = nodes[share.node.name]
+    [rpc_server] = programs(worker, "rpc-server")
+    chat = {"model": "wide", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    asker = Asker(control.gateway_urls, client.headers["Authorization"].split()[1], chat)
+    said: set[str] = set()
+
+    def replaced():
+        old = Replica.objects.filter(pk=group.pk).values_list("reason", flat=True).first()
+        if old:
+            said.add(old)
+        return Replica.objects.filter(model_name="wide", state="ready").exclude(pk=group.pk).first()
+
+    with asker:
+        wait_until(lambda: len(asker.outcomes) >= 2, 30, what="the client's first answers")
+        os.kill(rpc_server, signal.SIGKILL)
+        killed = time.monotonic()
+        new = wait_until(replaced, 180, interval=0.2, what=lambda: f"a new group: {state(nodes)}")
+        ready = time.monotonic()
+        wait_until(
+            lambda: any(o[0] > ready and o[1] == 200 for o in asker.outcomes),
+            60,
+            what=lambda: f"an answer from the new group: {asker.outcomes[-3:]}",
+        )
+    # The sentence on the group's record names the worker whose rpc-server was killed.
+    assert any(share.node.name in reason for reason in said), said
+    # Every request sent while no group was ready was held, and answered by the new group.
+    held = [o for o in asker.outcomes if killed < o[0] < ready]
+    assert held, asker.outcomes
+    assert asker.failures(since=killed + 5) == [], asker.failures(since=killed + 5)
+    assert new.shares.count() == 1
+
+
+def test_a_new_group_sends_the_weights_a_second_time_to_no_worker(group_fleet, group):
+    _, nodes, _ = group_fleet
+    new = Replica.objects.filter(model_name="wide", state="ready").exclude(pk=group.pk).first()
+    assert new is not None
+    [share] = list(new.shares.select_related("node"))
+    assert share.node.name in FIRST_READ, f"the new group's worker {share.node.name} held no share before"
+    again = stunnel_read(nodes[share.node.name], new.pk)
+    # The first start carried the worker's layers (its share of the 70 MB, tensors of 11.5 MB);
+    # this one only their hashes, which rpc-server found in its cache.
+    assert FIRST_READ[share.node.name] > 20_000_000, FIRST_READ
+    assert again < FIRST_READ[share.node.name] / 10, (again, FIRST_READ)
