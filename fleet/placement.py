@@ -181,6 +181,7 @@ def _place_missing(
             # (the old one's engine on its head is stopped; what it held is free again).
             _release(replica, rooms)
             _stop(plan, replica, rooms, broken)
+            plan.stop_now.add(replica.id)
             to_place.append(None)
         elif _reachable(replica, rooms):
             on_node[replica.node] += 1

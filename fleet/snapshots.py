@@ -181,5 +181,7 @@ class Plan:
     forget: list[int] = field(default_factory=list)
     # What a stopped replica says, by id, when there is more to say than "stopping".
     stop_reasons: dict[int, str] = field(default_factory=dict)
+    # Stopped at once, not drained: a group that lost a worker never finishes what it has in flight.
+    stop_now: set[int] = field(default_factory=set)
     # Replicas stopped to make room for another model, counted per model: their counts go down.
     made_room: dict[str, int] = field(default_factory=dict)
