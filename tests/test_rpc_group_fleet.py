@@ -14,7 +14,9 @@ stunnel on another node. The tests run in order on that one fleet:
 3. the worker's rpc-server SIGKILLed fails the group with a sentence naming the worker, the
    control plane places a new group, and requests sent meanwhile are held and answered;
 4. that new group's worker, on a node that held a share before, is sent the weights no second
-   time: rpc-server's cache has them (the bytes its stunnel read, from /proc, while it runs).
+   time: rpc-server's cache has them (the bytes its stunnel read, from /proc, while it runs);
+5. a worker cut off the network (its link down) fails the group naming it, and a group on the
+   nodes left answers what was sent meanwhile.
 """
 
 from __future__ import annotations
@@ -234,27 +236,27 @@ def test_a_host_on_the_fleet_network_that_is_not_the_head_gets_no_rpc_answer_fro
     assert said == "closed", said
 
 
-def test_a_worker_rpc_server_killed_fails_the_group_naming_it_and_a_new_group_answers_what_was_held(
-    group_fleet, client, group
-):
-    control, nodes, _ = group_fleet
-    [share] = list(group.shares.select_related("node"))
-    worker = nodes[share.node.name]
-    [rpc_server] = programs(worker, "rpc-server")
+def fail_and_replace(control: ControlPlane, client: requests.Session, nodes: dict, replica: Replica, fault):
+    """`fault(worker)` acted out on the replica's worker while a client asks on through the gateway.
+
+    Until a new group is ready and has answered; returns it, every reason the old group's
+    record showed meanwhile, and the requests begun between the fault and the new group.
+    """
+    [share] = list(replica.shares.select_related("node"))
     chat = {"model": "wide", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     asker = Asker(control.gateway_urls, client.headers["Authorization"].split()[1], chat)
     said: set[str] = set()
 
     def replaced():
-        old = Replica.objects.filter(pk=group.pk).values_list("reason", flat=True).first()
+        old = Replica.objects.filter(pk=replica.pk).values_list("reason", flat=True).first()
         if old:
             said.add(old)
-        return Replica.objects.filter(model_name="wide", state="ready").exclude(pk=group.pk).first()
+        return Replica.objects.filter(model_name="wide", state="ready").exclude(pk=replica.pk).first()
 
     with asker:
         wait_until(lambda: len(asker.outcomes) >= 2, 30, what="the client's first answers")
-        os.kill(rpc_server, signal.SIGKILL)
-        killed = time.monotonic()
+        fault(nodes[share.node.name])
+        faulted = time.monotonic()
         new = wait_until(replaced, 180, interval=0.2, what=lambda: f"a new group: {state(nodes)}")
         ready = time.monotonic()
         wait_until(
@@ -262,13 +264,25 @@ def test_a_worker_rpc_server_killed_fails_the_group_naming_it_and_a_new_group_an
             60,
             what=lambda: f"an answer from the new group: {asker.outcomes[-3:]}",
         )
-    # The sentence on the group's record names the worker whose rpc-server was killed.
+    # The sentence on the group's record names the worker.
     assert any(share.node.name in reason for reason in said), said
-    # Every request sent while no group was ready was held, and answered by the new group.
-    held = [o for o in asker.outcomes if killed < o[0] < ready]
-    assert held, asker.outcomes
-    assert asker.failures(since=killed + 5) == [], asker.failures(since=killed + 5)
+    # Requests were sent while no group was ready: held, and every one answered by the new group.
+    assert [o for o in asker.outcomes if faulted < o[0] < ready], asker.outcomes
+    assert asker.failures(since=faulted) == [], asker.failures(since=faulted)
     assert new.shares.count() == 1
+    return new
+
+
+def test_a_worker_rpc_server_killed_fails_the_group_naming_it_and_a_new_group_answers_what_was_held(
+    group_fleet, client, group
+):
+    control, nodes, _ = group_fleet
+
+    def kill_rpc_server(worker: Node):
+        [rpc_server] = programs(worker, "rpc-server")
+        os.kill(rpc_server, signal.SIGKILL)
+
+    fail_and_replace(control, client, nodes, group, kill_rpc_server)
 
 
 def test_a_new_group_sends_the_weights_a_second_time_to_no_worker(group_fleet, group):
@@ -282,3 +296,16 @@ def test_a_new_group_sends_the_weights_a_second_time_to_no_worker(group_fleet, g
     # this one only their hashes, which rpc-server found in its cache.
     assert FIRST_READ[share.node.name] > 20_000_000, FIRST_READ
     assert again < FIRST_READ[share.node.name] / 10, (again, FIRST_READ)
+
+
+def test_a_worker_cut_off_the_network_fails_the_group_naming_it_and_a_group_on_the_nodes_left_answers(
+    group_fleet, client, group
+):
+    control, nodes, _ = group_fleet
+    current = Replica.objects.filter(model_name="wide", state="ready").exclude(pk=group.pk).get()
+    [share] = list(current.shares.select_related("node"))
+    try:
+        new = fail_and_replace(control, client, nodes, current, lambda worker: worker.host.cut())
+        assert share.node.name not in [new.node.name, *(s.node.name for s in new.shares.all())]
+    finally:
+        nodes[share.node.name].host.restore()
