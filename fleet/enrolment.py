@@ -131,7 +131,17 @@ def node_for_token(token: str, claimed_name: str | None = None) -> Node | None:
     return node
 
 
-FACT_FIELDS = {"engines", "engines_unusable", "gpus", "memory_gb", "disk_free_bytes", "agent_version", "labels", "rpc"}
+FACT_FIELDS = {
+    "engines",
+    "engines_unusable",
+    "gpus",
+    "memory_gb",
+    "disk_free_bytes",
+    "agent_version",
+    "labels",
+    "rpc",
+    "rpc_head",
+}
 
 
 def record_heartbeat(name: str, facts: dict) -> str | None:
@@ -143,7 +153,7 @@ def record_heartbeat(name: str, facts: dict) -> str | None:
     """
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT id, name, engines, engines_unusable, gpus, memory_gb, disk_free_bytes, agent_version, labels, rpc "
+            f"SELECT id, name, engines, engines_unusable, gpus, memory_gb, disk_free_bytes, agent_version, labels, rpc, rpc_head "
             f"FROM {Node._meta.db_table} WHERE name = %s",
             [name],
         )
@@ -151,7 +161,9 @@ def record_heartbeat(name: str, facts: dict) -> str | None:
     claimed = facts.get("node")
     if row is None or (claimed is not None and claimed != row[1]):
         return None
-    node_id, name, engines, engines_unusable, gpus, memory_gb, disk_free_bytes, agent_version, labels, rpc = row
+    node_id, name, engines, engines_unusable, gpus, memory_gb, disk_free_bytes, agent_version, labels, rpc, rpc_head = (
+        row
+    )
     # JSON columns come back as text on both SQLite and PostgreSQL: Django decodes them itself.
     known = {
         "engines": json.loads(engines),
@@ -162,6 +174,7 @@ def record_heartbeat(name: str, facts: dict) -> str | None:
         "agent_version": agent_version,
         "labels": json.loads(labels),
         "rpc": bool(rpc),
+        "rpc_head": bool(rpc_head),
     }
     unusable = facts.get("engines_unusable")
     reported = {
@@ -172,8 +185,9 @@ def record_heartbeat(name: str, facts: dict) -> str | None:
         "memory_gb": max(0, int(facts.get("memory_gb") or 0)),
         "disk_free_bytes": max(0, int(facts.get("disk_free_bytes") or 0)),
         "agent_version": str(facts.get("agent_version") or "")[:50],
-        # Optional (issue 37): an agent older than the RPC build says nothing, and cannot lead a group.
+        # Optional (issue 37): an agent older than the RPC build says nothing, and takes no part in a group.
         "rpc": facts.get("rpc") is True,
+        "rpc_head": facts.get("rpc_head") is True,
     }
     if isinstance(facts.get("labels"), dict):
         reported["labels"] = {str(k): str(v) for k, v in facts["labels"].items()}

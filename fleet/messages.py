@@ -79,10 +79,11 @@ def checked_facts(name: str, facts: dict) -> dict:
     if "replica_memory" in facts:
         measured = _dict(facts["replica_memory"], "replica_memory", MANY)
         checked["replica_memory"] = {_replica_id(k): _measured(m) for k, m in measured.items()}
-    if "rpc" in facts:
-        if not isinstance(facts["rpc"], bool):
-            raise Refused(f"rpc is {_shown(facts['rpc'])}, not true or false")
-        checked["rpc"] = facts["rpc"]
+    for flag in ("rpc", "rpc_head"):
+        if flag in facts:
+            if not isinstance(facts[flag], bool):
+                raise Refused(f"{flag} is {_shown(facts[flag])}, not true or false")
+            checked[flag] = facts[flag]
     if facts.get("memory_available_bytes") is not None:
         checked["memory_available_bytes"] = _int(facts["memory_available_bytes"], "memory_available_bytes")
     return checked

@@ -41,8 +41,14 @@ class Node(models.Model):
     )
     gpus = models.JSONField(default=list, blank=True, help_text="GPUs the agent reports: [{name, memory_mb}]")
     memory_gb = models.PositiveIntegerField(default=0)
-    # Whether its engine build has llama.cpp's RPC backend, so it can lead a replica across nodes (issue 37).
-    rpc = models.BooleanField("RPC", default=False, help_text="the agent reports an engine that can lead a group")
+    # A replica across nodes (issue 37): a worker runs llama.cpp's rpc-server behind stunnel (`rpc`),
+    # the head a llama-server built with the RPC backend (`rpc_head`). A node may have either or both.
+    rpc = models.BooleanField(
+        "RPC worker", default=False, help_text="the agent runs rpc-server and stunnel: it can hold a share of a group"
+    )
+    rpc_head = models.BooleanField(
+        "RPC head", default=False, help_text="the agent's llama-server has the RPC backend: it can lead a group"
+    )
     disk_free_bytes = models.BigIntegerField(default=0)
     agent_version = models.CharField(max_length=50, blank=True)
     last_heartbeat = models.DateTimeField(null=True, blank=True)

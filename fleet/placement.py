@@ -195,6 +195,7 @@ def _place_missing(
             # (the old one's engine on its head is stopped; what it held is free again).
             _release(replica, rooms)
             _stop(plan, replica, rooms, broken)
+            plan.stop_now.add(replica.id)
             to_place.append(None)
         elif _reachable(replica, rooms):
             on_node[replica.node] += 1
@@ -485,6 +486,11 @@ def _group_candidates(profile: ProfileView, rooms: Iterable[_Room], engines_know
 
 def _can_lead(profile: ProfileView, room: _Room) -> bool:
     # llama.cpp's head runs llama-server with --rpc: its build must have the backend. vLLM's is Ray's head.
+    return room.node.rpc_head or profile.engine != "llamacpp"
+
+
+def _can_work(profile: ProfileView, room: _Room) -> bool:
+    # llama.cpp's worker runs rpc-server behind stunnel (Facts `rpc`). vLLM's is a Ray worker.
     return room.node.rpc or profile.engine != "llamacpp"
 
 
@@ -503,7 +509,7 @@ def _group(profile: ProfileView, candidates: list[_Room], source: str) -> tuple[
     for room in by_room:
         if total >= profile.need_gb or len(chosen) >= profile.nodes:
             break
-        if room is not head:
+        if room is not head and _can_work(profile, room):
             chosen.append(room)
             total += room.memory_gb
     if total < profile.need_gb:
@@ -550,7 +556,8 @@ def group_short(profile: ProfileView, rooms: Iterable[_Room], engines_known: boo
         return f"across up to {profile.nodes} nodes: no node has room for a share"
     if not any(_can_lead(profile, r) for r in candidates):
         return f"across up to {profile.nodes} nodes: none of the nodes with room can lead a group (no RPC backend)"
-    largest = candidates[: profile.nodes]
+    head = next(r for r in candidates if _can_lead(profile, r))
+    largest = [head] + [r for r in candidates if r is not head and _can_work(profile, r)][: profile.nodes - 1]
     held = sum(r.memory_gb for r in largest)
     return (
         f"across up to {profile.nodes} nodes: the {len(largest)} with the most free memory hold {held} GB together, "

@@ -101,6 +101,7 @@ def node_views(
             labels=dict(n.labels or {}),
             holds=frozenset(holds.get(n.pk, ())),
             rpc=n.rpc,
+            rpc_head=n.rpc_head,
         )
         for n in nodes
     ]
@@ -315,8 +316,12 @@ def reconcile_unlocked(
     draining = drain.draining(stopping)
     for replica_id in plan.stop:
         replica = by_id[replica_id]
-        busy = replica.state == Replica.State.READY and drain.hold_stop(
-            replica_id, in_flight.get(replica_id, 0), model_load.get(replica.model_name, {}).get("in_flight", 0)
+        busy = (
+            replica.state == Replica.State.READY
+            and replica_id not in plan.stop_now
+            and drain.hold_stop(
+                replica_id, in_flight.get(replica_id, 0), model_load.get(replica.model_name, {}).get("in_flight", 0)
+            )
         )
         stop(replica, plan.stop_reasons.get(replica_id, ""), tell=not busy)
         if replica_id in plan.stop_reasons:

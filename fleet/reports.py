@@ -138,6 +138,10 @@ def record_report(
                     return f"ignored: report {seq} is older than one already applied"
             if share is not None:
                 return _record_share(replica, share, state, reason)
+            if state != "stopped" and _lost_a_worker(replica):
+                # The head's supervisor starts its engine again, which fails again without the
+                # worker: the group stays failed, naming the worker, until placement replaces it.
+                return "ignored: the group failed with its worker and is placed again"
             return _apply(replica, state, endpoint, reason)
     except Exception:
         # Not applied (the database went away before the commit, say): the report is given back
@@ -170,6 +174,10 @@ def _apply(replica: Replica, state: str, endpoint: str, reason: str) -> str:
     replica.enter(state, reason[:4000], endpoint if state == "ready" else "")
     replica.save()
     return state
+
+
+def _lost_a_worker(replica: Replica) -> bool:
+    return replica.state == Replica.State.FAILED and replica.shares.filter(state=ReplicaShare.State.FAILED).exists()
 
 
 def _record_share(replica: Replica, share: ReplicaShare, state: str, reason: str) -> str:

@@ -31,8 +31,10 @@ class NodeView:
     labels: dict[str, str] = field(default_factory=dict)
     # Sources whose weights are already on this node's disk.
     holds: frozenset[str] = frozenset()
-    # Its engine has llama.cpp's RPC backend: it may lead a replica across nodes (issue 37).
+    # A replica across nodes (issue 37): it runs rpc-server and stunnel, so it may hold a worker's share ...
     rpc: bool = False
+    # ... and its llama-server has the RPC backend, so it may lead one.
+    rpc_head: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,5 +181,7 @@ class Plan:
     forget: list[int] = field(default_factory=list)
     # What a stopped replica says, by id, when there is more to say than "stopping".
     stop_reasons: dict[int, str] = field(default_factory=dict)
+    # Stopped at once, not drained: a group that lost a worker never finishes what it has in flight.
+    stop_now: set[int] = field(default_factory=set)
     # Replicas stopped to make room for another model, counted per model: their counts go down.
     made_room: dict[str, int] = field(default_factory=dict)

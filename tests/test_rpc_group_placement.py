@@ -36,12 +36,12 @@ SOURCE = "http://127.0.0.1:8001/big/v1/"
 BIG = ProfileView("cpu", "llamacpp", min_memory_gb=40, nodes=2)
 
 
-def three_small_nodes(**rpc) -> list[NodeView]:
-    # Each too small alone for 40 GB; any two together hold it.
+def three_small_nodes(heads: str = "abc", workers: str = "abc") -> list[NodeView]:
+    # Each too small alone for 40 GB; any two together hold it. `heads` have the RPC backend
+    # in llama-server (Facts `rpc_head`), `workers` rpc-server and stunnel (Facts `rpc`).
     return [
-        NodeView("a", engines=frozenset({"llamacpp"}), memory_gb=30, rpc=rpc.get("a", True)),
-        NodeView("b", engines=frozenset({"llamacpp"}), memory_gb=20, rpc=rpc.get("b", True)),
-        NodeView("c", engines=frozenset({"llamacpp"}), memory_gb=10, rpc=rpc.get("c", True)),
+        NodeView(name, engines=frozenset({"llamacpp"}), memory_gb=memory, rpc=name in workers, rpc_head=name in heads)
+        for name, memory in (("a", 30), ("b", 20), ("c", 10))
     ]
 
 
@@ -65,10 +65,32 @@ def test_three_nodes_each_too_small_serve_one_replica_across_two_split_by_free_m
 
 
 def test_a_node_without_the_rpc_backend_is_never_the_head():
-    plan = place(three_small_nodes(a=False), big(), [])
+    plan = place(three_small_nodes(heads="bc"), big(), [])
     [a] = plan.assign
     assert a.node == "b"
     assert [s.node for s in a.shares] == ["a"]
+
+
+def test_a_node_that_can_be_a_worker_but_not_a_head_only_ever_holds_a_share():
+    # a has rpc-server and stunnel but a llama-server without --rpc: b leads, a works.
+    plan = place(three_small_nodes(heads="bc", workers="a"), big(), [])
+    [a] = plan.assign
+    assert (a.node, [s.node for s in a.shares]) == ("b", ["a"])
+
+
+def test_a_node_that_can_lead_but_has_no_rpc_server_is_never_a_worker():
+    # b's llama-server has the backend but no rpc-server runs there: a leads, c is its worker,
+    # and a (30) with c (10) hold the 40 GB.
+    plan = place(three_small_nodes(heads="ab", workers="c"), big(), [])
+    [a] = plan.assign
+    assert (a.node, [s.node for s in a.shares]) == ("a", ["c"])
+
+
+def test_no_worker_able_node_leaves_the_group_unplaced_with_what_the_head_holds_alone():
+    plan = place(three_small_nodes(heads="abc", workers=""), big(), [])
+    assert plan.assign == []
+    [unplaced] = plan.unplaced
+    assert "the 1 with the most free memory hold 30 GB together, needs 40" in unplaced.reason
 
 
 def test_a_profile_of_one_node_is_not_spread_and_says_why_with_the_largest_node():
@@ -82,7 +104,7 @@ def test_no_group_that_holds_it_is_explained_with_what_the_largest_nodes_hold_to
     plan = place(three_small_nodes(), big(ProfileView("cpu", "llamacpp", min_memory_gb=60, nodes=2)), [])
     [unplaced] = plan.unplaced
     assert "across up to 2 nodes: the 2 with the most free memory hold 50 GB together, needs 60" in unplaced.reason
-    plan = place(three_small_nodes(a=False, b=False, c=False), big(), [])
+    plan = place(three_small_nodes(heads=""), big(), [])
     assert "none of the nodes with room can lead a group (no RPC backend)" in plan.unplaced[0].reason
 
 
@@ -102,6 +124,9 @@ def test_a_group_whose_worker_node_is_lost_is_stopped_and_placed_again_with_the_
     plan = place(nodes, big(), [group])
     assert plan.stop == [1]
     assert plan.stop_reasons[1] == "worker b was lost: the group is placed again"
+    # Stopped at once, not drained: a request in flight waits on the lost worker forever
+    # (test_rpc_group_fleet.py's partition found it).
+    assert plan.stop_now == {1}
     [a] = plan.assign
     assert a.replica is None and (a.node, [s.node for s in a.shares]) == ("a", ["c"])
 
@@ -125,7 +150,9 @@ def fleet(db):
     now = timezone.now()
     for name, memory in (("a", 30), ("b", 20), ("c", 10)):
         issue_token(name)
-        Node.objects.filter(name=name).update(last_heartbeat=now, engines=["llamacpp"], memory_gb=memory, rpc=True)
+        Node.objects.filter(name=name).update(
+            last_heartbeat=now, engines=["llamacpp"], memory_gb=memory, rpc=True, rpc_head=True
+        )
     Node.objects.filter(name="b").update(address="10.0.0.2")
     return {n.name: n for n in Node.objects.all()}
 
@@ -195,6 +222,28 @@ def test_a_worker_failure_fails_the_group_naming_it_and_reconcile_places_a_new_g
     new = Replica.objects.exclude(pk=replica.pk).get()
     assert new.node.name == "a" and [s.node.name for s in new.shares.all()] == ["b"]
     assert [t for t, _, _ in orders(broker, "node.a")] == ["agent.stop_replica", "agent.start_replica"]
+
+
+@pytestmark_db
+def test_the_heads_own_restarts_after_its_worker_failed_keep_the_group_failed_until_it_is_placed_again(fleet, broker):
+    # Found end to end (test_rpc_group_fleet.py): the head's supervisor starts its engine again
+    # after its backoff, each start reported `starting` then `failed`, and each report put off
+    # the group's retry: no new group was ever placed.
+    reconcile.reconcile(models=big())
+    replica = Replica.objects.get()
+    replica_report(node.report("b", replica.pk, "ready"))
+    replica_report(node.report("a", replica.pk, "ready", "http://127.0.0.1:9000/v1"))
+    replica_report(node.report("b", replica.pk, "failed", reason="rpc-server exited with signal 9"))
+    failed_since = Replica.objects.get().since
+    replica_report(node.report("a", replica.pk, "failed", reason="it lost its RPC worker b at 10.0.0.2:50100"))
+    replica_report(node.report("a", replica.pk, "starting"))
+    replica.refresh_from_db()
+    assert (replica.state, replica.since, replica.attempts) == ("failed", failed_since, 1)
+    assert replica.reason == "worker b failed: rpc-server exited with signal 9"
+    Replica.objects.filter(pk=replica.pk).update(since=timezone.now() - timedelta(seconds=11))
+    reconcile.reconcile(models=big())
+    assert Replica.objects.get(pk=replica.pk).state == "stopping"
+    assert Replica.objects.exclude(pk=replica.pk).count() == 1
 
 
 @pytestmark_db
@@ -352,3 +401,16 @@ def test_a_heartbeat_says_whether_the_node_can_lead_a_group_and_an_older_one_say
     # An agent older than the RPC build says nothing: it cannot lead.
     heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10}))
     assert Node.objects.get(name="c").rpc is False
+
+
+@pytestmark_db
+def test_a_heartbeat_says_apart_whether_the_node_can_be_a_worker_and_whether_it_can_lead(fleet, broker):
+    heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10, "rpc": True, "rpc_head": False}))
+    c = Node.objects.get(name="c")
+    assert (c.rpc, c.rpc_head) == (True, False)
+    heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10, "rpc": False, "rpc_head": True}))
+    c = Node.objects.get(name="c")
+    assert (c.rpc, c.rpc_head) == (False, True)
+    # A number where true or false goes is refused, and changes nothing.
+    heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10, "rpc_head": 1}))
+    assert Node.objects.get(name="c").rpc_head is True
