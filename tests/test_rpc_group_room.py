@@ -17,7 +17,7 @@ LLAMA = frozenset({"llamacpp"})
 
 
 def node(name: str, memory_gb: int, **more) -> NodeView:
-    return NodeView(name, engines=LLAMA, memory_gb=memory_gb, rpc=True, **more)
+    return NodeView(name, engines=LLAMA, memory_gb=memory_gb, rpc=True, rpc_head=True, **more)
 
 
 def idle_model(name: str, last_request: float = 0.0) -> ModelView:
