@@ -224,7 +224,7 @@ def too_big_split() -> tuple[float, list[float]]:
     from fleet.placement import ModelView, NodeView, ProfileView, place
 
     nodes = [
-        NodeView("head", memory_gb=2, engines=frozenset({"llamacpp"}), rpc=True),
+        NodeView("head", memory_gb=2, engines=frozenset({"llamacpp"}), rpc=True, rpc_head=True),
         NodeView("w1", memory_gb=1, engines=frozenset({"llamacpp"}), rpc=True),
         NodeView("w2", memory_gb=1, engines=frozenset({"llamacpp"}), rpc=True),
     ]
