@@ -143,6 +143,26 @@ def _said(info_hash: str, raw: dict, now: float) -> dict[str, dict]:
     return out
 
 
+def _replace_records(client, node: str, host: str, port: int, hashes: list[str], before, now: float) -> list:
+    """The node's peer records made anew for the torrents it names (those it named before and not now go);
+    returns the fleet's records and each torrent's, as Redis holds them after this announce."""
+    pipe = client.pipeline()
+    # What the node held at its last announce and no longer names: its records there go.
+    for gone in {b.decode() if isinstance(b, bytes) else b for b in before} - set(hashes):
+        pipe.hdel(SWARM_PREFIX + gone, node)
+    pipe.delete(SWARM_HELD + node)
+    pipe.sadd(SWARM_HELD + node, *hashes)
+    pipe.expire(SWARM_HELD + node, 10 * PEER_TTL_S)
+    pipe.hset(SWARM_FLEET, node, _record("", node, host, port, now))
+    for h in hashes:
+        pipe.hset(SWARM_PREFIX + h, node, _record(h, node, host, port, now))
+        pipe.expire(SWARM_PREFIX + h, 10 * PEER_TTL_S)
+    pipe.hgetall(SWARM_FLEET)
+    for h in hashes:
+        pipe.hgetall(SWARM_PREFIX + h)
+    return pipe.execute()[-(len(hashes) + 1) :]
+
+
 def announce(request: HttpRequest, nodes) -> JsonResponse:
     """`/announce?info_hash=H&port=P`: this node holds (or fetches) torrent H on port P; who else does.
 
@@ -177,21 +197,7 @@ def announce(request: HttpRequest, nodes) -> JsonResponse:
                 "it keeps the peers it has meanwhile",
                 Retry_After=str(RATE_WINDOW_S),
             )
-        pipe = client.pipeline()
-        # What the node held at its last announce and no longer names: its records there go.
-        for gone in {b.decode() if isinstance(b, bytes) else b for b in before} - set(hashes):
-            pipe.hdel(SWARM_PREFIX + gone, node)
-        pipe.delete(SWARM_HELD + node)
-        pipe.sadd(SWARM_HELD + node, *hashes)
-        pipe.expire(SWARM_HELD + node, 10 * PEER_TTL_S)
-        pipe.hset(SWARM_FLEET, node, _record("", node, host, port, now))
-        for h in hashes:
-            pipe.hset(SWARM_PREFIX + h, node, _record(h, node, host, port, now))
-            pipe.expire(SWARM_PREFIX + h, 10 * PEER_TTL_S)
-        pipe.hgetall(SWARM_FLEET)
-        for h in hashes:
-            pipe.hgetall(SWARM_PREFIX + h)
-        answers = pipe.execute()[-(len(hashes) + 1) :]
+        answers = _replace_records(client, node, host, port, hashes, before, now)
         _vouch(client, node, nodes.token_hash_of(node))
     except redis.RedisError:
         return _error(503, "the tracker cannot reach Redis; fetch from the mirror meanwhile", Retry_After="10")
