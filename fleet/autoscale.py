@@ -160,17 +160,7 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
     client = redis_client()
     times = _read_times(client)
     rows = {s.model_name: s for s in Scale.objects.all()}
-    idle: dict[str, int] = {}
-    ready: dict[str, int] = {}
-    for r in replicas:
-        if r.state == READY and r.node_id is not None:
-            ready[r.model_name] = ready.get(r.model_name, 0) + 1
-            # Idle by the gateway's count and by the engine's own, when it says.
-            if not per_replica.get(r.pk) and not (stats.get(r.pk) or {}).get("slots_busy"):
-                idle[r.model_name] = idle.get(r.model_name, 0) + 1
-    busy = frozenset(replica_id for replica_id, count in per_replica.items() if count > 0) | frozenset(
-        replica_id for replica_id, found in stats.items() if found["slots_busy"] > 0
-    )
+    ready, idle, busy = _ready_idle_busy(replicas, per_replica, stats)
     out, changed, created, new_times, recounted = [], [], [], {}, []
     for model in models:
         if model.scaling is None:
@@ -180,15 +170,7 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
         if row is None:
             row = Scale(model_name=model.name, replicas=model.scaling.fewest, changed=now, why="fewest")
             created.append(row)
-        # Without Redis's times (a Redis emptied), the quiet period counts from the last change.
-        busy_at, last_request = times.get(model.name, (row.busy_at or row.changed.timestamp(), 0.0))
-        before = State(
-            row.replicas,
-            row.changed.timestamp(),
-            row.why,
-            max(row.last_request, last_request),
-            max(row.busy_at, busy_at),
-        )
+        before = _state_before(row, times.get(model.name))
         after, stop_reason = decide(
             model.scaling, before, loads.get(model.name), idle.get(model.name, 0), at, per_model.get(model.name)
         )
@@ -215,17 +197,53 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
                 last_request=after.last_request,
             )
         )
+    _save(created, changed, recounted)
+    if new_times:
+        client.hset(TIMES_KEY, mapping=new_times)
+    if gone := set(times) - {m.name for m in scaled}:
+        client.hdel(TIMES_KEY, *gone)
+    return out
+
+
+def _ready_idle_busy(
+    replicas: list[Replica], per_replica: dict[int, int], stats: dict[int, dict]
+) -> tuple[dict[str, int], dict[str, int], frozenset[int]]:
+    """Ready and idle replicas counted per model, and the ids of the replicas busy by either count."""
+    idle: dict[str, int] = {}
+    ready: dict[str, int] = {}
+    for r in replicas:
+        if r.state == READY and r.node_id is not None:
+            ready[r.model_name] = ready.get(r.model_name, 0) + 1
+            # Idle by the gateway's count and by the engine's own, when it says.
+            if not per_replica.get(r.pk) and not (stats.get(r.pk) or {}).get("slots_busy"):
+                idle[r.model_name] = idle.get(r.model_name, 0) + 1
+    busy = frozenset(replica_id for replica_id, count in per_replica.items() if count > 0) | frozenset(
+        replica_id for replica_id, found in stats.items() if found["slots_busy"] > 0
+    )
+    return ready, idle, busy
+
+
+def _state_before(row: Scale, times: tuple[float, float] | None) -> State:
+    """A model's state as the last pass left it: its Scale row, with Redis's times where they are later."""
+    # Without Redis's times (a Redis emptied), the quiet period counts from the last change.
+    busy_at, last_request = times or (row.busy_at or row.changed.timestamp(), 0.0)
+    return State(
+        row.replicas,
+        row.changed.timestamp(),
+        row.why,
+        max(row.last_request, last_request),
+        max(row.busy_at, busy_at),
+    )
+
+
+def _save(created: list[Scale], changed: list[Scale], recounted: list[tuple[Scale, dict]]) -> None:
+    """Write the pass's new and changed Scale rows, and a recount to the audit log."""
     if created:
         Scale.objects.bulk_create(created, ignore_conflicts=True)
     if changed:
         Scale.objects.bulk_update(changed, ["replicas", "changed", "why", "last_request", "busy_at"])
     for row, changes in recounted:
         audit.record_update(row, changes)  # by "system": bulk_update tells the audit log nothing
-    if new_times:
-        client.hset(TIMES_KEY, mapping=new_times)
-    if gone := set(times) - {m.name for m in scaled}:
-        client.hdel(TIMES_KEY, *gone)
-    return out
 
 
 def _read_times(client) -> dict[str, tuple[float, float]]:

@@ -50,17 +50,7 @@ def stream_once(
     """One streamed chat answer: time to first token, tokens, and whether it ended whole
     ([DONE] after a finish_reason). `key` "" sends no Authorization (an engine asked directly);
     `extra` adds fields to the body (a test's logit_bias)."""
-    messages = [{"role": "system", "content": system}] if system else []
-    body = {
-        "model": model,
-        "messages": messages + [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if temperature is not None:
-        body["temperature"] = temperature
-    body.update(extra or {})
+    body = _chat_body(model, prompt, max_tokens, system, temperature, extra)
     started = time.perf_counter()
     first = finish = None
     tokens = chunks = 0
@@ -99,6 +89,24 @@ def stream_once(
         "seconds": time.perf_counter() - started,
         "whole": ended and finish is not None,
     }
+
+
+def _chat_body(
+    model: str, prompt: str, max_tokens: int, system: str, temperature: float | None, extra: dict | None
+) -> dict:
+    """A streamed chat request's body, asking for usage at its end."""
+    messages = [{"role": "system", "content": system}] if system else []
+    body = {
+        "model": model,
+        "messages": messages + [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if temperature is not None:
+        body["temperature"] = temperature
+    body.update(extra or {})
+    return body
 
 
 def summary(results: list[dict], errors: list[str], elapsed: float) -> dict:

@@ -303,6 +303,22 @@ def reconcile_unlocked(
     ready_nodes = {n.name for n in nodes if heard(n, now, heard_since)}
     running = running_on(sorted(ready_nodes))
 
+    in_flight, draining = _forget_and_stop(plan, replicas, by_id, ready_nodes)
+    _assign(plan, by_id, by_name)
+    _unplace(plan, by_id)
+    handled = set(plan.forget) | set(plan.stop) | {a.replica for a in plan.assign} | {u.replica for u in plan.unplaced}
+    for replica in replicas:
+        if replica.pk in handled or replica.node_id is None or node_names[replica.node_id] not in ready_nodes:
+            continue
+        _follow_up(replica, now, draining, in_flight, running.get(node_names[replica.node_id]))
+    _stop_extras(running, by_name)
+    return plan
+
+
+def _forget_and_stop(
+    plan: Plan, replicas: list[Replica], by_id: dict[int, Replica], ready_nodes: set[str]
+) -> tuple[dict[int, int], set[int]]:
+    """Delete the plan's forgotten replicas and stop its stopped ones; return in-flight counts and the draining."""
     for replica_id in plan.forget:
         # A group forgotten (its head lost): the workers that are still heard from stop their shares.
         workers = [s.node.name for s in by_id[replica_id].shares.all() if s.node.name in ready_nodes]
@@ -328,7 +344,11 @@ def reconcile_unlocked(
             log.info(
                 "replica %s of %s stopped: %s", replica_id, by_id[replica_id].model_name, plan.stop_reasons[replica_id]
             )
+    return in_flight, draining
 
+
+def _assign(plan: Plan, by_id: dict[int, Replica], by_name: dict[str, Node]) -> None:
+    """Write each assignment of the plan to its replica (a new one for a new replica) and send its start."""
     for a in plan.assign:
         replica = by_id[a.replica] if a.replica is not None else Replica(model_name=a.model)
         replica.profile_name = a.profile.name
@@ -354,6 +374,9 @@ def reconcile_unlocked(
         # the one that failed is sent again once its node says it does not run it (START_RESEND_S).
         transaction.on_commit(lambda r=replica: send_start(r), robust=True)
 
+
+def _unplace(plan: Plan, by_id: dict[int, Replica]) -> None:
+    """Leave each replica the plan could not place pending on no node, saying why."""
     for u in plan.unplaced:
         replica = by_id[u.replica] if u.replica is not None else Replica(model_name=u.model)
         replica.node = None
@@ -362,47 +385,49 @@ def reconcile_unlocked(
         replica.enter(Replica.State.PENDING, u.reason)
         replica.save()
 
-    handled = set(plan.forget) | set(plan.stop) | {a.replica for a in plan.assign} | {u.replica for u in plan.unplaced}
-    for replica in replicas:
-        if replica.pk in handled or replica.node_id is None or node_names[replica.node_id] not in ready_nodes:
-            continue
-        waited = now - replica.since
-        if replica.state == Replica.State.FAILED and waited >= retry_delay(replica.attempts):
-            # Same node: it may hold the weights, and a transient failure there is the likely one.
-            replica.enter(Replica.State.PENDING, f"starting again after: {replica.reason}")
-            replica.save()
-            transaction.on_commit(lambda r=replica: send_start(r), robust=True)
-        elif replica.pk in draining:
-            if drain.drained(replica.pk, waited.total_seconds(), in_flight.get(replica.pk, 0)):
-                replica.since = now
-                replica.save(update_fields=["since"])
-                tell_stop(replica)
-        elif replica.state == Replica.State.STOPPING and waited >= timedelta(seconds=STOP_RESEND_S):
+
+def _follow_up(
+    replica: Replica, now: datetime, draining: set[int], in_flight: dict[int, int], running: set[int] | None
+) -> None:
+    """Move on a replica the plan left alone on a heard node: retry a failure, finish a drain, resend what went unanswered.
+
+    `running` is what its node last said it runs (None: the node has not said).
+    """
+    waited = now - replica.since
+    if replica.state == Replica.State.FAILED and waited >= retry_delay(replica.attempts):
+        # Same node: it may hold the weights, and a transient failure there is the likely one.
+        replica.enter(Replica.State.PENDING, f"starting again after: {replica.reason}")
+        replica.save()
+        transaction.on_commit(lambda r=replica: send_start(r), robust=True)
+    elif replica.pk in draining:
+        if drain.drained(replica.pk, waited.total_seconds(), in_flight.get(replica.pk, 0)):
             replica.since = now
             replica.save(update_fields=["since"])
             tell_stop(replica)
-        elif (
-            replica.state in RESENT_STATES
-            and waited >= unanswered_after(replica.state)
-            and node_names[replica.node_id] in running
-            and replica.pk not in running[node_names[replica.node_id]]
-        ):
-            # Its node does not run it. Pending: the start was lost (a broker restarted without
-            # persistence, a worker killed between commit and publish). Starting or ready: the
-            # database was restored from a backup taken while it ran, and it has stopped since
-            # (docs/failures.md). A start is idempotent on the node, so one that was only slow costs nothing.
-            if replica.state == Replica.State.PENDING:
-                log.info("replica %s: no answer to its start for %s, sent again", replica.pk, waited)
-                replica.since = now
-                replica.save(update_fields=["since"])
-            else:
-                log.info("replica %s is %s but its node does not run it: started again", replica.pk, replica.state)
-                said = f"started again: it was {replica.state}, but its node did not run it"
-                replica.enter(Replica.State.PENDING, said, endpoint="")
-                replica.save()
-            transaction.on_commit(lambda r=replica: send_start(r), robust=True)
-    _stop_extras(running, by_name)
-    return plan
+    elif replica.state == Replica.State.STOPPING and waited >= timedelta(seconds=STOP_RESEND_S):
+        replica.since = now
+        replica.save(update_fields=["since"])
+        tell_stop(replica)
+    elif (
+        replica.state in RESENT_STATES
+        and waited >= unanswered_after(replica.state)
+        and running is not None
+        and replica.pk not in running
+    ):
+        # Its node does not run it. Pending: the start was lost (a broker restarted without
+        # persistence, a worker killed between commit and publish). Starting or ready: the
+        # database was restored from a backup taken while it ran, and it has stopped since
+        # (docs/failures.md). A start is idempotent on the node, so one that was only slow costs nothing.
+        if replica.state == Replica.State.PENDING:
+            log.info("replica %s: no answer to its start for %s, sent again", replica.pk, waited)
+            replica.since = now
+            replica.save(update_fields=["since"])
+        else:
+            log.info("replica %s is %s but its node does not run it: started again", replica.pk, replica.state)
+            said = f"started again: it was {replica.state}, but its node did not run it"
+            replica.enter(Replica.State.PENDING, said, endpoint="")
+            replica.save()
+        transaction.on_commit(lambda r=replica: send_start(r), robust=True)
 
 
 def _stop_extras(running: dict[str, set[int]], by_name: dict[str, Node]) -> None:

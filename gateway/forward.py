@@ -128,41 +128,14 @@ class Forwarding:
         while True:
             upstream, why = self.pick(route, tried, conversation)
             if upstream is None:
-                unreachable = Refusal(
-                    502,
-                    f"No replica of {route.name} could be reached: " + "; ".join(failures) + ".",
-                    kind="api_error",
-                    code="replica_unreachable",
-                )
-                # Only engines that did not answer at all may be back in a moment (gateway/hold.py);
-                # one that refuses the replica secret is not waited for.
-                unreachable.engine_down = not refused_secret
-                raise unreachable
+                raise _unreachable(route.name, failures, refused_secret)
             tried.add(upstream.replica_id)
             replica = upstream.replica_id
             self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
             try:
                 sent_at = time.perf_counter()
-                session = self._fresh_session if replica in resent else self._session
                 try:
-                    response = await session.post(
-                        upstream.base + request.endpoint.engine_path,
-                        data=request.body,
-                        headers={
-                            "Content-Type": "application/json",
-                            "X-Request-Id": metrics.engine_request_id(scope),
-                            **bearer(upstream.secret),
-                        },
-                    )
-                except aiohttp.SocketTimeoutError:
-                    # The replica has the request and may be working on it: another would do it twice.
-                    raise Refusal(
-                        504,
-                        f"Replica {replica} of {route.name} did not start answering within "
-                        f"{settings.GATEWAY_UPSTREAM_TIMEOUT_S} s.",
-                        kind="api_error",
-                        code="replica_timeout",
-                    ) from None
+                    response = await self._post(request, upstream, fresh=replica in resent)
                 except aiohttp.ClientConnectionError as error:
                     if not isinstance(error, aiohttp.ClientConnectorError) and replica not in resent:
                         # Connected, then dropped before a byte of answer: a kept-alive connection the
@@ -175,16 +148,7 @@ class Forwarding:
                         tried.discard(replica)
                         continue
                     # Nothing came back from this one, so the request can go to another.
-                    self.cooling[replica] = time.monotonic() + COOLDOWN_S
-                    self.observer.failover(scope)
-                    failures.append(f"replica {replica} at {upstream.base}: {sentence_of(error)}")
-                    log.warning(
-                        "replica %s at %s did not answer (%r); tried last for %g s",
-                        replica,
-                        upstream.base,
-                        error,
-                        COOLDOWN_S,
-                    )
+                    failures.append(self._unanswered(scope, upstream, error))
                     continue
                 if response.status == 401:
                     # The engine does not take this replica's secret (its node re-enrolled or was revoked, and it
@@ -196,19 +160,75 @@ class Forwarding:
                     refused_secret = True
                     continue
                 self.cooling.pop(replica, None)
-                gateway_s = sent_at - request.started
-                answer = Answer(scope["path"] if request.translation is None else CHAT)
-                try:
-                    await relay(request, response, replica, gateway_s, answer)
-                finally:
-                    response.close()
-                    # Counted however the answer ended: a stream cut short, by either side, is billed for
-                    # what was relayed, since its usage chunk (the last) never came.
-                    prompt, completion = answer.tokens(len(request.body))
-                    cached = answer.cached()
-                    spent = cost(route.prices, prompt, completion, cached)
-                    self.usage.add(request.key.id, route.name, prompt, completion, cached, spent)
-                    self.observer.answered(scope, replica, gateway_s, prompt, completion, cached, why)
-                return prompt + completion, micro_units(spent)
+                return await self._relay_and_count(request, response, replica, sent_at - request.started, why)
             finally:
                 self.in_flight[replica] -= 1
+
+    async def _post(self, request: Request, upstream: routes.Upstream, fresh: bool) -> aiohttp.ClientResponse:
+        """Send the request to one replica (on a new connection when `fresh`); its answer's headers."""
+        session = self._fresh_session if fresh else self._session
+        try:
+            return await session.post(
+                upstream.base + request.endpoint.engine_path,
+                data=request.body,
+                headers={
+                    "Content-Type": "application/json",
+                    "X-Request-Id": metrics.engine_request_id(request.scope),
+                    **bearer(upstream.secret),
+                },
+            )
+        except aiohttp.SocketTimeoutError:
+            # The replica has the request and may be working on it: another would do it twice.
+            raise Refusal(
+                504,
+                f"Replica {upstream.replica_id} of {request.route.name} did not start answering within "
+                f"{settings.GATEWAY_UPSTREAM_TIMEOUT_S} s.",
+                kind="api_error",
+                code="replica_timeout",
+            ) from None
+
+    def _unanswered(self, scope: dict, upstream: routes.Upstream, error: Exception) -> str:
+        """Cool a replica that did not answer, count the failover, and say what happened to it."""
+        replica = upstream.replica_id
+        self.cooling[replica] = time.monotonic() + COOLDOWN_S
+        self.observer.failover(scope)
+        log.warning(
+            "replica %s at %s did not answer (%r); tried last for %g s",
+            replica,
+            upstream.base,
+            error,
+            COOLDOWN_S,
+        )
+        return f"replica {replica} at {upstream.base}: {sentence_of(error)}"
+
+    async def _relay_and_count(
+        self, request: Request, response: aiohttp.ClientResponse, replica: int, gateway_s: float, why: str
+    ) -> tuple[int, int]:
+        """Relay the replica's answer and count its usage; its tokens and its cost in micro-units."""
+        answer = Answer(request.scope["path"] if request.translation is None else CHAT)
+        try:
+            await relay(request, response, replica, gateway_s, answer)
+        finally:
+            response.close()
+            # Counted however the answer ended: a stream cut short, by either side, is billed for
+            # what was relayed, since its usage chunk (the last) never came.
+            prompt, completion = answer.tokens(len(request.body))
+            cached = answer.cached()
+            spent = cost(request.route.prices, prompt, completion, cached)
+            self.usage.add(request.key.id, request.route.name, prompt, completion, cached, spent)
+            self.observer.answered(request.scope, replica, gateway_s, prompt, completion, cached, why)
+        return prompt + completion, micro_units(spent)
+
+
+def _unreachable(model: str, failures: list[str], refused_secret: bool) -> Refusal:
+    """The refusal when no replica of the model could be reached, with what happened to each."""
+    unreachable = Refusal(
+        502,
+        f"No replica of {model} could be reached: " + "; ".join(failures) + ".",
+        kind="api_error",
+        code="replica_unreachable",
+    )
+    # Only engines that did not answer at all may be back in a moment (gateway/hold.py);
+    # one that refuses the replica secret is not waited for.
+    unreachable.engine_down = not refused_secret
+    return unreachable

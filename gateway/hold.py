@@ -188,6 +188,17 @@ class Holding:
         `gone`: done when the client hangs up (the request's HangUp, gateway/request.py).
         """
         queue = self.queues.setdefault(name, collections.deque())
+        mine = (name, key_id)
+        self._refuse_when_full(queue, mine, prospect)
+        waiter = self._join(queue, mine, prospect)
+        try:
+            await self._until_released(waiter, name, gone, stream, deadline, also)
+        finally:
+            self._leave(queue, waiter, mine)
+
+    def _refuse_when_full(self, queue: collections.deque[Waiter], mine: tuple[str, int], prospect) -> None:
+        """Refuse a request the model's queue, or its key's share of it, has no room for."""
+        name = mine[0]
         if len(queue) >= self.size:
             raise unavailable(
                 f"{len(queue)} requests are already waiting for a replica of {name}, as many as this gateway "
@@ -195,7 +206,6 @@ class Holding:
                 code="hold_queue_full",
             )
         # One key cannot take the whole queue from the others.
-        mine = (name, key_id)
         if self.by_key.get(mine, 0) >= self.per_key:
             raise unavailable(
                 f"This API key has {self.by_key[mine]} requests waiting for a replica of {name} already, as many "
@@ -203,6 +213,10 @@ class Holding:
                 f"{prospect.reason}.",
                 code="hold_queue_full",
             )
+
+    def _join(self, queue: collections.deque[Waiter], mine: tuple[str, int], prospect) -> Waiter:
+        """Queue a waiter for the model, counted, and ask for the model to wake if it is the first."""
+        name = mine[0]
         self.by_key[mine] = self.by_key.get(mine, 0) + 1
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future())
@@ -215,38 +229,46 @@ class Holding:
         self.began_waiting.set()
         if self._watcher is None or self._watcher.done():
             self._watcher = loop.create_task(self._watch())
+        return waiter
+
+    async def _until_released(
+        self, waiter: Waiter, name: str, gone: asyncio.Future, stream: HeldStream | None, deadline: float, also: str
+    ) -> None:
+        """Wait for the waiter's release, commenting on a stream meanwhile; raise at the deadline or a hang-up."""
         next_comment = time.monotonic() + FIRST_COMMENT_S
-        try:
-            while True:
-                now = time.monotonic()
-                timeout = min(deadline, next_comment) - now if stream is not None else deadline - now
-                if timeout > 0:
-                    await asyncio.wait((waiter.future, gone), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                if waiter.future.done():
-                    waiter.future.result()  # raises the refusal of a model that cannot wake after all
-                    return
-                if gone.done():
-                    raise ClientGone
-                now = time.monotonic()
-                if now >= deadline:
-                    raise unavailable(
-                        f"{self.status[name].reason}. Waited {self.hold_s:g} s for one, the longest a request "
-                        "waits here (LLMGW_HOLD_S)." + (f" {also}" if also else "")
-                    )
-                if stream is not None and now >= next_comment:
-                    await stream.comment(f"waiting for a replica of {name}: {self.status[name].status}")
-                    next_comment = now + COMMENT_EVERY_S
-        finally:
-            if waiter.queued:
-                waiter.queued = False
-                queue.remove(waiter)
-            if not queue and self.queues.get(name) is queue:
-                del self.queues[name]
-            self.by_key[mine] -= 1
-            if not self.by_key[mine]:
-                del self.by_key[mine]
-            self.waiting -= 1
-            self.demand.wait_changed(name, -1)
+        while True:
+            now = time.monotonic()
+            timeout = min(deadline, next_comment) - now if stream is not None else deadline - now
+            if timeout > 0:
+                await asyncio.wait((waiter.future, gone), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if waiter.future.done():
+                waiter.future.result()  # raises the refusal of a model that cannot wake after all
+                return
+            if gone.done():
+                raise ClientGone
+            now = time.monotonic()
+            if now >= deadline:
+                raise unavailable(
+                    f"{self.status[name].reason}. Waited {self.hold_s:g} s for one, the longest a request "
+                    "waits here (LLMGW_HOLD_S)." + (f" {also}" if also else "")
+                )
+            if stream is not None and now >= next_comment:
+                await stream.comment(f"waiting for a replica of {name}: {self.status[name].status}")
+                next_comment = now + COMMENT_EVERY_S
+
+    def _leave(self, queue: collections.deque[Waiter], waiter: Waiter, mine: tuple[str, int]) -> None:
+        """Take a waiter that is done out of the queue and the counts, however it ended."""
+        name = mine[0]
+        if waiter.queued:
+            waiter.queued = False
+            queue.remove(waiter)
+        if not queue and self.queues.get(name) is queue:
+            del self.queues[name]
+        self.by_key[mine] -= 1
+        if not self.by_key[mine]:
+            del self.by_key[mine]
+        self.waiting -= 1
+        self.demand.wait_changed(name, -1)
 
     def release(self, table, cooling: dict[int, float]) -> None:
         """Let go, in order, every request whose model the table now has a usable replica of."""

@@ -47,19 +47,10 @@ async def relay(request: Request, response: aiohttp.ClientResponse, replica: int
         return
     send, hang_up = request.send, request.hang_up
     if translation is not None:
-        events = translation.stream()
+        events, whole = translation.stream(), None
         headers = [(b"content-type", b"text/event-stream"), *STREAM_HEADERS]
     else:
-        hide_cache = not settings.GATEWAY_SHOW_CACHED_TOKENS
-        events = EventFilter(not request.client_wants_usage, hide_cache) if event_stream else None
-        # A whole answer is passed on whole when what it says of the cache is taken out: a count split
-        # between two chunks would be missed. Its length stays (without_cache_counts).
-        whole = [] if events is None and hide_cache else None
-        headers = [(b"content-type", content_type.encode("latin-1"))]
-        if event_stream:
-            headers += STREAM_HEADERS
-        elif (length := response.headers.get("Content-Length")) is not None:
-            headers.append((b"content-length", length.encode("latin-1")))
+        events, whole, headers = _as_it_came(request, response, content_type, event_stream)
     headers.append((b"x-llmgw-replica", str(replica).encode()))
     headers.append(timing(gateway_s + time.perf_counter() - answered_at))
 
@@ -101,6 +92,24 @@ async def relay(request: Request, response: aiohttp.ClientResponse, replica: int
         await send({"type": "http.response.body", "body": events.fail(broke_off(replica, error), "replica_broke_off")})
     finally:
         hang_up.unguard()
+
+
+def _as_it_came(
+    request: Request, response: aiohttp.ClientResponse, content_type: str, event_stream: bool
+) -> tuple[EventFilter | None, list[bytes] | None, list[tuple[bytes, bytes]]]:
+    """For an answer passed on in its own format: its event filter (a stream), the list a whole
+    answer is gathered in (when its cache counts are taken out), and its headers."""
+    hide_cache = not settings.GATEWAY_SHOW_CACHED_TOKENS
+    events = EventFilter(not request.client_wants_usage, hide_cache) if event_stream else None
+    # A whole answer is passed on whole when what it says of the cache is taken out: a count split
+    # between two chunks would be missed. Its length stays (without_cache_counts).
+    whole = [] if events is None and hide_cache else None
+    headers = [(b"content-type", content_type.encode("latin-1"))]
+    if event_stream:
+        headers += STREAM_HEADERS
+    elif (length := response.headers.get("Content-Length")) is not None:
+        headers.append((b"content-length", length.encode("latin-1")))
+    return events, whole, headers
 
 
 async def _relay_whole_translated(request: Request, response, replica: int, gateway_s: float, answer: Answer):

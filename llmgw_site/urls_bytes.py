@@ -7,6 +7,7 @@ from common.health import bytes_health
 from contracts.sources import SEED_ALIAS
 from fleet.enrolment import EnrolledNodes
 from mirror import bytes_views
+from mirror import tracker as tracker_views
 from mirror.bytes_auth import only_the_fleet
 
 # The nodes' token hashes as this process believes them: read at most once per LLMGW_BYTES_PASS_CACHE_S
@@ -20,7 +21,7 @@ def fleet_only(view):
 
 
 def tracker(request):
-    return bytes_views.announce(request, ENROLLED)
+    return tracker_views.announce(request, ENROLLED)
 
 
 urlpatterns = [

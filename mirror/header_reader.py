@@ -323,6 +323,19 @@ def _gguf(f: _File, types: dict | None) -> dict:
         raise Refused(f"its header claims {kv_count:,} keys; llmgw reads at most {MAX_KEYS:,}")
     if tensor_count > MAX_TENSORS:
         raise Refused(f"its header claims {tensor_count:,} tensors; llmgw reads at most {MAX_TENSORS:,}")
+    header = _gguf_keys(f, kv_count)
+    by_type = _gguf_tensors(f, tensor_count, types)
+    weights = sum(by_type.values())
+    if weights > f.size:
+        raise Refused(f"its tensor table claims {weights:,} bytes of tensors, and the file holds {f.size:,}")
+    header["tensors"] = tensor_count
+    header["tensor_types"] = by_type
+    header["weights_bytes"] = weights
+    return header
+
+
+def _gguf_keys(f: _File, kv_count: int) -> dict:
+    """The header's keys a plan needs (architecture, its sizes, split count, vocabulary), each within its limit."""
     arch = ""
     per_prefix: dict[tuple[str, str], object] = {}
     split_count = None
@@ -356,7 +369,11 @@ def _gguf(f: _File, types: dict | None) -> dict:
         if problem := number_problem(value, key, FIELD_LIMITS[field]):
             raise Refused(problem)
         header[field] = value
+    return header
 
+
+def _gguf_tensors(f: _File, tensor_count: int, types: dict) -> dict[str, int]:
+    """The tensor table: bytes of weights per tensor type, as the gguf package sizes each type."""
     by_type: dict[str, int] = {}
     for _ in range(tensor_count):
         n = f.take("Q")
@@ -378,13 +395,7 @@ def _gguf(f: _File, types: dict | None) -> dict:
             raise Refused(f"a tensor of type {kind}, which the gguf package does not know")
         type_name, block, size = known
         by_type[type_name] = by_type.get(type_name, 0) + elements // block * size
-    weights = sum(by_type.values())
-    if weights > f.size:
-        raise Refused(f"its tensor table claims {weights:,} bytes of tensors, and the file holds {f.size:,}")
-    header["tensors"] = tensor_count
-    header["tensor_types"] = by_type
-    header["weights_bytes"] = weights
-    return header
+    return by_type
 
 
 def _refuse_constant(name: str):

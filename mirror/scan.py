@@ -183,6 +183,19 @@ def index_version(model: str, version: str) -> ScanReport:
         return _scan(only=(model, version))
 
 
+@dataclass
+class _Changes:
+    """The rows one scan writes, gathered to be written in one transaction."""
+
+    new_versions: list[MirrorVersion] = field(default_factory=list)
+    new_files: list[MirrorFile] = field(default_factory=list)
+    changed_files: list[MirrorFile] = field(default_factory=list)
+    gone_files: list[int] = field(default_factory=list)
+    touched_versions: list[int] = field(default_factory=list)
+    # Ids to hash, in the order of the walk; a new file's id is known once it is written.
+    to_hash: list[int | MirrorFile] = field(default_factory=list)
+
+
 def _scan(only: tuple[str, str] | None = None) -> ScanReport:
     report = ScanReport()
     now = timezone.now()
@@ -193,70 +206,71 @@ def _scan(only: tuple[str, str] | None = None) -> ScanReport:
         on_disk = {} if listing is None else {only: listing}
     index = read_index(only)
 
-    new_versions: list[MirrorVersion] = []
-    new_files: list[MirrorFile] = []
-    changed_files: list[MirrorFile] = []
-    gone_files: list[int] = []
-    touched_versions: list[int] = []
-    # Ids to hash, in the order of the walk; a new file's id is known once it is written.
-    to_hash: list[int | MirrorFile] = []
-
+    changes = _Changes()
     for (model, version), listing in on_disk.items():
         indexed = index.get((model, version))
         if indexed is None:
             row = MirrorVersion(model=model, version=version, scanned_at=now)
-            new_versions.append(row)
+            changes.new_versions.append(row)
             report.added.append(str(row))
             for name, (size, mtime_ns) in listing.items():
                 new = MirrorFile(version=row, name=name, bytes=size, mtime_ns=mtime_ns)
-                new_files.append(new)
-                to_hash.append(new)
+                changes.new_files.append(new)
+                changes.to_hash.append(new)
             continue
-        version_id, files = indexed
-        where = f"{model}/{version}"
-        touched = False
-        for gone in sorted(set(files) - set(listing)):
-            gone_files.append(files[gone][0])
-            report.changed.append(f"{where}/{gone} removed")
-            touched = True
-        for name, (size, mtime_ns) in listing.items():
-            existing = files.get(name)
-            if existing is None:
-                new = MirrorFile(version_id=version_id, name=name, bytes=size, mtime_ns=mtime_ns)
-                new_files.append(new)
-                to_hash.append(new)
-                report.changed.append(f"{where}/{name} added")
-                touched = True
-            elif existing[1] != size or existing[2] != mtime_ns:
-                changed_files.append(
-                    MirrorFile(pk=existing[0], bytes=size, mtime_ns=mtime_ns, sha256="", hashed_at=None)
-                )
-                to_hash.append(existing[0])
-                report.changed.append(f"{where}/{name} changed")
-                touched = True
-            elif not existing[3]:
-                to_hash.append(existing[0])
-        if touched:
-            touched_versions.append(version_id)
+        _compare(changes, report, f"{model}/{version}", indexed, listing)
 
     gone_versions = sorted((key, indexed[0]) for key, indexed in index.items() if key not in on_disk)
     report.removed = [f"{model}/{version}" for (model, version), _ in gone_versions]
-
-    if new_versions or new_files or changed_files or gone_files or touched_versions or gone_versions:
-        with transaction.atomic():
-            MirrorVersion.objects.bulk_create(new_versions, batch_size=BATCH)
-            MirrorFile.objects.bulk_create(new_files, batch_size=BATCH)
-            MirrorFile.objects.bulk_update(
-                changed_files, ["bytes", "mtime_ns", "sha256", "hashed_at"], batch_size=BATCH
-            )
-            for ids in _batches(gone_files):
-                MirrorFile.objects.filter(pk__in=ids).delete()
-            for ids in _batches(touched_versions):
-                MirrorVersion.objects.filter(pk__in=ids).update(scanned_at=now)
-            for ids in _batches([version_id for _, version_id in gone_versions]):
-                MirrorVersion.objects.filter(pk__in=ids).delete()
-    report.to_hash = [item if isinstance(item, int) else item.pk for item in to_hash]
+    _write(changes, [version_id for _, version_id in gone_versions], now)
+    report.to_hash = [item if isinstance(item, int) else item.pk for item in changes.to_hash]
     return report
+
+
+def _compare(changes: _Changes, report: ScanReport, where: str, indexed, listing: dict) -> None:
+    """A version the index has, against its files on disk: what was removed, added or changed."""
+    version_id, files = indexed
+    touched = False
+    for gone in sorted(set(files) - set(listing)):
+        changes.gone_files.append(files[gone][0])
+        report.changed.append(f"{where}/{gone} removed")
+        touched = True
+    for name, (size, mtime_ns) in listing.items():
+        existing = files.get(name)
+        if existing is None:
+            new = MirrorFile(version_id=version_id, name=name, bytes=size, mtime_ns=mtime_ns)
+            changes.new_files.append(new)
+            changes.to_hash.append(new)
+            report.changed.append(f"{where}/{name} added")
+            touched = True
+        elif existing[1] != size or existing[2] != mtime_ns:
+            changes.changed_files.append(
+                MirrorFile(pk=existing[0], bytes=size, mtime_ns=mtime_ns, sha256="", hashed_at=None)
+            )
+            changes.to_hash.append(existing[0])
+            report.changed.append(f"{where}/{name} changed")
+            touched = True
+        elif not existing[3]:
+            changes.to_hash.append(existing[0])
+    if touched:
+        changes.touched_versions.append(version_id)
+
+
+def _write(changes: _Changes, gone_versions: list[int], now) -> None:
+    """Write a scan's changes to the index in one transaction, when there are any."""
+    c = changes
+    if not (c.new_versions or c.new_files or c.changed_files or c.gone_files or c.touched_versions or gone_versions):
+        return
+    with transaction.atomic():
+        MirrorVersion.objects.bulk_create(c.new_versions, batch_size=BATCH)
+        MirrorFile.objects.bulk_create(c.new_files, batch_size=BATCH)
+        MirrorFile.objects.bulk_update(c.changed_files, ["bytes", "mtime_ns", "sha256", "hashed_at"], batch_size=BATCH)
+        for ids in _batches(c.gone_files):
+            MirrorFile.objects.filter(pk__in=ids).delete()
+        for ids in _batches(c.touched_versions):
+            MirrorVersion.objects.filter(pk__in=ids).update(scanned_at=now)
+        for ids in _batches(gone_versions):
+            MirrorVersion.objects.filter(pk__in=ids).delete()
 
 
 def _batches(ids: list[int]):

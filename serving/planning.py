@@ -162,11 +162,27 @@ def plan_serve(
     plan.profile = "gpu" if spec.default_gpus else "cpu"
     plan.parallel = DEFAULT_SLOTS if spec.slots else 0
 
+    _warn_engine_missing(plan, fleet, spec, ext_of(deciding.name))
+    _warn_memory(plan, fleet, estimated_gb)
+
+    if catalog is not None:
+        plan.already = model in catalog.taken or model in catalog.declared
+        if model in catalog.declared:
+            plan.refusal = (
+                f"a model called {model} is declared in configuration; edit it there rather than adding a second"
+            )
+    return plan
+
+
+def _warn_engine_missing(
+    plan: ServePlan, fleet: Sequence[NodeFacts] | None, spec: engine_specs.EngineSpec, ext: str
+) -> None:
+    """Warn when no node can run the plan's engine, saying where it is installed but failing."""
     # Whether any node can actually run it. A warning, not a refusal: an engine
     # can be installed this afternoon, and a node that reports nothing is an
     # older agent rather than an empty one.
     if not runs_anywhere(fleet, plan.engine):
-        plan.warning = f"no node reports having {plan.engine} installed, and {ext_of(deciding.name)} weights need it"
+        plan.warning = f"no node reports having {plan.engine} installed, and {ext} weights need it"
         if failing := sum(plan.engine in node.engines_unusable for node in fleet):
             plan.warning += (
                 f" (installed on {failing} node{'s' if failing != 1 else ''} but failing its self-test: "
@@ -175,6 +191,9 @@ def plan_serve(
         if spec.default_gpus and gpu_total(fleet) == 0:
             plan.warning += ". This fleet has no GPU either; a GGUF build of the same model runs on the CPU nodes"
 
+
+def _warn_memory(plan: ServePlan, fleet: Sequence[NodeFacts] | None, estimated_gb: int) -> None:
+    """Set the plan's memory, and warn when no node holds it (saying how a group would split it)."""
     plan.min_memory_gb = estimated_gb or memory_for(plan.bytes_total)
     biggest = largest_node_memory_gb(fleet)
     if biggest > 0 and plan.min_memory_gb > biggest:
@@ -190,14 +209,6 @@ def plan_serve(
                 f"; one replica across {spread} nodes needs about {plan.per_node_gb} GB on each "
                 "(the profile's nodes, split by each node's free memory)"
             )
-
-    if catalog is not None:
-        plan.already = model in catalog.taken or model in catalog.declared
-        if model in catalog.declared:
-            plan.refusal = (
-                f"a model called {model} is declared in configuration; edit it there rather than adding a second"
-            )
-    return plan
 
 
 def runs_anywhere(fleet: Sequence[NodeFacts] | None, engine: str) -> bool:

@@ -17,7 +17,7 @@ import requests
 
 from contracts import credentials, signing
 from fleet.enrolment import issue_token
-from mirror.bytes_views import ANNOUNCES_PER_WINDOW, MAX_INFO_HASHES, RATE_WINDOW_S, SWARM_FLEET, SWARM_PREFIX
+from mirror.tracker import ANNOUNCES_PER_WINDOW, MAX_INFO_HASHES, RATE_WINDOW_S, SWARM_FLEET, SWARM_PREFIX
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

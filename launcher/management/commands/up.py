@@ -80,6 +80,29 @@ class Command(AuditedCommand):  # changes it makes are written as this command's
 
     def handle(self, *args, node, **options):
         processes = services.ProcessGroup()
+        note = self.prepare(processes)
+        py = sys.executable
+        # The control plane's processes count into one directory that /metrics adds up (docs/observability.md).
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(fresh_multiprocess_dir(settings.VAR_DIR / "metrics"))
+        self.start_control_plane(processes, py, node)
+        # This host enrols itself: a fresh token each start, handed straight to its agent, and
+        # its engines on loopback (the agent's default LLMGW_ENGINE_HOST), where they are routed to.
+        token = issue_token(node, address="127.0.0.1")
+        if self.redis_acl_on and (problem := redis_acl.apply_node(redis_client(), node, token_hash_of(node) or "")):
+            processes.stop()
+            raise CommandError(problem)
+        processes.start("agent", [py, "manage.py", "agent", "--node", node], env=self.node_env(node, token))
+        self.say_where(note)
+        sys.stdout.flush()
+        code = processes.wait()
+        self.stop_engines(py, node)
+        self.stdout.write("llmgw stopped.")
+        if code:
+            raise CommandError("a service stopped unexpectedly; its output above says why")
+
+    def prepare(self, processes: services.ProcessGroup) -> str | None:
+        """Redis (a private one when none answers), the database migrated, the staff user and the demo
+        models; the note on the staff user, if any. A problem stops what was started and says why."""
         services.private_database()
         try:
             services.check_addresses(
@@ -103,11 +126,10 @@ class Command(AuditedCommand):  # changes it makes are written as this command's
         except services.StartError as error:
             processes.stop()
             raise CommandError(str(error)) from None
+        return note
 
-        py = sys.executable
-        # The control plane's processes count into one directory that /metrics adds up (docs/observability.md).
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(fresh_multiprocess_dir(settings.VAR_DIR / "metrics"))
-        admin_host, admin_port = settings.ADMIN_ADDR
+    def start_control_plane(self, processes: services.ProcessGroup, py: str, node: str) -> None:
+        """The admin server, the gateway, the byte listener, the workers and the scheduler."""
         processes.start("admin server", [py, "manage.py", "admin_server"])
         if self.redis_acl_on:
             gateway_url = redis_acl.url_for(redis_acl.gateway_user(LOCAL_GATEWAY))
@@ -121,57 +143,17 @@ class Command(AuditedCommand):  # changes it makes are written as this command's
         else:
             processes.start("gateway", [py, "manage.py", "gateway"])
             processes.start("byte listener", [py, "manage.py", "byte_listener"])
-        processes.start(
-            "control worker",
-            [
-                py,
-                "-m",
-                "celery",
-                "-A",
-                "llmgw_site",
-                "worker",
-                "-Q",
-                "control",
-                "-n",
-                f"control@{node}",
-                "--concurrency",
-                "2",
-                "--loglevel",
-                "INFO",
-            ],
-        )
+        processes.start("control worker", celery_worker(py, "control", node))
         # The scheduler, by the lease in Redis (deploy/systemd/llmgw-beat.service): one in the fleet however
         # many control hosts run one; this one waits for the lease while another host holds it.
         processes.start("scheduler", [py, "-m", "celery", "-A", "llmgw_site", "beat", "--loglevel", "INFO"])
         # Pulls from another mirror on slots of their own (deploy/systemd/llmgw-pulls.service): hours of one
         # never hold the control worker's placement.
-        processes.start(
-            "pulls worker",
-            [
-                py,
-                "-m",
-                "celery",
-                "-A",
-                "llmgw_site",
-                "worker",
-                "-Q",
-                "pulls",
-                "-n",
-                f"pulls@{node}",
-                "--concurrency",
-                "2",
-                "--loglevel",
-                "INFO",
-            ],
-        )
-        # This host enrols itself: a fresh token each start, handed straight to its agent, and
-        # its engines on loopback (the agent's default LLMGW_ENGINE_HOST), where they are routed to.
-        token = issue_token(node, address="127.0.0.1")
-        if self.redis_acl_on and (problem := redis_acl.apply_node(redis_client(), node, token_hash_of(node) or "")):
-            processes.stop()
-            raise CommandError(problem)
-        processes.start("agent", [py, "manage.py", "agent", "--node", node], env=self.node_env(node, token))
+        processes.start("pulls worker", celery_worker(py, "pulls", node))
 
+    def say_where(self, note: str | None) -> None:
+        """Where each part listens."""
+        admin_host, admin_port = settings.ADMIN_ADDR
         self.stdout.write("")
         self.stdout.write("llmgw is up. Ctrl-C stops everything it started.")
         self.stdout.write(f"  admin:         http://{admin_host}:{admin_port}/admin/")
@@ -181,9 +163,23 @@ class Command(AuditedCommand):  # changes it makes are written as this command's
         self.stdout.write(f"  mirror:        {settings.MIRROR_ROOT}  (copy files into <model>/<version>/)")
         if note:
             self.stdout.write(f"  {note}")
-        sys.stdout.flush()
-        code = processes.wait()
-        self.stop_engines(py, node)
-        self.stdout.write("llmgw stopped.")
-        if code:
-            raise CommandError("a service stopped unexpectedly; its output above says why")
+
+
+def celery_worker(py: str, queue: str, node: str) -> list[str]:
+    """A Celery worker on one queue, named for it and this host, with two slots."""
+    return [
+        py,
+        "-m",
+        "celery",
+        "-A",
+        "llmgw_site",
+        "worker",
+        "-Q",
+        queue,
+        "-n",
+        f"{queue}@{node}",
+        "--concurrency",
+        "2",
+        "--loglevel",
+        "INFO",
+    ]
