@@ -35,7 +35,7 @@ import logging
 import secrets
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import astuple, dataclass, field, fields
 from datetime import datetime, timedelta, tzinfo
 from decimal import Decimal
@@ -634,10 +634,15 @@ class Limiter:
             raise _refused(limits or NO_LIMITS, budget, which, [0, *used], ticket.windows, (tokens, micro))
         ticket.reserved, ticket.reserved_money = tokens, micro
 
-    async def admitted_and_reserved(self, asked: Asked, tokens: int, micro: int = 0) -> Ticket | None:
-        """admitted() and reserve() in one round trip: the reservation is queued before the admission has
-        answered, so both scripts go in the same batch."""
+    def admitted_and_reserved(self, asked: Asked, tokens: int, micro: int = 0) -> Awaitable[Ticket | None]:
+        """admitted() and reserve() in one round trip: the reservation is queued now, before the admission has
+        answered, so both scripts go in the same batch; what is returned waits for both."""
         answer = self.ask_to_reserve(asked.ticket, asked.limits, tokens, asked.budget, micro)
+        return self._admitted_and_reserved(asked, answer, tokens, micro)
+
+    async def _admitted_and_reserved(
+        self, asked: Asked, answer: asyncio.Future, tokens: int, micro: int
+    ) -> Ticket | None:
         ticket = await self.admitted(asked)
         if ticket is None:
             answer.add_done_callback(_retrieved)  # Redis failed both: said once, by admitted()
