@@ -20,8 +20,10 @@ flight (and refuses a key whose token windows are full already). Once the body
 is read, a key with token limits has RESERVE add to its token windows what the
 request may cost at most: its prompt by the body's size and the most tokens its
 answer may have (the max_tokens the gateway sends, intake.check_limits), refused
-when that does not fit. Settling replaces the reservation with the answer's
-tokens. So concurrent requests cannot together go past a token window: each
+when that does not fit. For a small body the two go in one round trip: the body
+is read while ADMIT is on its way and RESERVE is queued in the same batch, holding
+nothing for a request not in flight (one ADMIT refused). Settling replaces the
+reservation with the answer's tokens. So concurrent requests cannot together go past a token window: each
 holds its share of it while it runs.
 """
 
