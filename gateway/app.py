@@ -390,9 +390,11 @@ class Gateway(Forwarding):
                 # One Redis round trip for a key with limits or a team's budgets, none for a key without
                 # (gateway/limits.py): the key's and its team's counted in the same script. A small body
                 # of a key with token limits is read while its admission is on its way, so that its
-                # reservation goes in the same round trip; a large one is read only once admitted.
+                # reservation goes in the same round trip; a large one is read only once admitted. So is
+                # one whose key has another request here: that one's settling (its tokens in place of its
+                # reservation) may not be queued yet, and a reservation checked before it could overshoot.
                 asked = self.limiter.ask(key.tag, key.limits, key.budget)
-                if not (reserves(key) and small(scope)):
+                if not (reserves(key) and small(scope) and not flying):
                     ticket, asked = await self.limiter.admitted(asked), None
             try:
                 body = await read_body(receive, settings.GATEWAY_MAX_BODY)
