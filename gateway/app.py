@@ -60,6 +60,19 @@ JSON_TYPE = (b"content-type", b"application/json")
 PARSE_INLINE_BYTES = 64 * 1024
 
 
+def reserves(key: routes.Key) -> bool:
+    """Whether a key's request holds tokens or money once its body is read (gateway/limits.py RESERVE)."""
+    return key.budget is not None or any(key.limits.tokens)
+
+
+def small(scope) -> bool:
+    """Whether a request says its body is small enough to be read before it is admitted, at no cost."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return value.isdigit() and int(value) <= PARSE_INLINE_BYTES
+    return False
+
+
 @dataclass
 class Taken:
     """A request's body as the gateway took it in: what Gateway.take() makes of it."""
@@ -370,24 +383,40 @@ class Gateway(Forwarding):
                 headers=[(b"retry-after", b"1")],
             )
         self.key_flights[key.id] = flying + 1
-        ticket = None
+        ticket = asked = None
         tokens = micro = 0
         try:
-            # One Redis round trip for a key with limits or a team's budgets, none for a key without
-            # (gateway/limits.py): the key's and its team's counted in the same script.
-            ticket = await self.limiter.admit(key.tag, key.limits, key.budget) if key.counted else None
-            body = await read_body(receive, settings.GATEWAY_MAX_BODY)
-            if len(body) > PARSE_INLINE_BYTES:
-                # Parsed in a thread, so the event loop's other requests go on between its steps;
-                # intake.MOST_CONTAINERS bounds the steps that hold the interpreter's lock.
-                taken = await asyncio.get_running_loop().run_in_executor(self._parsers, self.take, path, key, body)
-            else:
-                taken = self.take(path, key, body)
-            if ticket is not None and (key.budget is not None or any(key.limits.tokens)):
+            if key.counted:
+                # One Redis round trip for a key with limits or a team's budgets, none for a key without
+                # (gateway/limits.py): the key's and its team's counted in the same script. A small body
+                # of a key with token limits is read while its admission is on its way, so that its
+                # reservation goes in the same round trip; a large one is read only once admitted. So is
+                # one whose key has another request here: that one's settling (its tokens in place of its
+                # reservation) may not be queued yet, and a reservation checked before it could overshoot.
+                asked = self.limiter.ask(key.tag, key.limits, key.budget)
+                if not (reserves(key) and small(scope) and not flying):
+                    ticket, asked = await self.limiter.admitted(asked), None
+            try:
+                body = await read_body(receive, settings.GATEWAY_MAX_BODY)
+                if len(body) > PARSE_INLINE_BYTES:
+                    # Parsed in a thread, so the event loop's other requests go on between its steps;
+                    # intake.MOST_CONTAINERS bounds the steps that hold the interpreter's lock.
+                    run = asyncio.get_running_loop().run_in_executor
+                    taken = await run(self._parsers, self.take, path, key, body)
+                else:
+                    taken = self.take(path, key, body)
+            except Exception:
+                if asked is not None:  # the key's own 429 first, as when its body is read after admission
+                    ticket, asked = await self.limiter.admitted(asked), None
+                raise
+            if asked is not None or (ticket is not None and reserves(key)):
                 prompt = prompt_estimate(len(taken.body))
                 # The most it may cost: its prompt by its size at the input price, all its max_tokens at the output's.
                 most = micro_units(cost(taken.route.prices, prompt, taken.output, 0))
-                await self.limiter.reserve(ticket, key.limits, prompt + taken.output, key.budget, most)
+                if asked is not None:
+                    ticket = await self.limiter.admitted_and_reserved(asked, prompt + taken.output, most)
+                else:
+                    await self.limiter.reserve(ticket, key.limits, prompt + taken.output, key.budget, most)
             tokens, micro = await self.routed(scope, receive, send, started, key, taken)
         finally:
             self.key_flights[key.id] -= 1

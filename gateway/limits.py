@@ -20,8 +20,10 @@ flight (and refuses a key whose token windows are full already). Once the body
 is read, a key with token limits has RESERVE add to its token windows what the
 request may cost at most: its prompt by the body's size and the most tokens its
 answer may have (the max_tokens the gateway sends, intake.check_limits), refused
-when that does not fit. Settling replaces the reservation with the answer's
-tokens. So concurrent requests cannot together go past a token window: each
+when that does not fit. For a small body the two go in one round trip: the body
+is read while ADMIT is on its way and RESERVE is queued in the same batch, holding
+nothing for a request not in flight (one ADMIT refused). Settling replaces the
+reservation with the answer's tokens. So concurrent requests cannot together go past a token window: each
 holds its share of it while it runs.
 """
 
@@ -35,7 +37,7 @@ import logging
 import secrets
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import astuple, dataclass, field, fields
 from datetime import datetime, timedelta, tzinfo
 from decimal import Decimal
@@ -125,8 +127,10 @@ return redis.call('ZREM', KEYS[5], unpack(ARGV, 6))
 
 # Reserves the most each request of one key may cost in its windows of tokens (and its team's money),
 # in the order they came. KEYS: as ADMIT's. ARGV: how many KEYS, each counter's limit as ADMIT has them,
-# each window's expiry, then each request's tokens and money. Answers 1 + KEYS numbers a request:
-# which counter refused it (0: none), then each counter, with what is reserved.
+# each window's expiry, then each request's id, tokens and money. Answers 1 + KEYS numbers a request:
+# which counter refused it (0: none; -1: it is not in flight, so ADMIT refused it and nothing is held),
+# then each counter, with what is reserved. The check on the flight is what lets a small request's
+# RESERVE go in the same batch as its ADMIT, before ADMIT has answered: one round trip, not two.
 RESERVE = (
     WINDOW_OF
     + """
@@ -139,10 +143,12 @@ for _, i in ipairs(counters) do used[i] = tonumber(redis.call('GET', KEYS[i]) or
 local added = {}
 for _, i in ipairs(counters) do added[i] = 0 end
 local answers = {}
-for r = n + 5, #ARGV, 2 do
-  local amount = {tonumber(ARGV[r]), tonumber(ARGV[r + 1])}
+for r = n + 5, #ARGV, 3 do
+  local amount = {tonumber(ARGV[r + 1]), tonumber(ARGV[r + 2])}
   local which = 0
+  if not redis.call('ZSCORE', KEYS[5], ARGV[r]) then which = -1 end
   for _, i in ipairs(counters) do
+    if which ~= 0 then break end
     local limit = tonumber(ARGV[i + 1])
     if limit > 0 and used[i] + amount[i == 10 and 2 or 1] > limit then which = i break end
   end
@@ -302,6 +308,16 @@ class Ticket:
     request_id: str
     reserved: int = 0  # tokens held in its windows until it settles
     reserved_money: int = 0  # micro-units held in its team's spend
+
+
+@dataclass
+class Asked:
+    """An admission queued (Limiter.ask) and not yet answered: its ticket if it is admitted."""
+
+    ticket: Ticket
+    limits: Limits
+    budget: Budget | None
+    answer: asyncio.Future = field(init=False)
 
 
 def duration(seconds: float) -> str:
@@ -503,6 +519,11 @@ class Pipe(asyncio.Protocol):
             await self._idle
 
 
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # looked at, so asyncio does not log it as never retrieved
+
+
 def _resolve(future: asyncio.Future, reply) -> None:
     if future.done():
         return
@@ -532,7 +553,7 @@ class Limiter:
         # Waiting for the next send: admissions by key and limits, settlings by key.
         self._admitting: dict[tuple[Windows, Limits, Budget | None], list[tuple[str, asyncio.Future]]] = {}
         self._settling: dict[Windows, list] = {}
-        self._reserving: dict[tuple[Windows, Limits, Budget | None], list[tuple[int, int, asyncio.Future]]] = {}
+        self._reserving: dict[tuple[Windows, Limits, Budget | None], list[tuple[str, int, int, asyncio.Future]]] = {}
         self._send_soon = False
         self._windows: dict[tuple[str, str], Windows] = {}
         self._ids = itertools.count()
@@ -547,21 +568,29 @@ class Limiter:
 
         `budget`: the key's team's, counted in the same script as the key's own limits.
         """
+        return await self.admitted(self.ask(tag, limits, budget))
+
+    def ask(self, tag: str, limits: Limits | None, budget: Budget | None = None) -> Asked:
+        """Queue the admission admit() makes, for the next batch, without waiting for it: admitted() waits."""
         limits = limits or NO_LIMITS
         windows = self.windows(tag, time.time(), budget.tag if budget else "")
-        request_id = f"{self._id_prefix}{next(self._ids):x}"
-        future = asyncio.get_running_loop().create_future()
-        self._admitting.setdefault((windows, limits, budget), []).append((request_id, future))
+        asked = Asked(Ticket(windows, f"{self._id_prefix}{next(self._ids):x}"), limits, budget)
+        asked.answer = asyncio.get_running_loop().create_future()
+        self._admitting.setdefault((windows, limits, budget), []).append((asked.ticket.request_id, asked.answer))
         self._send_later()
+        return asked
+
+    async def admitted(self, asked: Asked) -> Ticket | None:
+        """The ticket of an admission asked for, or its 429 raised; None when Redis could not be asked."""
         try:
-            which, *used = await future
+            which, *used = await asked.answer
         except (RedisError, OSError, TimeoutError) as error:
             # Limits are a guard, not the service: with Redis away requests go on, and the log says so.
             self._warn(error)
             return None
         if which:
-            raise _refused(limits, budget, which, [0, *used], windows, (0, 0))
-        return Ticket(windows, request_id)
+            raise _refused(asked.limits, asked.budget, which, [0, *used], asked.ticket.windows, (0, 0))
+        return asked.ticket
 
     async def reserve(
         self, ticket: Ticket, limits: Limits | None, tokens: int, budget: Budget | None = None, micro: int = 0
@@ -571,19 +600,57 @@ class Limiter:
 
         Unchecked (nothing reserved) when Redis cannot be asked, as admit() is.
         """
-        limits = limits or NO_LIMITS
-        future = asyncio.get_running_loop().create_future()
-        self._reserving.setdefault((ticket.windows, limits, budget), []).append((tokens, micro, future))
+        answer = self.ask_to_reserve(ticket, limits, tokens, budget, micro)
+        await self.reserved(ticket, answer, limits, tokens, budget, micro)
+
+    def ask_to_reserve(
+        self, ticket: Ticket, limits: Limits | None, tokens: int, budget: Budget | None = None, micro: int = 0
+    ) -> asyncio.Future:
+        """Queue reserve()'s script for the next batch; it may go before the ticket's admission has answered
+        (RESERVE holds nothing for a request ADMIT refused)."""
+        answer = asyncio.get_running_loop().create_future()
+        key = (ticket.windows, limits or NO_LIMITS, budget)
+        self._reserving.setdefault(key, []).append((ticket.request_id, tokens, micro, answer))
         self._send_later()
+        return answer
+
+    async def reserved(
+        self,
+        ticket: Ticket,
+        answer: asyncio.Future,
+        limits: Limits | None,
+        tokens: int,
+        budget: Budget | None = None,
+        micro: int = 0,
+    ) -> None:
+        """Wait for a reservation asked for: held, or its 429 raised (and its flight ended)."""
         try:
-            which, *used = await future
+            which, *used = await answer
         except (RedisError, OSError, TimeoutError) as error:
             self._warn(error)
             return
+        if which < 0:
+            return  # not in flight: its admission was refused, or its mark went stale; nothing is held
         if which:
             self.settle(ticket, 0)
-            raise _refused(limits, budget, which, [0, *used], ticket.windows, (tokens, micro))
+            raise _refused(limits or NO_LIMITS, budget, which, [0, *used], ticket.windows, (tokens, micro))
         ticket.reserved, ticket.reserved_money = tokens, micro
+
+    def admitted_and_reserved(self, asked: Asked, tokens: int, micro: int = 0) -> Awaitable[Ticket | None]:
+        """admitted() and reserve() in one round trip: the reservation is queued now, before the admission has
+        answered, so both scripts go in the same batch; what is returned waits for both."""
+        answer = self.ask_to_reserve(asked.ticket, asked.limits, tokens, asked.budget, micro)
+        return self._admitted_and_reserved(asked, answer, tokens, micro)
+
+    async def _admitted_and_reserved(
+        self, asked: Asked, answer: asyncio.Future, tokens: int, micro: int
+    ) -> Ticket | None:
+        ticket = await self.admitted(asked)
+        if ticket is None:
+            answer.add_done_callback(_retrieved)  # Redis failed both: said once, by admitted()
+            return None
+        await self.reserved(ticket, answer, asked.limits, tokens, asked.budget, micro)
+        return ticket
 
     def settle(self, ticket: Ticket, tokens: int, micro: int = 0) -> None:
         """Count an answer's tokens (and its cost, in micro-units) in place of its reservation and end its flight;
@@ -638,8 +705,8 @@ class Limiter:
         for (windows, limits, budget), requests in reserving.items():
             counted = _counted(windows, limits, budget)
             for some in _chunks(requests):
-                amounts = [amount for tokens, micro, _ in some for amount in (tokens, micro)]
-                futures = [future for _, _, future in some]
+                amounts = [part for request_id, tokens, micro, _ in some for part in (request_id, tokens, micro)]
+                futures = [future for *_, future in some]
                 args = (*counted, *EXPIRES.values(), *amounts)
                 self._call(pipe, RESERVE, windows.keys, args, functools.partial(_admitted, futures, counted[0] + 1))
         pipe.flush()  # written now, not a turn of the loop later
@@ -664,7 +731,7 @@ class Limiter:
         except (RedisError, OSError, TimeoutError) as error:
             failure = error if isinstance(error, RedisError) else RedisError(f"Redis cannot be reached: {error!r}")
             for requests in (*self._admitting.values(), *self._reserving.values()):
-                for _, future in requests:
+                for *_, future in requests:
                     _resolve(future, failure)
             self._admitting.clear()
             self._reserving.clear()

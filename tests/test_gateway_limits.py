@@ -336,3 +336,32 @@ def test_a_redis_that_stops_answering_lets_limited_requests_go_on_unchecked_and_
     assert silent is None and took < 2 * 0.3 + 0.3, took
     assert "per-key limits are not enforced while Redis cannot be reached" in caplog.text
     assert again is not None  # a new connection, once Redis answers again
+
+
+def test_a_small_request_with_token_limits_is_admitted_and_reserved_in_one_round_trip_and_a_refused_one_holds_nothing(
+    redis_client,
+):
+    import asyncio
+
+    from gateway.limits import Limits
+
+    clear_of_minute_boundary(10)
+    limits = Limits(requests_per_minute=3, tokens_per_minute=10_000)
+
+    async def work(limiter, tag):
+        await limiter.admit(tag, Limits(requests_per_minute=1000))  # connected, so what follows is one batch each
+        batches = []
+        send = limiter._send
+        limiter._send = lambda: (batches.append(1), send())
+        # Four requests of one turn, each reservation queued before its admission has answered.
+        both = [limiter.admitted_and_reserved(limiter.ask(tag, limits), 100) for _ in range(4)]
+        results = await asyncio.gather(*both, return_exceptions=True)
+        return results, len(batches)
+
+    (results, batches), key_hash = run_limiter(work)
+    assert batches == 1, f"admission and reservation took {batches} round trips to Redis"
+    assert outcomes(results) == ["admitted"] * 2 + ["refused"] * 2  # the warm-up took one of the minute's 3
+    assert results[2].message.startswith("This API key is over its limit of 3 requests per minute")
+    # The two refused by ADMIT had their RESERVE in the same batch: it held nothing for them.
+    used = used_now(redis_client, key_hash)
+    assert used["tokens_per_minute"] == 200 and used["requests_per_minute"] == 3 and used["max_in_flight"] == 3
