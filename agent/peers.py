@@ -60,7 +60,7 @@ ANNOUNCE_FETCHING_S = 1.0
 # A connection to the mirror for every this many pieces of the set, up to LLMGW_FETCH_CONNECTIONS: one with
 # fewer pieces of its own to ask would ask for the others' (libtorrent's end-game), and the mirror send them twice.
 PIECES_PER_CONNECTION = 4
-# The tracker's cap on the torrents one announce names (mirror.bytes_views.MAX_INFO_HASHES).
+# The tracker's cap on the torrents one announce names (mirror.tracker.MAX_INFO_HASHES).
 ANNOUNCE_MAX_TORRENTS = 100
 # A web seed's pass is made anew this often; a pass is good for an hour (contracts.credentials).
 RENEW_PASS_S = 600.0

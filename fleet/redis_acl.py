@@ -99,7 +99,7 @@ def gateway_rules(password: str) -> str:
     return f"on {_hashed(password)} resetkeys {patterns} {_DATA} {_TO_CONTROL}"
 
 
-BYTES_KEYS = ("llmgw:swarm*",)  # mirror/bytes_views.py: the tracker's peer records
+BYTES_KEYS = ("llmgw:swarm*",)  # mirror/tracker.py: the tracker's peer records
 
 
 def bytes_rules(password: str) -> str:
