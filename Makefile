@@ -53,6 +53,10 @@ lint: $(DEV)
 
 # The suite runs on a private PostgreSQL server (what a fleet runs); then the tests of what
 # differs on SQLite (what `make run` uses: its triggers, its one-writer transactions) again on it.
+# Each in a pytest process of its own, after the rest: each passes alone, and each failed in
+# two whole runs of 2026-12-04 in an xdist worker after some other module (a session lost mid-test,
+# a pull never taken by the pulls unit): an order dependency not yet found (docs/testing.md).
+ALONE_TESTS := tests/test_oidc_sign_in.py tests/test_deploy_as_operator.py
 SQLITE_TESTS := tests/test_postgres.py tests/test_settings.py tests/test_gateway_table.py \
 	tests/test_reconcile.py tests/test_replica_reports.py tests/test_gateway_keys.py
 
@@ -67,7 +71,8 @@ FAST_WORKERS ?= 2
 test: test-deps lint
 	$(PY) manage.py check
 	$(PY) manage.py makemigrations --check --dry-run
-	$(PY) -m pytest -n $(TEST_WORKERS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(addprefix --ignore=,$(ALONE_TESTS))
+	for module in $(ALONE_TESTS); do $(PY) -m pytest $$module || exit 1; done
 	LLMGW_TEST_DATABASE=sqlite $(PY) -m pytest $(SQLITE_TESTS)
 
 # The fast tier, for the edit-run loop: the tests that start no process (pure functions,
