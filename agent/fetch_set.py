@@ -74,7 +74,9 @@ def manifest_when_ready(
     waited, dropped = False, 0
     while True:
         try:
-            return read_manifest(session, source, **({"timeout": timeout} if timeout else {}))
+            # Once the listener has said "not ready", a dropped connection is asked again, not answered
+            # from the copy in Redis: that copy is of the version as it was before it changed.
+            return read_manifest(session, source, **({"timeout": timeout} if timeout else {}), kept_copy=not waited)
         except NotReady as not_ready:
             waited, dropped = True, 0
             if time.monotonic() + not_ready.retry_after > deadline:

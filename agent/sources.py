@@ -156,7 +156,7 @@ def refuse_other_hosts(source: str, byte_listener: str) -> None:
         )
 
 
-def read_manifest(session: requests.Session, source: str, timeout=TIMEOUT) -> Manifest:
+def read_manifest(session: requests.Session, source: str, timeout=TIMEOUT, kept_copy: bool = True) -> Manifest:
     """Ask the mirror what a version consists of, and refuse anything unsafe in the answer.
 
     Raises NotReady when the mirror answers that the version is not whole yet (503,
@@ -166,14 +166,15 @@ def read_manifest(session: requests.Session, source: str, timeout=TIMEOUT) -> Ma
     it wrote into Redis when it last served the version is taken instead (issue 38), with its
     torrent: the set is then fetched from the peers that hold it. Only what the byte listener
     wrote is there (nodes may read those keys, not write them), and it is checked as the
-    answer would be.
+    answer would be. `kept_copy=False` for a listener that has just answered: what it said
+    last (say, "not ready") is newer than any copy, so the copy is not taken for it.
     """
     try:
         return _read_manifest(session, source, timeout)
     except NotReady:
         raise
     except FetchError as error:
-        if not error.transient:
+        if not (error.transient and kept_copy):
             raise
         try:
             kept = manifest_from_redis(source)

@@ -129,6 +129,7 @@ def manifest(request: HttpRequest, model: str, version: str) -> JsonResponse:
         if status.info_hash:
             _publish(model, version, files, status, body)
         return JsonResponse(body)
+    _forget_if_changed(model, version, files, status)
     response = JsonResponse({**body, "ready": False, "error": status.problem}, status=503)
     response["Retry-After"] = str(status.retry_after)
     return response
@@ -181,6 +182,42 @@ def _publish(model: str, version: str, files: list[disk.DiskFile], status: readi
         pipe.execute()
     except redis.RedisError as error:
         log.warning("the manifest of %s/%s is not in Redis for now: %s", model, version, error)
+
+
+def _forget_if_changed(model: str, version: str, files: list[disk.DiskFile], status: readiness.Readiness) -> None:
+    """The copy of a version's manifest in Redis deleted when the files on disk are no longer the ones it lists.
+
+    A version being copied in again (or changed by hand) is not ready; its old copy would
+    otherwise be what a node is given when this listener cannot answer (`agent.sources.read_manifest`),
+    and the node would fetch from its peers a set the mirror no longer holds. Changed means another
+    name or size, a file still being written, or a known sha256 that is not the copy's; a version
+    not ready only because the index cannot be read keeps its copy. Redis away: said, and the copy
+    is replaced when the version is next served whole.
+    """
+    key = keys.swarm_version_key(model, version)
+    try:
+        client = redis_client(settings.REDIS_URL)
+        said = client.hget(key, "manifest")
+        if said is None:
+            return
+        try:
+            kept = {f["name"]: (f["bytes"], f.get("sha256", "")) for f in json.loads(said)["files"]}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            kept = None
+        changed = (
+            kept is None
+            or set(kept) != {f.name for f in files}
+            or any(kept[f.name][0] != f.bytes for f in files)
+            or any(kept[name][1] != sha for name, sha in status.hashes.items() if name in kept)
+            or readiness.being_written(files) is not None
+        )
+        if changed:
+            pipe = client.pipeline()
+            pipe.delete(key)
+            pipe.srem(keys.SWARM_VERSIONS, f"{model}/{version}")
+            pipe.execute()
+    except redis.RedisError as error:
+        log.warning("the copy of %s/%s's manifest in Redis may be out of date: %s", model, version, error)
 
 
 def _torrent(model: str, version: str, files: list[disk.DiskFile], status: readiness.Readiness) -> HttpResponse:

@@ -505,3 +505,20 @@ def pytest_terminal_summary(terminalreporter):
     for report in terminalreporter.stats.get("skipped", []):
         if "test_fleet_netns" in report.nodeid and isinstance(report.longrepr, tuple):
             terminalreporter.write_line(report.longrepr[2].removeprefix("Skipped: "), yellow=True, bold=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_swarm_outlives_its_test():
+    """The libtorrent session a fetch made in this process (`agent.peers._local`) closed after the test.
+
+    The agent keeps one for its life; in the tests' process it outlived the test that made it and
+    went on announcing, as whichever node the next test's environment named, the sets of a cache
+    that test never had (it vouched a stale manifest in Redis to that node's token).
+    """
+    yield
+    from agent import peers
+
+    with peers._local_lock:
+        swarm, peers._local = peers._local, None
+    if swarm is not None:
+        swarm.close()

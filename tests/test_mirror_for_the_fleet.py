@@ -285,6 +285,9 @@ def test_a_real_agent_whose_token_is_revoked_while_it_waits_to_resume_ends_its_f
     put(mirror_root, "m", "v3", {"a.bin": WEIGHTS * 4})
     proxy = CountingProxy(byte_listener)
     proxy.truncate_after = 150_000
+    # Every resume is held at the proxy until the revocation has taken effect: the retry's delay is a
+    # second or less, and a resume that ran before it could finish the file (CI, 2026-12-04).
+    proxy.hold = lambda who, path, byte_range: path == "/m/v3/a.bin" and bool(byte_range)
     source = proxy.url + "m/v3/"
     cache = tmp_path / "agent-cache"
     # The HTTP fetcher's retry of a cut-short body (libtorrent rides one out without a retry).
@@ -294,6 +297,7 @@ def test_a_real_agent_whose_token_is_revoked_while_it_waits_to_resume_ends_its_f
         wait_until(lambda: "trying again in" in agent.output(), timeout=30, what="a retry to be scheduled")
         revoke_and_wait(name, byte_listener, token)
         proxy.truncate_after = None
+        proxy.hold = None
         snapshot = wait_until(
             lambda: (s := live(redis_client, source, name)).get("state") == "failed" and s,
             timeout=60,

@@ -21,9 +21,12 @@ import pytest
 from agent import fetch_set as fetch_set_module
 from agent.fetch import cache_path, fetch_source
 from fleet.placement import ModelView, NodeView, ProfileView, place
+from contracts import keys
 from mirror import scan
+from mirror.bytes_views import _forget_if_changed
+from mirror.disk import DiskFile
 from mirror.models import MirrorVersion
-from mirror.readiness import source_being_written
+from mirror.readiness import Readiness, source_being_written
 from serving.services import plan_for
 
 from .support.mirror import put
@@ -55,6 +58,46 @@ def test_a_file_still_being_written_makes_the_manifest_not_ready_with_a_sentence
     assert 1 <= int(answer.headers["Retry-After"]) <= 11
     # The rest of the manifest is there, so whoever reads it sees what is coming.
     assert [f["name"] for f in body["files"]] == ["a.bin", "b.bin"]
+
+
+@pytest.mark.parametrize("change", ["copied in again", "another file added", "rewritten at the same size"])
+def test_a_version_changed_on_the_mirror_loses_its_copy_in_redis_so_no_node_is_given_the_old_set(
+    byte_listener, mirror_root, redis_client, change
+):
+    """The copy a ready manifest leaves in Redis is what nodes use when the byte listener is away (issue 38).
+
+    Once the version on disk is not the one it lists, the copy goes with the next "not ready"
+    answer: else a node asking during an outage would fetch, from its peers, a set the mirror
+    no longer holds (the old code kept it until the version was next served whole).
+    """
+    put(mirror_root, "m", "v1", {"a.bin": b"a" * 1000})
+    key = keys.swarm_version_key("m", "v1")
+    assert as_node.get(byte_listener + "m/v1/", timeout=5).status_code == 200
+    wait_until(lambda: redis_client.hget(key, "manifest"), timeout=10, what="the manifest's copy in Redis")
+    assert b"m/v1" in redis_client.smembers(keys.SWARM_VERSIONS)
+    if change == "copied in again":
+        put(mirror_root, "m", "v1", {"a.bin": b"b" * 2000}, settled=False)
+    elif change == "another file added":
+        put(mirror_root, "m", "v1", {"b.bin": b"b" * 10}, settled=False)
+    else:
+        put(mirror_root, "m", "v1", {"a.bin": b"c" * 1000}, settled=False)
+    answer = as_node.get(byte_listener + "m/v1/", timeout=5)
+    assert answer.status_code == 503, answer.text
+    assert redis_client.exists(key) == 0
+    assert b"m/v1" not in redis_client.smembers(keys.SWARM_VERSIONS)
+
+
+def test_a_version_not_ready_only_for_its_index_keeps_its_copy_in_redis(byte_listener, mirror_root, redis_client):
+    """Unchanged files keep their copy: a mirror whose index cannot be read still has nodes fetch from peers."""
+    put(mirror_root, "m", "v1", {"a.bin": b"a" * 1000})
+    key = keys.swarm_version_key("m", "v1")
+    assert as_node.get(byte_listener + "m/v1/", timeout=5).status_code == 200
+    wait_until(lambda: redis_client.hget(key, "manifest"), timeout=10, what="the manifest's copy in Redis")
+    files = [DiskFile("a.bin", 1000, (time.time_ns() - 60 * 10**9))]
+    _forget_if_changed("m", "v1", files, Readiness({}, "the mirror's index cannot be read", 10))
+    assert redis_client.hget(key, "manifest")
+    _forget_if_changed("m", "v1", [DiskFile("a.bin", 1000, time.time_ns())], Readiness({}, "being written", 1))
+    assert redis_client.exists(key) == 0
 
 
 def test_every_file_of_a_ready_manifest_has_its_sha256_even_before_any_scan(byte_listener, mirror_root):
