@@ -20,8 +20,8 @@ import pytest
 
 from agent import fetch_set as fetch_set_module
 from agent.fetch import cache_path, fetch_source
-from fleet.placement import ModelView, NodeView, ProfileView, place
 from contracts import keys
+from fleet.placement import ModelView, NodeView, ProfileView, place
 from mirror import scan
 from mirror.bytes_views import _forget_if_changed
 from mirror.disk import DiskFile
