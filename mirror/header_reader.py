@@ -3,15 +3,14 @@
 The mirror is filled by hand, so a weights file is untrusted input: a GGUF can claim
 ten million keys or tensors, strings of 64 MiB, arrays nested in arrays, NaN where a
 count belongs, "llama\\0" as its architecture. `mirror.headers` runs this module as
-`python -m mirror.header_reader` with rlimits on its memory and CPU time and a
+`python -I -S mirror/header_reader.py` with rlimits on its memory and CPU time and a
 deadline per version, so whatever a file does costs a bounded process, not the control
 worker. It keeps only the keys the memory estimate and the pages use; every other value
 is skipped by its length, never decoded; a kept number must be a whole number within
 its bound. A file that breaks a bound gets a sentence saying which, in `error`.
 
-Files are read with plain reads, never mapped: a file replaced or cut short while it is
-read gives a short read and a sentence (mapped, it was a SIGBUS), and a file whose size
-or modification time moved while it was read says so.
+Files are read with plain reads, never mapped (`mirror/header_file.py`, loaded by its
+path: the process has the standard library only, and its folder is not on sys.path).
 
 The standard library only: no Django, no numpy (the gguf package's table of tensor
 types is handed in by the parent), so the process starts small and its memory limit
@@ -24,13 +23,32 @@ mtime_ns], ..]}, ..]}. stdout: one JSON line per job, in order: {"id": .., "summ
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import resource
-import stat
 import struct
 import sys
+
+
+def _sibling(name: str):
+    """The module `name` beside this one, loaded by its path: run as a script under -I, this folder is not on sys.path."""
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if __package__:  # imported (mirror.headers, catalog.memory): the package's own module, so one Refused
+    from . import header_file
+else:  # the reader process
+    header_file = _sibling("header_file")
+
+File, Refused = header_file.File, header_file.Refused
+name_problem, number_problem = header_file.name_problem, header_file.number_problem
 
 # The whole numbers a header may give, and the largest each may be: far past any model
 # there is, and small enough that the estimate's products stay numbers a page can show.
@@ -50,18 +68,13 @@ FIELD_LIMITS = {
     "tensors": 1 << 32,
     "weights_bytes": 1 << 56,
 }
-# A name a header gives (architecture, dtype): this long at most, printable.
-MAX_NAME = 64
 
 # GGUF: past these a file is refused with a sentence (real ones have tens of keys, a few
 # thousand tensors, vocabularies of a few hundred thousand tokens).
 MAX_KEYS = 65_536
-MAX_KEY_BYTES = 256
 MAX_TENSORS = 200_000
 MAX_TENSOR_NAME = 4096
 MAX_ARRAY = 4_000_000
-# Array elements walked one by one (strings, arrays in arrays) in one file, all arrays together.
-MAX_WALKED = 8_000_000
 # An array of arrays is walked; an array of arrays of arrays is not a header.
 MAX_DEPTH = 2
 # A per-layer array of counts (KV heads in some architectures) is decoded up to this long.
@@ -122,127 +135,10 @@ _ARCH_KEYS = {
 }
 
 
-class Refused(ValueError):
-    """A header not read; the message says why, in words staff read."""
+# --- reading a file's header -----------------------------------------------------------
 
 
-def name_problem(value, what: str) -> str:
-    """Why `value` is not a name a header may give (a short printable string), or ""."""
-    if not isinstance(value, str):
-        return f"{what} is not a string"
-    if len(value) > MAX_NAME:
-        return f"{what} is {len(value):,} characters long (llmgw keeps names of at most {MAX_NAME})"
-    if any(ch < " " or ch == "\x7f" for ch in value):
-        return f"{what} holds a control character ({value!r})"
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        # A lone surrogate, from a JSON escape: PostgreSQL's jsonb refuses it.
-        return f"{what} is not valid Unicode ({value!r})"
-    return ""
-
-
-def number_problem(value, what: str, limit: int) -> str:
-    """Why `value` is not a whole number from 0 to `limit`, or "" when it is one."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"{what} is {value}, not a whole number"
-        return f"{what} is a {type(value).__name__}, not a whole number"
-    if not 0 <= value <= limit:
-        return f"{what} is {value:,}, outside 0 to {limit:,}"
-    return ""
-
-
-# --- reading a file ------------------------------------------------------------------
-
-
-class _File:
-    """A weights file opened for plain reads, with where it is and how much of it there is."""
-
-    def __init__(self, path: str, name: str, expected: tuple[int, int]):
-        self.name = name
-        # Not blocking on a FIFO swapped in for the file: it is refused below, not waited on.
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as error:
-            raise Refused(f"{name} cannot be read: {error.strerror or error}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise Refused(f"{name} is not a regular file")
-        os.set_blocking(fd, True)
-        self.f = os.fdopen(fd, "rb", buffering=1 << 16)
-        self.size = st.st_size
-        self.before = (st.st_size, st.st_mtime_ns, st.st_ino)
-        self.path = path
-        self.at = 0
-        self.walked = 0
-        if (st.st_size, st.st_mtime_ns) != tuple(expected):
-            self.close()
-            raise Refused(f"{name} changed since the scan listed it: it is read again once it has settled")
-
-    def close(self) -> None:
-        self.f.close()
-
-    def changed(self) -> str:
-        """A sentence when the file moved while it was read (written to, cut short, replaced), else ""."""
-        st = os.fstat(self.f.fileno())
-        try:
-            now = os.stat(self.path)
-        except OSError:
-            now = None
-        if (st.st_size, st.st_mtime_ns, st.st_ino) != self.before or now is None or now.st_ino != st.st_ino:
-            return (
-                f"{self.name} changed while its header was read (written to or replaced): "
-                "it is read again at the scan after it has settled"
-            )
-        return ""
-
-    def read(self, n: int) -> bytes:
-        raw = self.f.read(n)
-        if len(raw) != n:
-            raise Refused("the file ends inside its header")
-        self.at += n
-        return raw
-
-    def take(self, fmt: str):
-        return struct.unpack("<" + fmt, self.read(struct.calcsize("<" + fmt)))[0]
-
-    def skip(self, n: int) -> None:
-        if n < 0 or self.at + n > self.size:
-            raise Refused(f"the file ends inside a value of {n:,} bytes")
-        self.f.seek(n, os.SEEK_CUR)
-        self.at += n
-
-    def walk(self) -> None:
-        self.walked += 1
-        if self.walked > MAX_WALKED:
-            raise Refused(f"its arrays hold more than {MAX_WALKED:,} values in all")
-
-    def key(self) -> str:
-        n = self.take("Q")
-        if n > MAX_KEY_BYTES:
-            raise Refused(f"a key of {n:,} bytes (llmgw reads keys of at most {MAX_KEY_BYTES})")
-        raw = self.read(n)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise Refused(f"a key that is not UTF-8 ({raw[:40]!r})") from None
-
-    def text(self, what: str) -> str:
-        n = self.take("Q")
-        if n > MAX_NAME * 4:
-            raise Refused(f"{what} is {n:,} bytes long (llmgw keeps names of at most {MAX_NAME} characters)")
-        try:
-            value = self.read(n).decode("utf-8")
-        except UnicodeDecodeError:
-            raise Refused(f"{what} is not UTF-8") from None
-        if problem := name_problem(value, what):
-            raise Refused(problem)
-        return value
-
-
-def _skip_value(f: _File, kind: int, depth: int = 0) -> None:
+def _skip_value(f: File, kind: int, depth: int = 0) -> None:
     """Past one value without decoding it: scalars and strings by their size, arrays by their lengths."""
     if kind in _INTS:
         f.skip(struct.calcsize("<" + _INTS[kind]))
@@ -257,7 +153,7 @@ def _skip_value(f: _File, kind: int, depth: int = 0) -> None:
         raise Refused(f"a value of type {kind}, which GGUF does not have")
 
 
-def _skip_array(f: _File, item: int, count: int, depth: int) -> None:
+def _skip_array(f: File, item: int, count: int, depth: int) -> None:
     if count > MAX_ARRAY:
         raise Refused(f"an array of {count:,} values (llmgw reads arrays of at most {MAX_ARRAY:,})")
     if depth > MAX_DEPTH:
@@ -274,7 +170,7 @@ def _skip_array(f: _File, item: int, count: int, depth: int) -> None:
         raise Refused(f"an array of type {item}, which GGUF does not have")
 
 
-def _kept_number(f: _File, key: str, kind: int):
+def _kept_number(f: File, key: str, kind: int):
     """A kept key's whole number (the largest, for a per-layer array), or the sentence saying why it is none."""
     if kind in _INTS:
         return f.take(_INTS[kind])
@@ -292,7 +188,7 @@ def _kept_number(f: _File, key: str, kind: int):
 
 def read_gguf(path: str, name: str, expected, types: dict | None) -> dict:
     """One GGUF file's header: its architecture's shape and its tensors' types and bytes."""
-    f = _File(path, name, expected)
+    f = File(path, name, expected)
     try:
         try:
             header = _gguf(f, types)
@@ -310,7 +206,7 @@ def read_gguf(path: str, name: str, expected, types: dict | None) -> dict:
         f.close()
 
 
-def _gguf(f: _File, types: dict | None) -> dict:
+def _gguf(f: File, types: dict | None) -> dict:
     if types is None:
         raise Refused("the gguf package, whose table of tensor types sizes them, is not installed here")
     if f.read(4) != b"GGUF":
@@ -334,7 +230,7 @@ def _gguf(f: _File, types: dict | None) -> dict:
     return header
 
 
-def _gguf_keys(f: _File, kv_count: int) -> dict:
+def _gguf_keys(f: File, kv_count: int) -> dict:
     """The header's keys a plan needs (architecture, its sizes, split count, vocabulary), each within its limit."""
     arch = ""
     per_prefix: dict[tuple[str, str], object] = {}
@@ -372,7 +268,7 @@ def _gguf_keys(f: _File, kv_count: int) -> dict:
     return header
 
 
-def _gguf_tensors(f: _File, tensor_count: int, types: dict) -> dict[str, int]:
+def _gguf_tensors(f: File, tensor_count: int, types: dict) -> dict[str, int]:
     """The tensor table: bytes of weights per tensor type, as the gguf package sizes each type."""
     by_type: dict[str, int] = {}
     for _ in range(tensor_count):
@@ -402,7 +298,7 @@ def _refuse_constant(name: str):
     raise Refused(f"{name} where a number belongs")
 
 
-def _json(f: _File, length: int, what: str):
+def _json(f: File, length: int, what: str):
     raw = f.read(length)
     try:
         return json.loads(raw, parse_constant=_refuse_constant)
@@ -416,7 +312,7 @@ def _json(f: _File, length: int, what: str):
 
 def read_safetensors(path: str, name: str, expected) -> dict:
     """One safetensors file's header: how many tensors, and the bytes of each dtype."""
-    f = _File(path, name, expected)
+    f = File(path, name, expected)
     try:
         try:
             header = _safetensors(f, name)
@@ -434,7 +330,7 @@ def read_safetensors(path: str, name: str, expected) -> dict:
         f.close()
 
 
-def _safetensors(f: _File, name: str) -> dict:
+def _safetensors(f: File, name: str) -> dict:
     if f.size < 8:
         raise Refused(f"{name} is shorter than a safetensors header")
     length = f.take("Q")
@@ -477,7 +373,7 @@ def _safetensors(f: _File, name: str) -> dict:
 
 def read_config(path: str, name: str, expected) -> dict:
     """The shape a Hugging Face `config.json` gives, in the names a GGUF header's are kept under."""
-    f = _File(path, name, expected)
+    f = File(path, name, expected)
     try:
         if f.size > CONFIG_READ_MAX:
             raise Refused(f"{name} is {f.size:,} bytes; llmgw reads a config.json of at most {CONFIG_READ_MAX:,}")

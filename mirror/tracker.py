@@ -202,6 +202,11 @@ def announce(request: HttpRequest, nodes) -> JsonResponse:
     except redis.RedisError:
         return _error(503, "the tracker cannot reach Redis; fetch from the mirror meanwhile", Retry_After="10")
 
+    return _answer(node, hashes, answers, nodes, now)
+
+
+def _answer(node: str, hashes: list[str], answers: list, nodes, now: float) -> JsonResponse:
+    """The announce's answer from Redis's records: the fleet's addresses, and each torrent's other holders, all enrolled."""
     fleet_raw, *held_raw = answers
     fleet = _said("", fleet_raw, now)
     held = [_said(h, raw, now) for h, raw in zip(hashes, held_raw, strict=True)]
