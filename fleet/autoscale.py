@@ -185,24 +185,29 @@ def apply(models: list[ModelView], replicas: list[Replica], now: datetime) -> li
         if (after.busy_at, after.last_request) != times.get(model.name):
             new_times[model.name] = f"{after.busy_at} {after.last_request}"
         waiting = loads.get(model.name, {}).get("waiting", 0)
-        out.append(
-            replace(
-                model,
-                replicas=after.replicas,
-                busy=busy,
-                cause=cause_of(after, model.scaling),
-                # A replica kept past its pass (it had a request in flight) still says why when it goes.
-                stop_reason=stop_reason or (after.why if after.why.startswith(LOWERED) else ""),
-                make_room=bool(after.replicas) and not ready.get(model.name) and (waiting > 0 or after.why == WOKEN),
-                last_request=after.last_request,
-            )
-        )
+        out.append(_with_count(model, after, stop_reason, busy, ready.get(model.name, 0), waiting))
     _save(created, changed, recounted)
     if new_times:
         client.hset(TIMES_KEY, mapping=new_times)
     if gone := set(times) - {m.name for m in scaled}:
         client.hdel(TIMES_KEY, *gone)
     return out
+
+
+def _with_count(
+    model: ModelView, after: State, stop_reason: str, busy: frozenset[int], ready: int, waiting: int
+) -> ModelView:
+    """The model's snapshot with this pass's count, and what placement is to do about it."""
+    return replace(
+        model,
+        replicas=after.replicas,
+        busy=busy,
+        cause=cause_of(after, model.scaling),
+        # A replica kept past its pass (it had a request in flight) still says why when it goes.
+        stop_reason=stop_reason or (after.why if after.why.startswith(LOWERED) else ""),
+        make_room=bool(after.replicas) and not ready and (waiting > 0 or after.why == WOKEN),
+        last_request=after.last_request,
+    )
 
 
 def _ready_idle_busy(

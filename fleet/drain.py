@@ -21,7 +21,7 @@ zero, stopped to make room) is stopped at once: a wake that made room waits for 
 A replica across nodes (issue 37) drains as one: its row (the head's) is what is marked and
 held here, and once it has drained its head and every worker are told to stop together
 (fleet.reconcile.tell_stop), so no worker's rpc-server goes while its head still answers.
-A group with a node draining is replaced elsewhere by placement (fleet.placement._leaving_draining)
+A group with a node draining is replaced elsewhere by placement (fleet.placement.stopping.leaving_draining)
 and stopped through this same hold once the new group serves.
 """
 

@@ -105,7 +105,7 @@ class FleetCollector(Collector):
 
         booked = {
             row["node_id"]: row
-            # Placement books every replica on its node, whatever its state (fleet.placement._book_held).
+            # Placement books every replica on its node, whatever its state (fleet.placement.books.book_held).
             for row in Replica.objects.filter(node__isnull=False)
             .values("node_id")
             .annotate(memory=Sum("memory_gb"), gpus=Sum("gpus"))

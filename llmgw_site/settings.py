@@ -11,7 +11,6 @@ A node's agent does not run these settings at all: `manage.py agent` and `fetch`
 with the node's own, agent.settings (no database, nothing of the control plane).
 """
 
-import ipaddress
 import os
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from contracts.env import SettingError, env_addr, env_bool, env_float, env_int, env_path, env_str
 from contracts.version import VERSION
+from llmgw_site.setting_readers import env_list, env_networks, env_time_zone, oidc_issuer_host, port_range, secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = env_path("LLMGW_VAR", Path("var"), BASE_DIR)
@@ -37,37 +37,14 @@ if ROLE not in ROLES:
         )
     )
 
-SECRET_KEY = env_str("DJANGO_SECRET_KEY", "")
-if not SECRET_KEY:
-    # One machine: a key made once and kept under var/, so sessions survive a restart.
-    _key_file = VAR_DIR / "secret_key"
-    if _key_file.exists():
-        SECRET_KEY = _key_file.read_text().strip()
-    else:
-        import secrets
-
-        VAR_DIR.mkdir(parents=True, exist_ok=True)
-        SECRET_KEY = secrets.token_urlsafe(50)
-        # Made with its mode, written whole, then linked into place: no reader ever sees it
-        # readable by others or half-written, whatever the umask, and of two processes
-        # starting together the second keeps the first one's key.
-        _tmp = VAR_DIR / f".secret_key.{os.getpid()}"
-        _fd = os.open(_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(_fd, "w") as _out:
-                _out.write(SECRET_KEY)
-            os.link(_tmp, _key_file)
-        except FileExistsError:
-            SECRET_KEY = _key_file.read_text().strip()
-        finally:
-            _tmp.unlink(missing_ok=True)
+SECRET_KEY = secret_key(VAR_DIR)
 
 # A key made here is one machine's: `check --deploy` refuses it for a fleet (llmgw_site/checks.py).
 SECRET_KEY_MADE_HERE = not env_str("DJANGO_SECRET_KEY", "")
 
 DEBUG = env_bool("DJANGO_DEBUG", False)
-ALLOWED_HOSTS = [h.strip() for h in env_str("DJANGO_ALLOWED_HOSTS", "*").split(",") if h.strip()]
-CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "*")
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", "")
 
 # The admin port behind a TLS proxy (docs/fleet.md): the proxy says the request came over
 # HTTPS, plain HTTP is sent there, cookies travel only over it, and browsers are told to
@@ -98,11 +75,7 @@ if ROLE == "bytes":
     # Host a node sends, so that Host is the one allowed (issue 41.1).
     from urllib.parse import urlsplit
 
-    ALLOWED_HOSTS = [
-        h.strip()
-        for h in env_str("LLMGW_BYTES_ALLOWED_HOSTS", urlsplit(BYTES_URL).hostname or _bytes_host).split(",")
-        if h.strip()
-    ]
+    ALLOWED_HOSTS = env_list("LLMGW_BYTES_ALLOWED_HOSTS", urlsplit(BYTES_URL).hostname or _bytes_host)
 MIRROR_SCAN_INTERVAL_S = env_int("LLMGW_SCAN_INTERVAL_S", 20, minimum=1)
 HEARTBEAT_S = env_int("LLMGW_HEARTBEAT_S", 15, minimum=1)
 # A node is not ready after this many heartbeats in a row have not arrived.
@@ -116,15 +89,7 @@ FETCH_PARALLEL = env_int("LLMGW_FETCH_PARALLEL", 4, minimum=1)
 RECONCILE_INTERVAL_S = env_int("LLMGW_RECONCILE_INTERVAL_S", 5, minimum=1)
 # Ports a worker of a replica across nodes listens at (its fenced transport, issue 37): FIRST-LAST.
 RPC_PORTS = env_str("LLMGW_RPC_PORTS", "50100-50199")
-try:
-    _rpc_low, _rpc_high = (int(p) for p in RPC_PORTS.split("-"))
-    if not 1024 <= _rpc_low <= _rpc_high <= 65535:
-        raise ValueError
-except ValueError:
-    raise ImproperlyConfigured(
-        f"LLMGW_RPC_PORTS is {RPC_PORTS!r}: it must be FIRST-LAST, two ports between 1024 and 65535, first <= last"
-    ) from None
-RPC_PORT_RANGE = (_rpc_low, _rpc_high)
+RPC_PORT_RANGE = port_range("LLMGW_RPC_PORTS", RPC_PORTS)
 # Engines may be told to run code shipped with the weights (vLLM's --trust-remote-code)
 # only when this is set: the mirror is a place files are copied into by hand.
 LLMGW_ALLOW_REMOTE_CODE = env_bool("LLMGW_ALLOW_REMOTE_CODE", False)
@@ -148,15 +113,7 @@ BYTES_ACCESS_LOG = env_bool("LLMGW_ACCESS_LOG", False)
 BYTES_PASS_CACHE_S = env_float("LLMGW_BYTES_PASS_CACHE_S", 2.0)
 # Proxies in front of the byte listener whose X-Forwarded-For is believed (addresses or networks):
 # the tracker takes a node's address from the request, and from a proxy's header only if it is one of these.
-BYTES_TRUSTED_PROXIES = []
-for _proxy in env_str("LLMGW_BYTES_TRUSTED_PROXIES", "").split(","):
-    if _proxy.strip():
-        try:
-            BYTES_TRUSTED_PROXIES.append(ipaddress.ip_network(_proxy.strip(), strict=False))
-        except ValueError:
-            raise ImproperlyConfigured(
-                f"LLMGW_BYTES_TRUSTED_PROXIES must be IP addresses or networks separated by commas, not {_proxy.strip()!r}"
-            ) from None
+BYTES_TRUSTED_PROXIES = env_networks("LLMGW_BYTES_TRUSTED_PROXIES")
 # --- a version offered whole or not at all (docs/mirror.md, "Not ready yet") ---
 # A file modified less than this long ago is taken to be still being copied in: its
 # version's manifest says "not ready" (503, Retry-After) until it has been still this long.
@@ -203,18 +160,9 @@ GATEWAY_KEY_CONCURRENCY = env_int("LLMGW_GATEWAY_KEY_CONCURRENCY", 256, minimum=
 GATEWAY_SHOW_CACHED_TOKENS = env_bool("LLMGW_GATEWAY_SHOW_CACHED_TOKENS", False)
 # The time zone whose calendar days and months the gateway's daily and monthly limits and teams' budgets
 # count in (docs/teams.md): a month's budget resets at midnight on the 1st there.
-BUDGET_TIME_ZONE = env_str("LLMGW_BUDGET_TIME_ZONE", "UTC")
-try:
-    import zoneinfo as _zoneinfo
-
-    _zoneinfo.ZoneInfo(BUDGET_TIME_ZONE)
-except (ValueError, _zoneinfo.ZoneInfoNotFoundError):
-    raise ImproperlyConfigured(
-        f"LLMGW_BUDGET_TIME_ZONE is {BUDGET_TIME_ZONE!r}, which is not a time zone this machine knows; "
-        "write one like UTC or Europe/Paris."
-    ) from None
+BUDGET_TIME_ZONE = env_time_zone("LLMGW_BUDGET_TIME_ZONE", "UTC")
 # Body keys the gateway passes on besides those of each address's API (gateway/intake.py PASSED), comma-separated.
-GATEWAY_ENGINE_KEYS = frozenset(k.strip() for k in env_str("LLMGW_GATEWAY_ENGINE_KEYS", "").split(",") if k.strip())
+GATEWAY_ENGINE_KEYS = frozenset(env_list("LLMGW_GATEWAY_ENGINE_KEYS", ""))
 # Holding (docs/gateway.md): a request for a model with no ready replica, but one on its way,
 # waits this many seconds for it (0: refused at once, as before), in a queue of at most
 # LLMGW_HOLD_QUEUE requests per model and gateway process.
@@ -234,7 +182,7 @@ ADMIN_THREADS = env_int("LLMGW_ADMIN_THREADS", 16, minimum=1)
 ADMIN_WORKERS = env_int("LLMGW_ADMIN_WORKERS", 1, minimum=1)
 # Observability (docs/observability.md): who may scrape /metrics, what the gateway counts and logs.
 METRICS_TOKEN = env_str("LLMGW_METRICS_TOKEN", "")
-METRICS_ALLOW = [a.strip() for a in env_str("LLMGW_METRICS_ALLOW", "").split(",") if a.strip()]
+METRICS_ALLOW = env_list("LLMGW_METRICS_ALLOW", "")
 GATEWAY_METRICS = env_bool("LLMGW_GATEWAY_METRICS", True)
 METRICS_KEY_LABELS = env_bool("LLMGW_METRICS_KEY_LABELS", False)
 # `-` (stdout) or a file; unset, or false, off, no or 0, is off (not a file named "false").
@@ -400,21 +348,7 @@ MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
 # No issuer, no provider: local accounts alone, as on a machine without one (the README's walk).
 OIDC_ISSUER = env_str("LLMGW_OIDC_ISSUER", "").rstrip("/")
 if OIDC_ISSUER and ROLE == "control":
-    from urllib.parse import urlsplit
-
-    _issuer = urlsplit(OIDC_ISSUER)
-    # Over plain HTTP a network in between could swap the provider's keys: only for one on this host.
-    if (
-        _issuer.scheme not in ("https", "http")
-        or not _issuer.hostname
-        or _issuer.query
-        or _issuer.fragment
-        or (_issuer.scheme == "http" and _issuer.hostname not in ("127.0.0.1", "::1", "localhost"))
-    ):
-        raise SettingError(
-            "LLMGW_OIDC_ISSUER must be the provider's https:// address, like https://login.example.org/realms/org "
-            f"(http:// only for a provider on this host), not {OIDC_ISSUER!r}"
-        )
+    _issuer_host = oidc_issuer_host(OIDC_ISSUER)
     OIDC_RP_CLIENT_ID = env_str("LLMGW_OIDC_CLIENT_ID", "")
     OIDC_RP_CLIENT_SECRET = env_str("LLMGW_OIDC_CLIENT_SECRET", "")
     if not OIDC_RP_CLIENT_ID or not OIDC_RP_CLIENT_SECRET:
@@ -422,15 +356,13 @@ if OIDC_ISSUER and ROLE == "control":
             "LLMGW_OIDC_ISSUER is set, so LLMGW_OIDC_CLIENT_ID and LLMGW_OIDC_CLIENT_SECRET must be too: "
             "the client llmgw is registered as at the provider"
         )
-    OIDC_PROVIDER_NAME = env_str("LLMGW_OIDC_PROVIDER_NAME", _issuer.hostname)
+    OIDC_PROVIDER_NAME = env_str("LLMGW_OIDC_PROVIDER_NAME", _issuer_host)
     OIDC_RP_SCOPES = env_str("LLMGW_OIDC_SCOPES", "openid email profile groups")
     if "openid" not in OIDC_RP_SCOPES.split():
         raise SettingError(f"LLMGW_OIDC_SCOPES must include openid, not {OIDC_RP_SCOPES!r}")
     OIDC_GROUPS_CLAIM = env_str("LLMGW_OIDC_GROUPS_CLAIM", "groups")
-    OIDC_STAFF_GROUPS = frozenset(g.strip() for g in env_str("LLMGW_OIDC_STAFF_GROUPS", "").split(",") if g.strip())
-    OIDC_OPERATOR_GROUPS = frozenset(
-        g.strip() for g in env_str("LLMGW_OIDC_OPERATOR_GROUPS", "").split(",") if g.strip()
-    )
+    OIDC_STAFF_GROUPS = frozenset(env_list("LLMGW_OIDC_STAFF_GROUPS", ""))
+    OIDC_OPERATOR_GROUPS = frozenset(env_list("LLMGW_OIDC_OPERATOR_GROUPS", ""))
     OIDC_TEAM_PREFIX = os.environ.get("LLMGW_OIDC_TEAM_PREFIX", "llmgw-team-").strip()
     OIDC_TEAM_ADMIN_SUFFIX = os.environ.get("LLMGW_OIDC_TEAM_ADMIN_SUFFIX", "-admins").strip()
     OIDC_LANDING = env_str("LLMGW_OIDC_LANDING", "/me/")

@@ -135,22 +135,7 @@ def plan_serve(
         plan.refusal = "this version holds no files yet; copy its weights into the mirror first"
         return plan
 
-    # The file the offer speaks of: the one that decides the engine, or the
-    # first when none does.
-    deciding = next((f for f in files if engine_for(f.name)), files[0])
-    plan.engine = engine_for(deciding.name)
-    plan.bytes_total = sum(f.bytes for f in files)
-    if len(files) > 1:
-        # A version of several files is served as the version, not as one of
-        # them: the source is the directory (a trailing slash), the agent fetches
-        # every file in it and hands the engine the folder. The engine comes
-        # from whichever file says, because a version is a mixture only when
-        # somebody has put one there by hand.
-        plan.source = version_url
-        plan.files = len(files)
-    else:
-        plan.source = version_url + quote(deciding.name)
-
+    deciding = _offer_files(plan, files, version_url)
     if not plan.engine:
         plan.refusal = f"nothing here reads {ext_of(deciding.name)} files"
         return plan
@@ -164,14 +149,38 @@ def plan_serve(
 
     _warn_engine_missing(plan, fleet, spec, ext_of(deciding.name))
     _warn_memory(plan, fleet, estimated_gb)
-
-    if catalog is not None:
-        plan.already = model in catalog.taken or model in catalog.declared
-        if model in catalog.declared:
-            plan.refusal = (
-                f"a model called {model} is declared in configuration; edit it there rather than adding a second"
-            )
+    _check_catalog(plan, model, catalog)
     return plan
+
+
+def _offer_files(plan: ServePlan, files: Sequence[FileFacts], version_url: str) -> FileFacts:
+    """The engine, size and source a version's files give; the file the offer speaks of.
+
+    That file is the one that decides the engine, or the first when none does.
+    """
+    deciding = next((f for f in files if engine_for(f.name)), files[0])
+    plan.engine = engine_for(deciding.name)
+    plan.bytes_total = sum(f.bytes for f in files)
+    if len(files) > 1:
+        # A version of several files is served as the version, not as one of
+        # them: the source is the directory (a trailing slash), the agent fetches
+        # every file in it and hands the engine the folder. The engine comes
+        # from whichever file says, because a version is a mixture only when
+        # somebody has put one there by hand.
+        plan.source = version_url
+        plan.files = len(files)
+    else:
+        plan.source = version_url + quote(deciding.name)
+    return deciding
+
+
+def _check_catalog(plan: ServePlan, model: str, catalog: CatalogFacts | None) -> None:
+    """Whether the catalog has the name already; a name declared in configuration is refused."""
+    if catalog is None:
+        return
+    plan.already = model in catalog.taken or model in catalog.declared
+    if model in catalog.declared:
+        plan.refusal = f"a model called {model} is declared in configuration; edit it there rather than adding a second"
 
 
 def _warn_engine_missing(

@@ -128,7 +128,7 @@ def whole_answer(lines: list[str]) -> str:
 def test_a_request_arriving_during_a_rolling_replacement_waits_and_is_answered(node, gateway, beat):
     source, cache = node
     # The profile asks for more than half the node's memory: the old replica holds the room the
-    # new one needs, so it is stopped first (fleet/placement.py, _retire) and the model has no
+    # new one needs, so it is stopped first (fleet/placement/stopping.py, retire) and the model has no
     # ready replica until the new one has started; the widest gap a rolling replacement leaves.
     half = Node.objects.get(name="n1").memory_gb // 2 + 1
     profile = serve(source, memory_gb=half)
