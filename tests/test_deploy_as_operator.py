@@ -124,6 +124,9 @@ def _install_control(deployed: Deployed) -> None:
             "LLMGW_ADMIN_ADDR": f"127.0.0.1:{admin_port}",
             "LLMGW_BYTES_ADDR": bytes_address,
             "LLMGW_BYTES_URL": deployed.bytes_url,
+            "LLMGW_METRICS_TOKEN": METRICS_TOKEN,
+        },
+        lab={
             "LLMGW_GATEWAY_URL": deployed.gateway_url + "/",
             # The pull below is from a mirror on this machine, over plain HTTP, as control.env says to allow.
             "LLMGW_PULL_ALLOW_HTTP": "true",
@@ -132,7 +135,6 @@ def _install_control(deployed: Deployed) -> None:
             "LLMGW_RECONCILE_INTERVAL_S": "1",
             "LLMGW_DEMO_MODEL": "false",
             "LLMGW_MIRROR_SETTLE_S": "1",
-            "LLMGW_METRICS_TOKEN": METRICS_TOKEN,
         },
     )
     control.run(deploy.doc_line("install -m 0755 deploy/llmgw-manage"))
@@ -156,9 +158,9 @@ def _install_gateway(deployed: Deployed) -> None:
             "DJANGO_SECRET_KEY": SECRET,
             "LLMGW_GATEWAY_ADDR": deployed.gateway_url.removeprefix("http://"),
             "LLMGW_GATEWAY_URL": deployed.gateway_url + "/",
-            "LLMGW_GATEWAY_REFRESH_MS": "200",
             "LLMGW_METRICS_TOKEN": METRICS_TOKEN,
         },
+        lab={"LLMGW_GATEWAY_REFRESH_MS": "200"},
     )
     control.start_unit("llmgw-gateway")
 
@@ -182,9 +184,9 @@ def _install_node(deployed: Deployed) -> None:
             "LLMGW_REDIS_ACL": "false",
             "LLMGW_BYTES_URL": deployed.bytes_url,
             "LLMGW_ENGINE_ADVERTISE": node.address,
-            "LLMGW_HEARTBEAT_S": "1",
             "LLMGW_AGENT_METRICS_TOKEN": AGENT_METRICS_TOKEN,
         },
+        lab={"LLMGW_HEARTBEAT_S": "1"},
     )
     example = {"10.0.0.10": deployed.control.address, "10.0.0.31": deployed.control.address, "10.0.0.21": node.address}
     deploy.apply_firewall(node.netns, deploy.firewall("node", example))
@@ -365,7 +367,11 @@ def _install_prometheus(deployed: Deployed) -> str:
     control.run(deploy.doc_line("sed -n 's/^LLMGW_METRICS_TOKEN=//p'"))
     control.run(deploy.doc_line("install -m 0640 -g prometheus /dev/null /etc/prometheus/llmgw-agent-token"))
     control.write("/etc/prometheus/llmgw-agent-token", AGENT_METRICS_TOKEN)
-    node_port = deploy.read_env_file_on(node, "/etc/llmgw/node.env")["LLMGW_AGENT_METRICS_ADDR"].rsplit(":", 1)[1]
+    metrics_addr = deploy.read_env_file_on(node, "/etc/llmgw/node.env").get("LLMGW_AGENT_METRICS_ADDR", "")
+    assert metrics_addr, (
+        "node.env leaves the node's /metrics off (LLMGW_AGENT_METRICS_ADDR): the node panels stay empty"
+    )
+    node_port = metrics_addr.rsplit(":", 1)[1]
     hosts = {
         "llmgw-control": [public],
         "llmgw-gateways": [deployed.gateway_url.removeprefix("http://")],

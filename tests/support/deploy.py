@@ -249,13 +249,18 @@ def doc_line(starts: str) -> str:
     return found[0]
 
 
-def edit_env_file(host: DeployedHost, path: str, values: dict[str, str]) -> None:
-    """The operator's edit of an env file: each named line's value replaced, or the line added."""
+def edit_env_file(host: DeployedHost, path: str, filled: dict[str, str], lab: dict[str, str] | None = None) -> None:
+    """The operator's edit of an env file: the values of the lines it has filled in, then the lab's own lines.
+
+    A setting in `filled` that the shipped file lacks fails: an operator fills the lines the
+    file has and never learns of one it does not (issue 41: no metrics token in control.env).
+    """
     lines = host.read(path).splitlines()
-    left = dict(values)
+    left = dict(filled)
     for i, line in enumerate(lines):
         name = line.partition("=")[0].strip()
         if not line.lstrip().startswith("#") and name in left:
             lines[i] = f"{name}={left.pop(name)}"
-    lines += [f"{name}={value}" for name, value in left.items()]
+    assert not left, f"{path} (deploy/env/) has no line for {', '.join(sorted(left))}, which the operator must set"
+    lines += [f"{name}={value}" for name, value in (lab or {}).items()]
     host.write(path, "\n".join(lines))
