@@ -430,7 +430,7 @@ def test_prometheus_scrapes_every_target_of_the_deployed_fleet_and_no_panel_of_t
     some_traffic()
     wait_until(
         lambda: set(targets().values()) == {"up"},
-        timeout=60,
+        timeout=90,
         interval=0.5,
         what=lambda: f"every target of deploy/prometheus.yml up, not {targets()}",
     )
@@ -447,7 +447,7 @@ def test_prometheus_scrapes_every_target_of_the_deployed_fleet_and_no_panel_of_t
 
     wait_until(
         lambda: not empty_panels(),
-        timeout=90,
+        timeout=120,
         interval=1,
         what=lambda: "a series for every panel of deploy/grafana/llmgw.json; empty:\n" + "\n".join(empty_panels()),
     )
