@@ -93,7 +93,7 @@ def connects(netns: str, address: str, port: int, timeout: float = 3.0) -> bool:
 UNITS = BASE_DIR / "deploy" / "systemd"
 VENV_BIN = (BASE_DIR / ".venv" / "bin").resolve()
 # What an operator's steps write to, each an overlay of this machine's directory in the host's
-# namespace, its changes kept in the test's directory: users in /etc, the checkout in /opt, ...
+# namespace, its changes kept in the test's directory: users in /etc, the checkout in /opt, nginx's logs, ...
 HOST_DISK = ("/etc", "/opt", "/srv", "/var/lib", "/var/log", "/usr/local/lib", "/usr/local/bin", str(VENV_BIN))
 # The lab's interpreter (pyenv's, under /root, where a Debian host's is /usr/bin/python3).
 LAB_PYTHON = str(Path(os.path.realpath(VENV_BIN / "python")).parents[1])
