@@ -409,6 +409,7 @@ def _query(prometheus: str, expr: str) -> list[dict]:
 
 def test_prometheus_scrapes_every_target_of_the_deployed_fleet_and_no_panel_of_the_dashboard_is_empty(deployed):
     """The README walk's last step (issue 41 item 7): each job of deploy/prometheus.yml up, each panel a line."""
+    assert Replica.objects.filter(model_name="tiny").exists(), "this step follows the walk above, which serves tiny"
     prometheus = _install_prometheus(deployed)
     key = deployed.control.run("llmgw-manage api_key create prometheus-walk | tail -n 1").strip()
     ask = {"model": "tiny", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 2}
@@ -455,6 +456,6 @@ def test_prometheus_scrapes_every_target_of_the_deployed_fleet_and_no_panel_of_t
     exporters = sorted(row["metric"]["job"] for row in _query(prometheus, "count by (job) (llmgw_nodes)"))
     assert exporters == ["llmgw-control"], f"the fleet's gauges come from {exporters}: each beside the first repeats it"
     assert _query(prometheus, "sum(llmgw_nodes)")[0]["value"][1] == "1", "the one node is not counted once"
-    # And the refused request is counted as what it was.
-    refused = _query(prometheus, 'llmgw_gateway_requests_total{status="401"}')
+    # And the refused request is counted as what it was (in the samples of whichever gateway process took it).
+    refused = _query(prometheus, 'last_over_time(llmgw_gateway_requests_total{status="401"}[5m])')
     assert refused, "the request with a wrong key is not counted"
