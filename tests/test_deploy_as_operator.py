@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import yaml
 
 from fleet.models import Replica
 from launcher.demo_model import write_tiny_llama
@@ -19,6 +21,7 @@ from .services import free_port
 from .support import deploy
 from .support.database import db_access  # noqa: F401  (a fixture)
 from .support.other_mirror import OtherMirror
+from .support.processes import BASE_DIR
 from .support.processes import test_database_url as database_url
 from .support.waiting import wait_until
 
@@ -63,6 +66,9 @@ def test_the_control_hosts_firewall_keeps_loopback_replies_and_ssh_and_drops_the
 # --- The fleet, deployed as docs/fleet.md says ---
 
 SECRET = secrets.token_urlsafe(50)
+# What Prometheus presents: to the admin server and the gateways, and to the nodes' agents.
+METRICS_TOKEN = secrets.token_urlsafe(32)
+AGENT_METRICS_TOKEN = secrets.token_urlsafe(32)
 
 
 def _redis_on(address: str, work: Path) -> tuple[subprocess.Popen, str]:
@@ -118,6 +124,9 @@ def _install_control(deployed: Deployed) -> None:
             "LLMGW_ADMIN_ADDR": f"127.0.0.1:{admin_port}",
             "LLMGW_BYTES_ADDR": bytes_address,
             "LLMGW_BYTES_URL": deployed.bytes_url,
+            "LLMGW_METRICS_TOKEN": METRICS_TOKEN,
+        },
+        lab={
             "LLMGW_GATEWAY_URL": deployed.gateway_url + "/",
             # The pull below is from a mirror on this machine, over plain HTTP, as control.env says to allow.
             "LLMGW_PULL_ALLOW_HTTP": "true",
@@ -149,8 +158,9 @@ def _install_gateway(deployed: Deployed) -> None:
             "DJANGO_SECRET_KEY": SECRET,
             "LLMGW_GATEWAY_ADDR": deployed.gateway_url.removeprefix("http://"),
             "LLMGW_GATEWAY_URL": deployed.gateway_url + "/",
-            "LLMGW_GATEWAY_REFRESH_MS": "200",
+            "LLMGW_METRICS_TOKEN": METRICS_TOKEN,
         },
+        lab={"LLMGW_GATEWAY_REFRESH_MS": "200"},
     )
     control.start_unit("llmgw-gateway")
 
@@ -174,8 +184,9 @@ def _install_node(deployed: Deployed) -> None:
             "LLMGW_REDIS_ACL": "false",
             "LLMGW_BYTES_URL": deployed.bytes_url,
             "LLMGW_ENGINE_ADVERTISE": node.address,
-            "LLMGW_HEARTBEAT_S": "1",
+            "LLMGW_AGENT_METRICS_TOKEN": AGENT_METRICS_TOKEN,
         },
+        lab={"LLMGW_HEARTBEAT_S": "1"},
     )
     example = {"10.0.0.10": deployed.control.address, "10.0.0.31": deployed.control.address, "10.0.0.21": node.address}
     deploy.apply_firewall(node.netns, deploy.firewall("node", example))
@@ -306,3 +317,145 @@ def test_a_pull_from_another_mirror_lands_in_the_mirror_the_other_units_only_rea
         assert deployed.control.run("ls /srv/llmgw/mirror/pulled/v1").split() == ["weights.gguf"]
     finally:
         other.stop()
+
+
+# --- Step 5: Prometheus on the control host, through nginx, and the dashboard ---
+
+PUBLIC_NAME = "llmgw.example.org"  # the name on nginx's certificate, as deploy/ spells it
+
+
+def _install_nginx(deployed: Deployed) -> str:
+    """Step 1's TLS proxy on `control`, deploy/nginx/llmgw.conf with this fleet's one control host and one gateway.
+
+    The lab's differences: its ports are free ones of this machine (the control host shares its
+    network), and its certificate is made here and put in the host's trust store, where a
+    public CA's certificate already is.
+    """
+    control = deployed.control
+    control.run(deploy.doc_line("install -m 0644 deploy/nginx/llmgw.conf"))
+    control.run(deploy.doc_line("ln -s ../sites-available/llmgw.conf"))
+    control.run(
+        "mkdir -p /etc/ssl/llmgw && openssl req -x509 -newkey rsa:2048 -nodes -days 1 "
+        f"-subj /CN={PUBLIC_NAME} -addext subjectAltName=DNS:{PUBLIC_NAME} "
+        "-keyout /etc/ssl/llmgw/privkey.pem -out /etc/ssl/llmgw/fullchain.pem 2>/dev/null"
+        " && cat /etc/ssl/llmgw/fullchain.pem >> /etc/ssl/certs/ca-certificates.crt"
+    )
+    # Its DNS name: this host's address on the fleet's network.
+    control.run(f"echo '{control.address} {PUBLIC_NAME}' >> /etc/hosts")
+    https_port, http_port = free_port_on(control.address), free_port_on(control.address)
+    site = control.read("/etc/nginx/sites-available/llmgw.conf")
+    lines = []
+    for line in site.splitlines():
+        if "listen [::]" in line or "10.0.0.11:8000" in line or "10.0.0.32:8080" in line:
+            continue  # no IPv6 here, one control host, one gateway
+        line = line.replace("listen 443 ", f"listen {control.address}:{https_port} ")
+        line = line.replace("listen 80;", f"listen {control.address}:{http_port};")
+        line = line.replace("10.0.0.10:8000", deployed.admin_url.removeprefix("http://"))
+        lines.append(line.replace("10.0.0.31:8080", deployed.gateway_url.removeprefix("http://")))
+    control.write("/etc/nginx/sites-available/llmgw.conf", "\n".join(lines))
+    control.run(deploy.doc_line("nginx -t && systemctl reload nginx").split(" && ")[0] + " 2>&1")
+    control.start("nginx", ["nginx", "-g", "daemon off;"])
+    return f"{PUBLIC_NAME}:{https_port}"
+
+
+def _install_prometheus(deployed: Deployed) -> str:
+    """Step 5 on `control`: Debian's Prometheus with deploy/prometheus.yml, this fleet's hosts listed in it."""
+    control, node = deployed.control, deployed.node
+    public = _install_nginx(deployed)
+    control.run(deploy.doc_line("install -m 0644 deploy/prometheus.yml"))
+    control.run(deploy.doc_line("install -m 0640 -g prometheus /dev/null /etc/prometheus/llmgw-metrics-token"))
+    control.run(deploy.doc_line("sed -n 's/^LLMGW_METRICS_TOKEN=//p'"))
+    control.run(deploy.doc_line("install -m 0640 -g prometheus /dev/null /etc/prometheus/llmgw-agent-token"))
+    control.write("/etc/prometheus/llmgw-agent-token", AGENT_METRICS_TOKEN)
+    metrics_addr = deploy.read_env_file_on(node, "/etc/llmgw/node.env").get("LLMGW_AGENT_METRICS_ADDR", "")
+    assert metrics_addr, (
+        "node.env leaves the node's /metrics off (LLMGW_AGENT_METRICS_ADDR): the node panels stay empty"
+    )
+    node_port = metrics_addr.rsplit(":", 1)[1]
+    hosts = {
+        "llmgw-control": [public],
+        "llmgw-gateways": [deployed.gateway_url.removeprefix("http://")],
+        "llmgw-nodes": [f"{node.address}:{node_port}"],
+    }
+    config = yaml.safe_load(control.read("/etc/prometheus/prometheus.yml"))
+    config["global"]["scrape_interval"] = "1s"  # this test's pace
+    for job in config["scrape_configs"]:
+        job["static_configs"] = [{"targets": hosts.pop(job["job_name"])}]
+    assert not hosts, f"deploy/prometheus.yml has no job {sorted(hosts)}"
+    control.write("/etc/prometheus/prometheus.yml", yaml.safe_dump(config))
+    control.run(deploy.doc_line("promtool check config").split(" && ")[0])
+    # What Debian's prometheus.service runs (User=prometheus); its port one of this machine's free ones.
+    url = f"http://127.0.0.1:{free_port()}"
+    argv = ["setpriv", "--reuid=prometheus", "--regid=prometheus", "--init-groups", "/usr/bin/prometheus"]
+    argv += ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/var/lib/prometheus/metrics2/"]
+    prometheus = control.start("prometheus", [*argv, f"--web.listen-address={url.removeprefix('http://')}"])
+
+    def ready():
+        assert prometheus.alive(), prometheus.output()[-3000:]
+        try:
+            return requests.get(url + "/-/ready", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    wait_until(ready, timeout=60, what="Prometheus to be ready")
+    return url
+
+
+def _query(prometheus: str, expr: str) -> list[dict]:
+    answer = requests.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10).json()
+    assert answer["status"] == "success", (expr, answer)
+    return answer["data"]["result"]
+
+
+def test_prometheus_scrapes_every_target_of_the_deployed_fleet_and_no_panel_of_the_dashboard_is_empty(deployed):
+    """The README walk's last step (issue 41 item 7): each job of deploy/prometheus.yml up, each panel a line."""
+    assert Replica.objects.filter(model_name="tiny").exists(), "this step follows the walk above, which serves tiny"
+    prometheus = _install_prometheus(deployed)
+    key = deployed.control.run("llmgw-manage api_key create prometheus-walk | tail -n 1").strip()
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 2}
+
+    def some_traffic() -> None:
+        """An answer, a streamed one (the time to first token) and one refused (the errors), through the gateway."""
+        for body, bearer in ((ask, key), ({**ask, "stream": True}, key), (ask, "not-a-key")):
+            requests.post(
+                deployed.gateway_url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {bearer}"},
+                json=body,
+                timeout=30,
+            )
+
+    def targets() -> dict[str, str]:
+        found = requests.get(prometheus + "/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+        return {f"{t['labels']['job']} {t['scrapeUrl']}": t["lastError"] or t["health"] for t in found}
+
+    some_traffic()
+    wait_until(
+        lambda: set(targets().values()) == {"up"},
+        timeout=90,
+        interval=0.5,
+        what=lambda: f"every target of deploy/prometheus.yml up, not {targets()}",
+    )
+
+    dashboard = json.loads((BASE_DIR / "deploy" / "grafana" / "llmgw.json").read_text())
+    panels = [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel["targets"]]
+
+    def empty_panels() -> list[str]:
+        empty = [f"{title}: {expr}" for title, expr in panels if not _query(prometheus, expr.replace("$model", ".*"))]
+        if empty:
+            # A gateway's processes count alone (docs/observability.md): a scrape may reach one that has not answered yet.
+            some_traffic()
+        return empty
+
+    wait_until(
+        lambda: not empty_panels(),
+        timeout=120,
+        interval=1,
+        what=lambda: "a series for every panel of deploy/grafana/llmgw.json; empty:\n" + "\n".join(empty_panels()),
+    )
+    # The fleet's gauges come from the control plane alone: the gateway does not show the one node twice.
+    exporters = sorted(row["metric"]["job"] for row in _query(prometheus, "count by (job) (llmgw_nodes)"))
+    assert exporters == ["llmgw-control"], f"the fleet's gauges come from {exporters}: each beside the first repeats it"
+    assert _query(prometheus, "sum(llmgw_nodes)")[0]["value"][1] == "1", "the one node is not counted once"
+    # And the refused request is counted as what it was (in the samples of whichever gateway process took it).
+    refused = _query(prometheus, 'last_over_time(llmgw_gateway_requests_total{status="401"}[5m])')
+    assert refused, "the request with a wrong key is not counted"

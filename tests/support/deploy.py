@@ -93,8 +93,8 @@ def connects(netns: str, address: str, port: int, timeout: float = 3.0) -> bool:
 UNITS = BASE_DIR / "deploy" / "systemd"
 VENV_BIN = (BASE_DIR / ".venv" / "bin").resolve()
 # What an operator's steps write to, each an overlay of this machine's directory in the host's
-# namespace, its changes kept in the test's directory: users in /etc, the checkout in /opt, ...
-HOST_DISK = ("/etc", "/opt", "/srv", "/var/lib", "/usr/local/lib", "/usr/local/bin", str(VENV_BIN))
+# namespace, its changes kept in the test's directory: users in /etc, the checkout in /opt, nginx's logs, ...
+HOST_DISK = ("/etc", "/opt", "/srv", "/var/lib", "/var/log", "/usr/local/lib", "/usr/local/bin", str(VENV_BIN))
 # The lab's interpreter (pyenv's, under /root, where a Debian host's is /usr/bin/python3).
 LAB_PYTHON = str(Path(os.path.realpath(VENV_BIN / "python")).parents[1])
 ROOT_ENGINE_BUILDS = os.path.expanduser("~/.cache/llmgw/engines")
@@ -199,6 +199,19 @@ class DeployedHost:
         self.processes.append(process)
         return process
 
+    def start(self, name: str, argv: list[str]) -> Process:
+        """A daemon of this host that is not llmgw's (nginx, Prometheus), as root; its own unit's User= is in `argv`."""
+        process = Process(f"{self.name}-{name}", [*self._enter(), *argv], {"PATH": SYSTEMD_PATH}, self.work)
+        self.processes.append(process)
+        return process
+
+    def read(self, path: str) -> str:
+        return self.run(f"cat {path}")
+
+    def write(self, path: str, text: str) -> None:
+        """The operator's edit of a file: its content replaced, its owner and mode kept."""
+        self.run(f"cat > {path} <<'END'\n{text.rstrip()}\nEND")
+
     def remove(self) -> None:
         for process in self.processes:
             process.stop()
@@ -236,13 +249,18 @@ def doc_line(starts: str) -> str:
     return found[0]
 
 
-def edit_env_file(host: DeployedHost, path: str, values: dict[str, str]) -> None:
-    """The operator's edit of an env file: each named line's value replaced, or the line added."""
-    lines = host.run(f"cat {path}").splitlines()
-    left = dict(values)
+def edit_env_file(host: DeployedHost, path: str, filled: dict[str, str], lab: dict[str, str] | None = None) -> None:
+    """The operator's edit of an env file: the values of the lines it has filled in, then the lab's own lines.
+
+    A setting in `filled` that the shipped file lacks fails: an operator fills the lines the
+    file has and never learns of one it does not (issue 41: no metrics token in control.env).
+    """
+    lines = host.read(path).splitlines()
+    left = dict(filled)
     for i, line in enumerate(lines):
         name = line.partition("=")[0].strip()
         if not line.lstrip().startswith("#") and name in left:
             lines[i] = f"{name}={left.pop(name)}"
-    lines += [f"{name}={value}" for name, value in left.items()]
-    host.run(f"cat > {path} <<'END'\n" + "\n".join(lines) + "\nEND")
+    assert not left, f"{path} (deploy/env/) has no line for {', '.join(sorted(left))}, which the operator must set"
+    lines += [f"{name}={value}" for name, value in (lab or {}).items()]
+    host.write(path, "\n".join(lines))
