@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -89,25 +90,36 @@ def fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported abo
     write_safetensors(mirror / "big" / "v1" / "model.safetensors", {"w": ("BF16", [64, 64])})
     settle(mirror)
     redis_client().delete("control", f"node.{HEAD}", f"node.{WORKER}")
-    started = []
+    started, starting = [], []
+    # Each process started beside the others, and stopped so: one after another they took twice as long.
+    pool = ThreadPoolExecutor(4)
     try:
-        listener, url = start_byte_listener(mirror, log_dir)
-        started.append(listener)
         # The one port of LLMGW_RPC_PORTS is the worker's share's, which is the head's Ray's (fleet/orders.py).
         ray_port = free_port()
-        control = start_celery_worker(
-            "control", "control", log_dir, LLMGW_MIRROR_ROOT=mirror, LLMGW_RPC_PORTS=f"{ray_port}-{ray_port}"
+        control = pool.submit(
+            start_celery_worker,
+            "control",
+            "control",
+            log_dir,
+            LLMGW_MIRROR_ROOT=mirror,
+            LLMGW_RPC_PORTS=f"{ray_port}-{ray_port}",
         )
-        started.append(control)
+        starting.append(control)
+        listener, url = start_byte_listener(mirror, log_dir)
+        started.append(listener)
         fleet = Fleet(log_dir, url, ray_port)
         stand_ins = {
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
             "VLLM_STAND_IN_LOG": str(log_dir / "vllm-calls.jsonl"),
             "VLLM_RAY_STAND_IN_LOG": str(fleet.events_log),
         }
-        for name, cache in fleet.caches.items():
-            fleet.agents[name] = start_agent(name, issue_token(name), cache, log_dir, LLMGW_BYTES_URL=url, **stand_ins)
-            started.append(fleet.agents[name])
+        agents = {
+            name: pool.submit(start_agent, name, issue_token(name), cache, log_dir, LLMGW_BYTES_URL=url, **stand_ins)
+            for name, cache in fleet.caches.items()
+        }
+        starting += agents.values()
+        control.result()
+        fleet.agents = {name: agent.result() for name, agent in agents.items()}
 
         def enrolled():
             nodes = Node.objects.filter(name__in=fleet.caches)
@@ -118,8 +130,10 @@ def fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported abo
         )
         yield fleet
     finally:
-        for process in reversed(started):
-            process.stop()
+        started += [future.result() for future in starting if future.exception() is None]
+        # The agents are killed: what they would do on the way out is not what these tests look at.
+        list(pool.map(lambda process: process.kill() if process.name.startswith("agent-") else process.stop(), started))
+        pool.shutdown()
         # What the agents left running (their engines outlive them on purpose): the stand-ins.
         for event in ray_stand_in.events(log_dir / "ray-events.jsonl"):
             if alive(event["pid"]):
