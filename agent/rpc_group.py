@@ -190,11 +190,11 @@ class Workers:
             path = cls.wants_path(cache)
             wants = json.loads(path.read_text()) if path.exists() else {}
             current = wants.get(str(replica_id), {})
-            spec = {"port": int(port), "nonce": nonce, "head": head, "engine": engine}
+            spec = {"port": int(port), "nonce": nonce, "head": head}
             if engine == "vllm":
-                spec.update(head_address=head_address, ray_port=int(ray_port))
-            # Written before the engine was: llama.cpp's.
-            if {k: current.get(k, "llamacpp" if k == "engine" else None) for k in spec} != spec:
+                spec.update(engine=engine, head_address=head_address, ray_port=int(ray_port))
+            # An entry with no engine is llama.cpp's.
+            if {k: current.get(k) for k in spec} != spec or current.get("engine", "llamacpp") != engine:
                 # Another group of the same id: what runs of the old one is stopped first.
                 old = [current[k] for k in ("stunnel_pid", "server_pid", "ray_pid") if current.get(k)]
                 wants[str(replica_id)] = {**spec, "wanted": True, "old_pids": current.get("old_pids", []) + old}
