@@ -226,11 +226,8 @@ class Supervisor:
             # vLLM's workers run under the head's Ray: without it the engine answers nothing more.
             engines.stop_group(entry["pid"], grace=5)
             self.children.pop(entry["pid"], None)
-            log_path = self.ray_head.log(entry["replica"])
             self.ray_head.stop(entry.pop("ray"))
-            return self._crashed(
-                entry, now, None, f"lost the head's ray; its last lines:\n{engines.last_lines(log_path)}"
-            )
+            return self._crashed(entry, now, None, "lost the head's ray, which exited")
         if (
             entry.get("group")
             and entry["engine"] == "llamacpp"

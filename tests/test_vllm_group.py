@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from celery import current_app
 
-from agent import engines
+from agent import engine_state, engines, ray_group, supervisor
 from catalog.models import Model, Profile
 from contracts import tasks
 from fleet.enrolment import issue_token
@@ -33,8 +33,9 @@ from fleet.models import Node, Replica
 from .services import free_port
 from .support import ray_stand_in
 from .support.database import db_access  # noqa: F401  (a fixture)
+from .support.engines import Reports, step_until
 from .support.mirror import settle
-from .support.processes import start_agent, start_byte_listener, start_celery_worker
+from .support.processes import Process, start_agent, start_byte_listener, start_celery_worker
 from .support.waiting import wait_until
 from .weights import write_safetensors
 
@@ -224,3 +225,70 @@ def test_a_workers_ray_failing_fails_the_group_with_a_sentence_naming_the_worker
     )
     assert failed.reason.startswith(f"worker {WORKER} failed: this worker's ray exited"), failed.reason
     stop_big(fleet)
+
+
+# --- the head alone: its supervisor in this process, the worker played by the test ---------------
+
+
+@pytest.fixture
+def head(tmp_path, monkeypatch, engine_cleanup):
+    """A head's supervisor wanting a vLLM group with one worker, `vllm-b`, the stand-ins on PATH."""
+    ray_stand_in.install(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("VLLM_STAND_IN_LOG", str(tmp_path / "vllm-calls.jsonl"))
+    monkeypatch.setenv("VLLM_RAY_STAND_IN_LOG", str(tmp_path / "ray-events.jsonl"))
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    cache = tmp_path / "cache"
+    port = free_port()
+    worker = {"node": WORKER, "endpoint": f"127.0.0.1:{port}", "sealed_psk": "", "share": 0.5}
+    group = {"head_share": 0.5, "workers": [worker], "ray_port": port}
+    engine_state.want(cache, 1, "vllm", "http://m/big/v1/", weights, [], "big", "1", group)
+    reports = Reports()
+    sup = supervisor.Supervisor(cache, reports, rpc_listen="127.0.0.1")
+    yield sup, reports, port, tmp_path
+    for event in ray_stand_in.events(tmp_path / "ray-events.jsonl"):
+        if alive(event["pid"]):
+            engines.stop_group(event["pid"], grace=3)
+    sup.ray_head.stop(engine_state.read_state(cache)["replicas"].get("1", {}).get("ray"))
+
+
+def test_a_head_whose_workers_do_not_join_its_ray_fails_naming_them_and_never_starts_vllm(head, monkeypatch):
+    sup, reports, port, tmp_path = head
+    monkeypatch.setattr(ray_group, "JOIN_S", 2.0)
+    step_until(sup, lambda: "failed" in reports.states(), 60, "the head to give up on its worker")
+    assert reports.states()[0] == "starting"
+    assert reports.last()[3].startswith(
+        f"1 of the group's 2 nodes joined the head's Ray at 127.0.0.1:{port} within 2 s (its workers: {WORKER}); "
+        "starting it again in 1 s"
+    ), reports.last()
+    assert [e["event"] for e in ray_stand_in.events(tmp_path / "ray-events.jsonl")] == ["head"]
+
+
+def test_the_heads_ray_exiting_under_a_ready_vllm_stops_it_and_fails_the_replica(head):
+    sup, reports, port, tmp_path = head
+    # The worker node, played here: its `ray start` joining the head's Ray once it listens.
+    argv = ["ray", "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1", "--block"]
+
+    def joined():
+        sup.step()
+        joining = any(w.alive() for w in workers)
+        if not joining and not any(e["event"] == "join" for e in ray_stand_in.events(tmp_path / "ray-events.jsonl")):
+            workers.append(Process(f"worker-{len(workers)}", argv, dict(os.environ), tmp_path))
+        return "ready" in reports.states()
+
+    workers = []
+    try:
+        wait_until(joined, timeout=60, interval=0.5, what="vllm over the head's Ray, the worker joined")
+        events = ray_stand_in.events(tmp_path / "ray-events.jsonl")
+        [ray_head] = [e["pid"] for e in events if e["event"] == "head"]
+        [vllm] = [e["pid"] for e in events if e["event"] == "serve"]
+        os.kill(ray_head, signal.SIGKILL)
+        step_until(sup, lambda: reports.states()[-1] == "failed", 30, "the replica to fail with its Ray")
+        assert reports.last()[3].startswith("the engine lost the head's ray, which exited; starting it again"), (
+            reports.last()
+        )
+        wait_until(lambda: not alive(vllm), timeout=15, what="vllm to be stopped")
+    finally:
+        for process in workers:
+            process.kill()
