@@ -13,6 +13,7 @@ vLLM group belongs on a network of its own GPU nodes (docs/engines.md).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +24,8 @@ from contracts import ray as commands
 
 from . import engine_state, engines
 
+log = logging.getLogger("agent.supervisor")
+
 RAY_SETTING = "LLMGW_RAY"
 # How long the head waits for every worker to join its Ray, and a worker for the head's Ray to take
 # it: the control plane sends the workers' orders first, but an agent may be slow to take its own.
@@ -31,6 +34,8 @@ JOIN_S = 300.0
 STATUS_TIMEOUT_S = 30.0
 # How long a worker's `ray start` that exits before joining is given before it is tried again.
 RETRY_S = 2.0
+# How often the head asks its Ray whether every worker has joined (`ray status` is a process).
+POLL_S = 1.0
 
 
 def ray(which: Callable[[str], str | None] = shutil.which) -> str | None:
@@ -194,3 +199,37 @@ class Head:
     def stop(self, ray: dict | None) -> None:
         if ray:
             stop(ray["pid"], self.children.pop(ray["pid"], None))
+
+    def before_serve(self, entry: dict, now: float, backoff_max: float) -> bool | tuple[int, str, str, str] | None:
+        """A vLLM group's head before `vllm serve` (a supervisor's entry): its Ray head started, then every
+        worker joined.
+
+        True once the group is whole; None while it comes together (looked at again in POLL_S);
+        a report when the head's Ray started, or failed, or the workers did not join in time.
+        """
+        replica_id, group = entry["replica"], entry["group"]
+        workers = [str(w.get("node", "?")) for w in group.get("workers", [])]
+        ray = entry.get("ray")
+        if ray is None:
+            try:
+                entry["ray"] = self.start(replica_id, int(group["ray_port"]), now)
+            except (engines.EngineError, OSError) as e:
+                reason = f"the head of this vLLM replica across nodes could not start its Ray: {e}"
+                entry.update(next_start=now + backoff_max, reason=reason)
+                return (replica_id, "failed", "", reason)
+            log.info("replica %s: started the head's ray as pid %s, for %s", replica_id, entry["ray"]["pid"], workers)
+            entry["next_start"] = now + POLL_S
+            return (replica_id, "starting", "", "")
+        why = self.waiting(replica_id, ray, 1 + len(workers), workers, now)
+        if why is None:
+            return True
+        if not why:
+            entry["next_start"] = now + POLL_S
+            return None
+        self.stop(entry.pop("ray"))
+        restarts = entry.get("restarts", 0) + 1
+        delay = min(backoff_max, 2.0 ** (restarts - 1))
+        reason = f"{why}; starting it again in {delay:.0f} s"
+        entry.update(ready=False, restarts=restarts, next_start=now + delay, reason=reason)
+        log.warning("replica %s: %s", replica_id, reason)
+        return (replica_id, "failed", "", reason)

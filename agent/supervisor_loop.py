@@ -38,8 +38,6 @@ REREPORT_S = 60.0
 # How often the loop looks while an engine starts: its readiness is seen within this of its first answer.
 # A look at a starting engine is one connection to its loopback port (refused until it listens).
 STARTING_INTERVAL_S = 0.05
-# How often a vLLM group's head asks its Ray whether every worker has joined (`ray status` is a process).
-RAY_POLL_S = 1.0
 
 
 class Supervisor:
@@ -299,7 +297,11 @@ class Supervisor:
     def _start(self, entry: dict, now: float) -> tuple[int, str, str, str] | None:
         """The engine started, and its report; None while a vLLM group's head waits for its Ray."""
         replica_id = entry["replica"]
-        if entry.get("group") and entry["engine"] == "vllm" and (waiting := self._ray_ready(entry, now)) is not True:
+        if (
+            entry.get("group")
+            and entry["engine"] == "vllm"
+            and (waiting := self.ray_head.before_serve(entry, now, self.backoff_max)) is not True
+        ):
             return waiting
         port = engines.free_port(self.host)
         try:
@@ -377,41 +379,6 @@ class Supervisor:
             who = f"as {self.engine_user_name} (LLMGW_ENGINE_USER)" if self.engine_user else "as the agent's user"
             reason = f"the engine could not be started {who}: {error} (docs/agent.md, Engines fenced)"
             raise _NotStarted(reason, float("inf")) from None
-
-    def _ray_ready(self, entry: dict, now: float) -> bool | tuple[int, str, str, str] | None:
-        """A vLLM group's head before `vllm serve`: its Ray head started, then every worker joined.
-
-        True once the group is whole; None while it comes together (looked at again in RAY_POLL_S);
-        a report when the head's Ray started, or failed, or the workers did not join in time.
-        """
-        replica_id, group = entry["replica"], entry["group"]
-        workers = [str(w.get("node", "?")) for w in group.get("workers", [])]
-        ray = entry.get("ray")
-        if ray is None:
-            try:
-                entry["ray"] = self.ray_head.start(replica_id, int(group["ray_port"]), now)
-            except (engines.EngineError, OSError) as e:
-                reason = f"the head of this vLLM replica across nodes could not start its Ray: {e}"
-                entry.update(next_start=now + self.backoff_max, reason=reason)
-                return (replica_id, "failed", "", reason)
-            log.info(
-                "replica %s: started the head's ray as pid %s, for workers %s", replica_id, entry["ray"]["pid"], workers
-            )
-            entry["next_start"] = now + RAY_POLL_S
-            return (replica_id, "starting", "", "")
-        why = self.ray_head.waiting(replica_id, ray, 1 + len(workers), workers, now)
-        if why is None:
-            return True
-        if not why:
-            entry["next_start"] = now + RAY_POLL_S
-            return None
-        self.ray_head.stop(entry.pop("ray"))
-        restarts = entry.get("restarts", 0) + 1
-        delay = min(self.backoff_max, 2.0 ** (restarts - 1))
-        reason = f"{why}; starting it again in {delay:.0f} s"
-        entry.update(ready=False, restarts=restarts, next_start=now + delay, reason=reason)
-        log.warning("replica %s: %s", replica_id, reason)
-        return (replica_id, "failed", "", reason)
 
     def _open_tunnels(self, entry: dict) -> list[str]:
         """The head's tunnels to its workers, and llama-server's arguments that use them."""
