@@ -133,7 +133,7 @@ def check_worker(cache: Path, replica_id: int, entry: dict, alive: bool, now: fl
     if now - entry.get("started", now) > JOIN_S:
         entry["failed"] = True
         return "failed", (
-            f"this worker's ray could not join the head's Ray at {head} within {JOIN_S:.0f} s; "
+            f"this worker's ray could not join the head's Ray at {head} within {JOIN_S:g} s; "
             f"its last lines:\n{engines.last_lines(log)}"
         )
     entry["retry_at"] = now + RETRY_S
@@ -192,7 +192,7 @@ class Head:
             count = joined(ray["address"], ray["port"])
             return (
                 f"{count} of the group's {nodes} nodes joined the head's Ray at {ray['address']}:{ray['port']} "
-                f"within {JOIN_S:.0f} s (its workers: {', '.join(workers)})"
+                f"within {JOIN_S:g} s (its workers: {', '.join(workers)})"
             )
         return ""
 

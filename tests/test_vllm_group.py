@@ -255,11 +255,14 @@ def head(tmp_path, monkeypatch, engine_cleanup):
 
 def test_a_head_whose_workers_do_not_join_its_ray_fails_naming_them_and_never_starts_vllm(head, monkeypatch):
     sup, reports, port, tmp_path = head
-    monkeypatch.setattr(ray_group, "JOIN_S", 2.0)
+    events = tmp_path / "ray-events.jsonl"
+    step_until(sup, lambda: ray_stand_in.events(events), 60, "the head's Ray to listen")
+    # Its Ray up, the head has waited long enough from here on: no worker comes.
+    monkeypatch.setattr(ray_group, "JOIN_S", 0.5)
     step_until(sup, lambda: "failed" in reports.states(), 60, "the head to give up on its worker")
     assert reports.states()[0] == "starting"
     assert reports.last()[3].startswith(
-        f"1 of the group's 2 nodes joined the head's Ray at 127.0.0.1:{port} within 2 s (its workers: {WORKER}); "
+        f"1 of the group's 2 nodes joined the head's Ray at 127.0.0.1:{port} within 0.5 s (its workers: {WORKER}); "
         "starting it again in 1 s"
     ), reports.last()
     assert [e["event"] for e in ray_stand_in.events(tmp_path / "ray-events.jsonl")] == ["head"]
