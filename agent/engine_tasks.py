@@ -52,8 +52,10 @@ def start_on_node(
     except engines.EngineError as e:
         report(replica_id, "failed", "", str(e))
         return False
-    if group is not None and engine != "llamacpp":
-        report(replica_id, "failed", "", f"a replica across several nodes runs on llamacpp here, not {engine}")
+    ray_port = group.get("ray_port") if isinstance(group, dict) else None
+    if group is not None and engine == "vllm" and not (isinstance(ray_port, int) and 0 < ray_port < 65536):
+        # vLLM's group runs over a Ray head on this node (contracts/ray.py), at the port the order gives.
+        report(replica_id, "failed", "", "a vLLM replica across several nodes needs the port of its head's Ray")
         return False
     if engine_state.wanted_as(cache, replica_id, engine, source, list(args), model, nonce, group):
         return True

@@ -31,7 +31,7 @@ import psutil
 
 from contracts import groups
 
-from . import engine_binary, engine_state, engines
+from . import engine_binary, engine_state, engines, ray_group
 
 RPC_SERVER_SETTING = "LLMGW_RPC_SERVER"
 TUNNEL_START_S = 10.0
@@ -157,7 +157,9 @@ class Workers:
 
     The task (START_RPC_WORKER) writes what is wanted into `rpc/workers.json`; each step
     starts what is wanted and not running, stops what is running and no longer wanted, and
-    reports a worker whose rpc-server or stunnel died, naming which.
+    reports a worker whose rpc-server or stunnel died, naming which. A vLLM group's worker
+    (engine "vllm", contracts/ray.py) is a `ray start` joining the head's Ray instead
+    (agent/ray_group.py), kept the same way.
     """
 
     def __init__(self, cache: Path, report, key: str, *, listen: str, user: tuple[int, int] | None = None):
@@ -173,19 +175,32 @@ class Workers:
         return engine_state.state_dir(cache) / "rpc" / "workers.json"
 
     @classmethod
-    def want(cls, cache: Path, replica_id: int, port: int, nonce: str, head: str) -> None:
+    def want(
+        cls,
+        cache: Path,
+        replica_id: int,
+        port: int,
+        nonce: str,
+        head: str,
+        engine: str = "llamacpp",
+        head_address: str = "",
+        ray_port: int = 0,
+    ) -> None:
         with engine_state.locked_state(cache):  # the state lock covers this file too
             path = cls.wants_path(cache)
             wants = json.loads(path.read_text()) if path.exists() else {}
             current = wants.get(str(replica_id), {})
             spec = {"port": int(port), "nonce": nonce, "head": head}
-            if {k: current.get(k) for k in spec} != spec:
+            if engine == "vllm":
+                spec.update(engine=engine, head_address=head_address, ray_port=int(ray_port))
+            # An entry with no engine is llama.cpp's.
+            if {k: current.get(k) for k in spec} != spec or current.get("engine", "llamacpp") != engine:
                 # Another group of the same id: what runs of the old one is stopped first.
-                old = [current[k] for k in ("stunnel_pid", "server_pid") if current.get(k)]
+                old = [current[k] for k in ("stunnel_pid", "server_pid", "ray_pid") if current.get(k)]
                 wants[str(replica_id)] = {**spec, "wanted": True, "old_pids": current.get("old_pids", []) + old}
             else:
                 # Sent again: wanted, and tried again if it had failed.
-                current.update(wanted=True, failed=False)
+                current.update(wanted=True, failed=False, started=0.0)
             write_private(path, json.dumps(wants))
 
     @classmethod
@@ -210,8 +225,11 @@ class Workers:
                 if not entry.get("wanted"):
                     self._stop(entry)
                     shutil.rmtree(group_dir(self.cache, int(replica_id)), ignore_errors=True)
+                    shutil.rmtree(ray_group.worker_dir(self.cache, int(replica_id)), ignore_errors=True)
                     wants.pop(replica_id)
                     said.append((int(replica_id), "stopped", ""))
+                elif entry.get("engine") == "vllm":
+                    said += self._ray_step(int(replica_id), entry)
                 elif not entry.get("server_pid") and not entry.get("failed"):
                     said.append((int(replica_id), *self._start(int(replica_id), entry)))
                 elif not entry.get("failed"):
@@ -276,8 +294,29 @@ class Workers:
             return [(replica_id, "ready", "")]
         return []
 
+    def _ray_step(self, replica_id: int, entry: dict) -> list[tuple[int, str, str]]:
+        """A vLLM worker: its `ray start` started, tried again until it joins, its exit reported."""
+        now = time.time()
+        if entry.get("failed"):
+            return []
+        if pid := entry.get("ray_pid"):
+            said = ray_group.check_worker(self.cache, replica_id, entry, _alive(self.children.get(pid), pid), now)
+            if not entry.get("ray_pid"):
+                self.children.pop(pid, None)
+            return [(replica_id, *said)] if said else []
+        if now < entry.get("retry_at", 0):
+            return []
+        first = not entry.get("started")
+        try:
+            process = ray_group.start_worker(self.cache, replica_id, entry, self.listen, self.user, now)
+        except (engines.EngineError, OSError) as e:
+            entry["failed"] = True
+            return [(replica_id, "failed", str(e))]
+        self.children[process.pid] = process
+        return [(replica_id, "starting", "")] if first else []
+
     def _stop(self, entry: dict) -> None:
-        for key in ("stunnel_pid", "server_pid"):
+        for key in ("stunnel_pid", "server_pid", "ray_pid"):
             if pid := entry.pop(key, None):
                 engines.stop_group(pid, grace=3)
                 if (child := self.children.pop(pid, None)) is not None:

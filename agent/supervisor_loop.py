@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from contracts import credentials, signing
+from contracts import ray as ray_commands
 
-from . import engine_state, engines, fence, liveness, rpc_group, runtime
+from . import engine_state, engines, fence, liveness, ray_group, rpc_group, runtime
 from .liveness import LIVENESS_BUSY_GRACE_S, LIVENESS_FAILURES, LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S
 from .replica_reports import Report
 
@@ -94,6 +95,8 @@ class Supervisor:
         self.rpc_workers = rpc_group.Workers(
             self.cache, report, self.key, listen=rpc_listen or self.host, user=self.engine_user
         )
+        # A vLLM group's head runs a Ray head at the enrolled address, where its workers join it.
+        self.ray_head = ray_group.Head(self.cache, rpc_listen or self.advertise, self.engine_user)
 
     def log_path(self, replica_id: int) -> Path:
         return engine_state.state_dir(self.cache) / f"replica-{replica_id}.log"
@@ -175,8 +178,8 @@ class Supervisor:
                     to_stop.append(entry)
                     continue
                 if entry["pid"] is None:
-                    if now >= entry.get("next_start", 0):
-                        reports.append(self._start(entry, now))
+                    if now >= entry.get("next_start", 0) and (started := self._start(entry, now)) is not None:
+                        reports.append(started)
                     continue
                 if (report := self._look(entry, now, to_check)) is not None:
                     reports.append(report)
@@ -217,7 +220,17 @@ class Supervisor:
                 self.children.pop(entry["pid"], None)
                 return self._crashed(entry, now, None, f"did not answer within {self.startup_timeout:.0f} s")
             return None
-        if entry.get("group") and (lost := rpc_group.Tunnels.dropped(entry["group"], entry.get("tunnels", {}))):
+        if entry.get("ray") and not self.ray_head.alive(entry["ray"]):
+            # vLLM's workers run under the head's Ray: without it the engine answers nothing more.
+            engines.stop_group(entry["pid"], grace=5)
+            self.children.pop(entry["pid"], None)
+            self.ray_head.stop(entry.pop("ray"))
+            return self._crashed(entry, now, None, "lost the head's ray, which exited")
+        if (
+            entry.get("group")
+            and entry["engine"] == "llamacpp"
+            and (lost := rpc_group.Tunnels.dropped(entry["group"], entry.get("tunnels", {})))
+        ):
             # A worker gone while the engine sat idle: llama-server would find out at the next request.
             engines.stop_group(entry["pid"], grace=5)
             self.children.pop(entry["pid"], None)
@@ -281,8 +294,15 @@ class Supervisor:
             return (entry["replica"], "ready", self.endpoint(entry["port"]), "")
         return (entry["replica"], "starting" if entry["pid"] else "failed", "", entry.get("reason", ""))
 
-    def _start(self, entry: dict, now: float) -> tuple[int, str, str, str]:
+    def _start(self, entry: dict, now: float) -> tuple[int, str, str, str] | None:
+        """The engine started, and its report; None while a vLLM group's head waits for its Ray."""
         replica_id = entry["replica"]
+        if (
+            entry.get("group")
+            and entry["engine"] == "vllm"
+            and (waiting := self.ray_head.before_serve(entry, now, self.backoff_max)) is not True
+        ):
+            return waiting
         port = engines.free_port(self.host)
         try:
             argv = self._command(entry, port, now)
@@ -325,7 +345,10 @@ class Supervisor:
         except engines.EngineError as e:
             # Permanent: starting again would fail the same way until the catalog changes.
             raise _NotStarted(str(e), float("inf")) from None
-        if entry.get("group"):
+        if entry.get("group") and entry["engine"] == "vllm":
+            # Pipeline stages across the group's nodes, over the Ray its workers joined (contracts/ray.py).
+            argv += ray_commands.group_serve_args(1 + len(entry["group"]["workers"]), entry["args"])
+        elif entry.get("group"):
             try:
                 argv += self._open_tunnels(entry)
             except (engines.EngineError, OSError, ValueError) as e:
@@ -346,6 +369,9 @@ class Supervisor:
         try:
             scratch = self._prepare_scratch(replica_id)
             env = engines.engine_env(entry["engine"], self.secret(entry), scratch)
+            if ray := entry.get("ray"):
+                # vLLM's ray.init() joins the cluster RAY_ADDRESS names: this group's, not another on the host.
+                env["RAY_ADDRESS"] = f"{ray['address']}:{ray['port']}"
             return engines.spawn(argv, self.log_path(replica_id), env, cwd=scratch, user=self.engine_user)
         except PermissionError as error:
             # The agent lacks what LLMGW_ENGINE_USER needs, or the engine's user cannot run the
@@ -394,6 +420,8 @@ class Supervisor:
                 child.wait(timeout=5)
         if tunnels := entry.get("tunnels"):
             rpc_group.Tunnels.stop(tunnels["pids"])
+        # The group's Ray with its engine: a replaced group starts a Ray of its own.
+        self.ray_head.stop(entry.get("ray"))
         with engine_state.locked_state(self.cache) as state:
             current = state["replicas"].get(str(replica_id))
             if current and current.get("wanted"):
@@ -404,6 +432,7 @@ class Supervisor:
                 # Stopped to be started anew with a different spec, not to go away.
                 current.update(replace, wanted=True, pid=None, ready=False, restarts=0, next_start=0.0)
                 current.pop("replace")
+                current.pop("ray", None)
                 return (replica_id, "starting", "", "")
             state["replicas"].pop(str(replica_id), None)
         # What the engine left in its scratch; a subdirectory it made unreadable to the agent stays.

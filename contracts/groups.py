@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 START_RPC_WORKER = "agent.start_rpc_worker"
 STOP_RPC_WORKER = "agent.stop_rpc_worker"
@@ -52,6 +52,7 @@ class GroupWorker(TypedDict):
 class GroupOrder(TypedDict):
     head_share: float  # the head's own part of the layers
     workers: list[GroupWorker]  # in the order of --rpc and --tensor-split after the head's
+    ray_port: NotRequired[int]  # a vLLM group's: the port of the head's Ray (contracts/ray.py)
 
 
 def _mac(key: str, message: str) -> bytes:

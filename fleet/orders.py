@@ -37,13 +37,24 @@ def send_start(replica: Replica) -> None:
     if shares:
         # Workers first: the head's llama-server connects to them as it starts.
         for share in shares:
-            send_start_worker(replica, share, nonce)
+            send_start_worker(replica, share, nonce, ray_port(shares))
         extra["group"] = group_order(replica, node, shares, nonce)
+        if replica.engine == "vllm":
+            extra["group"]["ray_port"] = ray_port(shares)
     kwargs = signing.with_proof(node.token_hash, tasks.START_REPLICA, node.name, args, extra)
     current_app.send_task(tasks.START_REPLICA, args=args, kwargs=kwargs, queue=tasks.node_queue(node.name))
 
 
-def send_start_worker(replica: Replica, share: ReplicaShare, nonce: str) -> None:
+def ray_port(shares: list[ReplicaShare]) -> int:
+    """The port of a vLLM group's Ray head (contracts/ray.py): the first worker's, from LLMGW_RPC_PORTS.
+
+    A vLLM worker listens on no port of its own (it joins the head's Ray), so the port its share was
+    given, in the range the fleet's firewall opens between nodes, is the head's Ray's.
+    """
+    return shares[0].port
+
+
+def send_start_worker(replica: Replica, share: ReplicaShare, nonce: str, head_ray_port: int = 0) -> None:
     worker = share.node
     args = [replica.pk, share.port]
     extra = {
@@ -52,6 +63,9 @@ def send_start_worker(replica: Replica, share: ReplicaShare, nonce: str) -> None
         "source": replica.source,
         "memory_bytes": share.memory_gb << 30,
     }
+    if replica.engine == "vllm":
+        # The worker joins the head's Ray at its enrolled address (contracts/ray.py).
+        extra.update(engine="vllm", head_address=replica.node.address or "127.0.0.1", ray_port=head_ray_port)
     kwargs = signing.with_proof(worker.token_hash, groups.START_RPC_WORKER, worker.name, args, extra)
     current_app.send_task(groups.START_RPC_WORKER, args=args, kwargs=kwargs, queue=tasks.node_queue(worker.name))
 
