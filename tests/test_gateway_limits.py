@@ -311,7 +311,7 @@ def test_a_redis_that_stops_answering_lets_limited_requests_go_on_unchecked_and_
 ):
     import signal
 
-    from gateway import limits as limits_module
+    from gateway.limits import connection as limits_module
     from gateway.limits import Limits
     from tests import services
 
