@@ -17,40 +17,32 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
 import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import aiohttp
 from django.conf import settings
 from django.db import connection
 
-from common import metrics as site_metrics
 from contracts.health import Check, verdict
 
-from . import endpoints, hold, listing, metrics, prospects, routes
-from .anthropic_messages import Messages
+from . import endpoints, hold, intake, listing, metrics, prometheus, prospects, routes
 from .demand import Demand
 from .errors import ClientGone, Refusal
 from .forward import Forwarding
-from .intake import check_keys, check_kind, check_limits, parse_request, read_body
+from .intake import Taken, read_body
 from .keys import hash_key
 from .limits import Limiter
-from .openai_responses import Responses
 from .relay import timing
 from .request import HangUp, Request
-from .translation import Translation
 from .upstream import IDLE_S, upstream_socket
 from .usage import Recorder, cost, micro_units, one_line, prompt_estimate
 
 log = logging.getLogger("llmgw.gateway")
 
-# Other clients' APIs, translated to chat completions for the engines (translation.py), by dialect.
-TRANSLATIONS = {endpoints.ANTHROPIC: Messages, endpoints.RESPONSES: Responses}
 # A key the table does not know makes the gateway re-read the table, at most this often.
 KEY_MISS_REFRESH_S = 0.25
 JSON_TYPE = (b"content-type", b"application/json")
@@ -61,7 +53,7 @@ PARSE_INLINE_BYTES = 64 * 1024
 
 
 def reserves(key: routes.Key) -> bool:
-    """Whether a key's request holds tokens or money once its body is read (gateway/limits.py RESERVE)."""
+    """Whether a key's request holds tokens or money once its body is read (gateway/limits/scripts.py RESERVE)."""
     return key.budget is not None or any(key.limits.tokens)
 
 
@@ -71,19 +63,6 @@ def small(scope) -> bool:
         if name == b"content-length":
             return value.isdigit() and int(value) <= PARSE_INLINE_BYTES
     return False
-
-
-@dataclass
-class Taken:
-    """A request's body as the gateway took it in: what Gateway.take() makes of it."""
-
-    endpoint: endpoints.Endpoint
-    request: dict  # as a chat (or completion, embedding, rerank) request
-    translation: Translation | None
-    route: routes.Route
-    output: int  # the most tokens its answer may have (intake.check_limits), 0 for other kinds
-    body: bytes  # what the engine is sent
-    client_wants_usage: bool
 
 
 class Gateway(Forwarding):
@@ -269,7 +248,7 @@ class Gateway(Forwarding):
             await self.lifespan(receive, send)
             return
         if scope["path"] == "/metrics":
-            await self.scrape(scope, send)
+            await prometheus.scrape(scope, send)
             return
         if scope["path"] == "/healthz":
             await self.health(send)
@@ -302,28 +281,6 @@ class Gateway(Forwarding):
         headers = [JSON_TYPE, (b"content-length", str(len(body)).encode()), *refusal.headers]
         headers.append(timing(time.perf_counter() - started))
         await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    async def scrape(self, scope, send) -> None:
-        """This host's counts for Prometheus: to LLMGW_METRICS_TOKEN or an address in LLMGW_METRICS_ALLOW."""
-        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = given.partition(" ")
-        client = (scope.get("client") or ("", 0))[0]
-        allowed = (
-            scheme.lower() in ("bearer", "token")
-            and settings.METRICS_TOKEN
-            and hmac.compare_digest(token.strip().encode(), settings.METRICS_TOKEN.encode())
-        ) or site_metrics.address_allowed(client, settings.METRICS_ALLOW)
-        if not allowed:
-            status, body, kind = 401, b"Send LLMGW_METRICS_TOKEN as a bearer token.\n", b"text/plain; charset=utf-8"
-        else:
-            # Its own counts: the fleet's gauges are the admin server's to export (common/metrics.py).
-            body = await asyncio.get_running_loop().run_in_executor(None, site_metrics.exposition, False)
-            status, kind = 200, site_metrics.CONTENT_TYPE_PLAIN_0_0_4.encode()
-        headers = [(b"content-type", kind), (b"content-length", str(len(body)).encode())]
-        if status == 401:
-            headers.append((b"www-authenticate", b'Bearer realm="metrics"'))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     async def health(self, send) -> None:
@@ -383,12 +340,22 @@ class Gateway(Forwarding):
                 headers=[(b"retry-after", b"1")],
             )
         self.key_flights[key.id] = flying + 1
+        try:
+            await self.admit_and_route(scope, receive, send, started, key, flying)
+        finally:
+            self.key_flights[key.id] -= 1
+            if not self.key_flights[key.id]:
+                del self.key_flights[key.id]
+
+    async def admit_and_route(self, scope, receive, send, started: float, key: routes.Key, flying: int) -> None:
+        """A request of a key, let in by its key's limits and its team's budgets (when it has any), read, taken in,
+        passed on, and counted against them once answered. `flying`: the key's other requests in this process."""
         ticket = asked = None
         tokens = micro = 0
         try:
             if key.counted:
                 # One Redis round trip for a key with limits or a team's budgets, none for a key without
-                # (gateway/limits.py): the key's and its team's counted in the same script. A small body
+                # (gateway/limits/): the key's and its team's counted in the same script. A small body
                 # of a key with token limits is read while its admission is on its way, so that its
                 # reservation goes in the same round trip; a large one is read only once admitted. So is
                 # one whose key has another request here: that one's settling (its tokens in place of its
@@ -402,9 +369,9 @@ class Gateway(Forwarding):
                     # Parsed in a thread, so the event loop's other requests go on between its steps;
                     # intake.MOST_CONTAINERS bounds the steps that hold the interpreter's lock.
                     run = asyncio.get_running_loop().run_in_executor
-                    taken = await run(self._parsers, self.take, path, key, body)
+                    taken = await run(self._parsers, self.take, scope["path"], key, body)
                 else:
-                    taken = self.take(path, key, body)
+                    taken = self.take(scope["path"], key, body)
             except Exception:
                 if asked is not None:  # the key's own 429 first, as when its body is read after admission
                     ticket, asked = await self.limiter.admitted(asked), None
@@ -419,60 +386,12 @@ class Gateway(Forwarding):
                     await self.limiter.reserve(ticket, key.limits, prompt + taken.output, key.budget, most)
             tokens, micro = await self.routed(scope, receive, send, started, key, taken)
         finally:
-            self.key_flights[key.id] -= 1
-            if not self.key_flights[key.id]:
-                del self.key_flights[key.id]
             if ticket is not None:
                 self.limiter.settle(ticket, tokens, micro)
 
     def take(self, path: str, key: routes.Key, body: bytes) -> Taken:
-        """A body read: parsed, translated, checked against its model, and encoded again for the engine.
-
-        Runs in a thread for a large body: it touches nothing of the event loop's but the table it reads.
-        """
-        endpoint = endpoints.ENDPOINTS[path]
-        request = parse_request(body)
-        carried = check_keys(path, request, settings.GATEWAY_ENGINE_KEYS)
-        translation = None
-        if endpoint.translated:
-            translation = TRANSLATIONS[endpoint.dialect](request)
-            request = translation.chat
-            for name, value in carried.items():
-                request.setdefault(name, value)
-        name = request["model"]
-        route = self.table.routes.get(name)
-        if route is None:
-            raise Refusal(
-                404,
-                f"There is no model named {name!r} here; GET /v1/models lists the models and their aliases.",
-                code="model_not_found",
-                param="model",
-            )
-        if not key.may_use(route.name):
-            raise Refusal(
-                403,
-                f"This API key may not use the model {route.name}.",
-                kind="permission_error",
-                code="model_not_allowed",
-            )
-        # A translated request is a chat completion from here on, and is checked as one.
-        checked_as = path if translation is None else endpoints.CHAT
-        check_kind(checked_as, route)
-        sent_max = request.get("max_tokens")
-        output = check_limits(checked_as, request, route, len(body))
-        changed = translation is not None or request.get("max_tokens") != sent_max
-        if name != route.name:
-            # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
-            request["model"], changed = route.name, True
-        client_wants_usage = True
-        if request.get("stream") is True and route.kind == "chat":
-            options = request.get("stream_options")
-            client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-            if not client_wants_usage:
-                request["stream_options"], changed = dict(options or {}, include_usage=True), True
-        if changed:
-            body = json.dumps(request).encode()
-        return Taken(endpoint, request, translation, route, output, body, client_wants_usage)
+        """A body read, taken in by the table of the moment (intake.take); in a thread for a large body."""
+        return intake.take(self.table, path, key, body, settings.GATEWAY_ENGINE_KEYS)
 
     async def routed(self, scope, receive, send, started: float, key: routes.Key, taken: Taken) -> tuple[int, int]:
         """Pass on a request that is admitted, read and checked; the tokens of its answer, and its cost in

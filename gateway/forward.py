@@ -117,7 +117,7 @@ class Forwarding:
 
     async def forward(self, request: Request) -> tuple[int, int]:
         """Pass the request to a replica and its answer back; returns the answer's tokens and its cost in
-        micro-units (gateway/limits.py MICRO), for its key's limits and its team's budgets."""
+        micro-units (gateway/limits/windows.py MICRO), for its key's limits and its team's budgets."""
         scope, route = request.scope, request.route
         tried: set[int] = set()
         resent: set[int] = set()

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from . import routes
-from .endpoints import ENDPOINTS, answered_by
+from .anthropic_messages import Messages
+from .endpoints import ANTHROPIC, CHAT, ENDPOINTS, RESPONSES, Endpoint, answered_by
 from .errors import ClientGone, Refusal
+from .openai_responses import Responses
+from .translation import Translation
 
 # The longest a token of any model's vocabulary is, in characters: the bound a prompt's
 # length is checked against. docs/gateway.md says where the figure comes from.
@@ -248,7 +252,7 @@ def check_limits(path: str, request: dict, route: routes.Route, body_bytes: int)
 
     A chat request without max_tokens is given the model's output limit (sent to the
     engine, so no answer runs past it): what it may cost is known before it goes, and
-    reserved against its key's token windows (limits.py). A model without an output
+    reserved against its key's token windows (gateway/limits/). A model without an output
     limit is bounded by its context. A prompt that may fit by its length but not in
     tokens is refused by the engine itself, the one that knows its tokenizer; its 400
     is passed on as it is.
@@ -286,3 +290,71 @@ def check_limits(path: str, request: dict, route: routes.Route, body_bytes: int)
     if choices > MOST_CHOICES:
         raise Refusal(400, f'"n" is {choices}; this gateway gives at most {MOST_CHOICES} answers a request.', param="n")
     return wanted * choices
+
+
+# Other clients' APIs, translated to chat completions for the engines (translation.py), by dialect.
+TRANSLATIONS = {ANTHROPIC: Messages, RESPONSES: Responses}
+
+
+@dataclass
+class Taken:
+    """A request's body as the gateway took it in: what take() makes of it."""
+
+    endpoint: Endpoint
+    request: dict  # as a chat (or completion, embedding, rerank) request
+    translation: Translation | None
+    route: routes.Route
+    output: int  # the most tokens its answer may have (check_limits), 0 for other kinds
+    body: bytes  # what the engine is sent
+    client_wants_usage: bool
+
+
+def take(table: routes.Table, path: str, key: routes.Key, body: bytes, engine_keys: Iterable[str]) -> Taken:
+    """A body read: parsed, translated, checked against its model in `table`, and encoded again for the engine.
+
+    `engine_keys`: the body keys passed on besides an address's own (LLMGW_GATEWAY_ENGINE_KEYS). Runs in a
+    thread for a large body: it touches nothing of the event loop's but the table it reads.
+    """
+    endpoint = ENDPOINTS[path]
+    request = parse_request(body)
+    carried = check_keys(path, request, engine_keys)
+    translation = None
+    if endpoint.translated:
+        translation = TRANSLATIONS[endpoint.dialect](request)
+        request = translation.chat
+        for name, value in carried.items():
+            request.setdefault(name, value)
+    name = request["model"]
+    route = table.routes.get(name)
+    if route is None:
+        raise Refusal(
+            404,
+            f"There is no model named {name!r} here; GET /v1/models lists the models and their aliases.",
+            code="model_not_found",
+            param="model",
+        )
+    if not key.may_use(route.name):
+        raise Refusal(
+            403,
+            f"This API key may not use the model {route.name}.",
+            kind="permission_error",
+            code="model_not_allowed",
+        )
+    # A translated request is a chat completion from here on, and is checked as one.
+    checked_as = path if translation is None else CHAT
+    check_kind(checked_as, route)
+    sent_max = request.get("max_tokens")
+    output = check_limits(checked_as, request, route, len(body))
+    changed = translation is not None or request.get("max_tokens") != sent_max
+    if name != route.name:
+        # Engines know a model by its catalog name (vLLM refuses any other), not by its aliases.
+        request["model"], changed = route.name, True
+    client_wants_usage = True
+    if request.get("stream") is True and route.kind == "chat":
+        options = request.get("stream_options")
+        client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+        if not client_wants_usage:
+            request["stream_options"], changed = dict(options or {}, include_usage=True), True
+    if changed:
+        body = json.dumps(request).encode()
+    return Taken(endpoint, request, translation, route, output, body, client_wants_usage)

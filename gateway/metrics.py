@@ -3,7 +3,7 @@
 The gateway's code calls four hooks (`begin`, `routed`, `failover`, `answered`)
 and this module keeps the rest out of its way. Everything here runs on the event
 loop for every request, so it does in-memory arithmetic and nothing else: the
-counts are plain numbers that a prometheus_client collector reads at scrape time,
+counts are plain numbers that a prometheus_client collector reads at scrape time (prometheus.py),
 the access log line is one write, and the hourly counts the overview draws go to
 Redis from a thread.
 
@@ -23,18 +23,14 @@ import sys
 import threading
 import time
 import uuid
-from bisect import bisect_left
 
 from django.conf import settings
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
-from common import metrics
 from fleet import routing
 from fleet.live import redis_client
 
 from .endpoints import ENDPOINTS
+from .prometheus import ADDED_BUCKETS, DURATION_BUCKETS, TALLIES, add, observe
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -43,149 +39,6 @@ def metric_kind(path: str) -> str:
     endpoint = ENDPOINTS.get(path)
     return endpoint.metric if endpoint else "other"
 
-
-# Seconds: from a fast stub's sub-millisecond answer to a long generation.
-DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
-
-
-class Tallies:
-    """The gateway's counts, as plain numbers updated on the event loop; read at scrape time.
-
-    prometheus_client's Counter and Histogram take a lock (and, in multiprocess mode,
-    write to a file) on every update: ten of them a request cost more than the rest of
-    the gateway's own work. Here an update is a dict lookup and an add, and only the
-    event loop's thread writes; a scrape (in a Django thread) copies the dicts, which
-    CPython does without letting another thread in. They are the admin server's own,
-    the process that answers /metrics.
-    """
-
-    def __init__(self) -> None:
-        self.requests: dict[tuple[str, str, str, str], int] = {}
-        self.duration: dict[tuple[str, str], list] = {}  # (model, kind) -> [bucket counts..., sum]
-        self.first_token: dict[tuple[str], list] = {}
-        self.added: dict[tuple, list] = {}
-        self.prompt: dict[tuple[str], int] = {}
-        self.completion: dict[tuple[str], int] = {}
-        self.cached: dict[tuple[str], int] = {}
-        self.routed: dict[tuple[str, str], int] = {}
-        self.in_flight: dict[tuple[str], int] = {}
-        self.failovers: dict[tuple[str], int] = {}
-        self.key_requests: dict[tuple[str, str], int] = {}
-        self.key_tokens: dict[tuple[str, str], int] = {}
-
-
-def add(into: dict, labels: tuple, n: int = 1) -> None:
-    into[labels] = into.get(labels, 0) + n
-
-
-def observe(into: dict, labels: tuple, buckets: tuple[float, ...], seconds: float) -> None:
-    counts = into.get(labels)
-    if counts is None:
-        counts = into[labels] = [0] * (len(buckets) + 1) + [0.0]
-    counts[bisect_left(buckets, seconds)] += 1  # the first bucket whose bound is >= seconds; past all: +Inf
-    counts[-1] += seconds
-
-
-TALLIES = Tallies()
-
-
-class GatewayCollector(Collector):
-    def __init__(self, tallies: Tallies) -> None:
-        self.tallies = tallies
-
-    def collect(self):
-        t = self.tallies
-        yield counter(
-            "llmgw_gateway_requests",
-            "Requests the gateway answered.",
-            ["model", "kind", "stream", "status"],
-            t.requests,
-        )
-        yield histogram(
-            "llmgw_gateway_request_duration_seconds",
-            "From a request's arrival to the end of its answer.",
-            ["model", "kind"],
-            DURATION_BUCKETS,
-            t.duration,
-        )
-        yield histogram(
-            "llmgw_gateway_time_to_first_token_seconds",
-            "Streamed answers: from the request's arrival to the first event passed on.",
-            ["model"],
-            DURATION_BUCKETS,
-            t.first_token,
-        )
-        yield histogram(
-            "llmgw_gateway_added_seconds",
-            "The gateway's own time: from a request's arrival to sending it on to a replica.",
-            [],
-            ADDED_BUCKETS,
-            t.added,
-        )
-        yield counter("llmgw_gateway_prompt_tokens", "Prompt tokens, as the engines counted them.", ["model"], t.prompt)
-        yield counter(
-            "llmgw_gateway_completion_tokens",
-            "Completion tokens, as the engines counted them.",
-            ["model"],
-            t.completion,
-        )
-        yield counter(
-            "llmgw_gateway_cached_prompt_tokens",
-            "Prompt tokens the engines took from their prompt cache rather than computing again (of the prompt tokens).",
-            ["model"],
-            t.cached,
-        )
-        yield counter(
-            "llmgw_gateway_routed",
-            "Requests sent to a replica, by why it was that one: prefix, prefix bounded or unreachable → next, load.",
-            ["model", "route"],
-            t.routed,
-        )
-        in_flight = GaugeMetricFamily("llmgw_gateway_in_flight", "Requests being answered now.", labels=["model"])
-        for labels, n in list(t.in_flight.items()):
-            in_flight.add_metric(labels, n)
-        yield in_flight
-        yield counter(
-            "llmgw_gateway_failovers",
-            "Replicas that could not be reached, each sending the request on to the next (or to a 502).",
-            ["model"],
-            t.failovers,
-        )
-        yield counter(
-            "llmgw_gateway_key_requests",
-            "Requests by API key name (only with LLMGW_METRICS_KEY_LABELS).",
-            ["key", "model"],
-            t.key_requests,
-        )
-        yield counter(
-            "llmgw_gateway_key_tokens",
-            "Prompt and completion tokens by API key name (only with LLMGW_METRICS_KEY_LABELS).",
-            ["key", "model"],
-            t.key_tokens,
-        )
-
-
-def counter(name: str, documentation: str, labels: list[str], values: dict) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, documentation, labels=labels)
-    for key, n in list(values.items()):
-        family.add_metric(key, n)
-    return family
-
-
-def histogram(name: str, documentation: str, labels: list[str], bounds: tuple, values: dict) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(name, documentation, labels=labels)
-    for key, counts in list(values.items()):
-        counts = list(counts)
-        cumulative, buckets = 0, []
-        for bound, n in zip((*[floatToGoString(b) for b in bounds], "+Inf"), counts[:-1], strict=True):
-            cumulative += n
-            buckets.append((bound, cumulative))
-        family.add_metric(list(key), buckets, counts[-1])
-    return family
-
-
-metrics.register(GatewayCollector(TALLIES))
 
 # A client's own request id is passed on only when it is short and plain: it goes into
 # headers and log lines, where anything else could forge a second header or line.

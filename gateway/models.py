@@ -25,7 +25,7 @@ class ApiKey(models.Model):
         help_text='Catalog model names this key may use, as a list like ["llama-3"]; empty for every model.',
     )
     active = models.BooleanField(default=True, help_text="Clear to refuse this key without losing its usage.")
-    # Limits, each blank (or 0) for none; enforced across every admin server through Redis (gateway/limits.py).
+    # Limits, each blank (or 0) for none; enforced across every admin server through Redis (gateway/limits/).
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Blank for no limit.")
     tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True, help_text="Blank for no limit.")
     tokens_per_day = models.PositiveBigIntegerField(null=True, blank=True, help_text="Blank for no limit.")

@@ -47,7 +47,7 @@ class Route:
     created: int
     upstreams: tuple[Upstream, ...]
     kind: str = "chat"  # chat, embedding or rerank: which addresses it answers
-    # Per million input, cached input and output tokens, in micro-units a token (gateway/limits.py MICRO);
+    # Per million input, cached input and output tokens, in micro-units a token (gateway/limits/windows.py MICRO);
     # None: free.
     prices: tuple[Decimal, Decimal, Decimal] | None = None
     # Its ready replicas on a hash ring, for a model routed by prefix (routing profile "chat",

@@ -311,8 +311,8 @@ def test_a_redis_that_stops_answering_lets_limited_requests_go_on_unchecked_and_
 ):
     import signal
 
-    from gateway import limits as limits_module
     from gateway.limits import Limits
+    from gateway.limits import connection as limits_module
     from tests import services
 
     monkeypatch.setattr(limits_module, "TIMEOUT_S", 0.3)

@@ -1,0 +1,293 @@
+"""The limiter: what one turn of the event loop asked of Redis, sent together, and each request's answer."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import hiredis
+from django.conf import settings
+from redis.connection import parse_url
+
+from .connection import Pipe, RedisError, connect, resolve, retrieved, ssl_context
+from .refusals import refused
+from .scripts import ADMIT, BATCH, EXPIRES, RESERVE, SETTLE, STALE_IN_FLIGHT_S
+from .windows import Budget, Limits, Windows, zone
+
+log = logging.getLogger("llmgw.gateway")
+
+
+@dataclass
+class Ticket:
+    windows: Windows
+    request_id: str
+    reserved: int = 0  # tokens held in its windows until it settles
+    reserved_money: int = 0  # micro-units held in its team's spend
+
+
+@dataclass
+class Asked:
+    """An admission queued (Limiter.ask) and not yet answered: its ticket if it is admitted."""
+
+    ticket: Ticket
+    limits: Limits
+    budget: Budget | None
+    answer: asyncio.Future = field(init=False)
+
+
+class Limiter:
+    """Admits a limited key's requests and counts their tokens; one per gateway process, on its event loop.
+
+    What one turn of the event loop asked is sent to Redis together: for each key, one
+    script settles the answers that ended (their tokens added up, their flights ended),
+    one admits the requests that came and one reserves the tokens of those whose bodies
+    were read, each in the order they came. Each script runs
+    atomically in Redis, so the counts are exact across processes and hosts however the
+    requests are batched: a batch of five with four left in the minute admits four.
+    """
+
+    def __init__(self, url: str | None = None) -> None:
+        self._address = parse_url(url or settings.REDIS_URL)
+        self._ssl = ssl_context(self._address)
+        self._pipe: Pipe | None = None
+        self._connecting: asyncio.Task | None = None
+        self._shas: dict[str, bytes] = {}
+        # Waiting for the next send: admissions by key and limits, settlings by key.
+        self._admitting: dict[tuple[Windows, Limits, Budget | None], list[tuple[str, asyncio.Future]]] = {}
+        self._settling: dict[Windows, list] = {}
+        self._reserving: dict[tuple[Windows, Limits, Budget | None], list[tuple[str, int, int, asyncio.Future]]] = {}
+        self._send_soon = False
+        self._windows: dict[tuple[str, str], Windows] = {}
+        self._ids = itertools.count()
+        self._id_prefix = secrets.token_hex(4)
+        self._warned_at = 0.0
+        self._zone = zone()
+
+    # --- the two calls --------------------------------------------------------------------
+
+    async def admit(self, tag: str, limits: Limits | None, budget: Budget | None = None) -> Ticket | None:
+        """A ticket to go on with, or a 429 Refusal raised. None when Redis could not be asked.
+
+        `budget`: the key's team's, counted in the same script as the key's own limits.
+        """
+        return await self.admitted(self.ask(tag, limits, budget))
+
+    def ask(self, tag: str, limits: Limits | None, budget: Budget | None = None) -> Asked:
+        """Queue the admission admit() makes, for the next batch, without waiting for it: admitted() waits."""
+        limits = limits or NO_LIMITS
+        windows = self.windows(tag, time.time(), budget.tag if budget else "")
+        asked = Asked(Ticket(windows, f"{self._id_prefix}{next(self._ids):x}"), limits, budget)
+        asked.answer = asyncio.get_running_loop().create_future()
+        self._admitting.setdefault((windows, limits, budget), []).append((asked.ticket.request_id, asked.answer))
+        self._send_later()
+        return asked
+
+    async def admitted(self, asked: Asked) -> Ticket | None:
+        """The ticket of an admission asked for, or its 429 raised; None when Redis could not be asked."""
+        try:
+            which, *used = await asked.answer
+        except (RedisError, OSError, TimeoutError) as error:
+            # Limits are a guard, not the service: with Redis away requests go on, and the log says so.
+            self._warn(error)
+            return None
+        if which:
+            raise refused(asked.limits, asked.budget, which, [0, *used], asked.ticket.windows, (0, 0))
+        return asked.ticket
+
+    async def reserve(
+        self, ticket: Ticket, limits: Limits | None, tokens: int, budget: Budget | None = None, micro: int = 0
+    ) -> None:
+        """Hold `tokens` in the key's (and its team's) token windows, and `micro` in its team's spend, until the
+        ticket settles; or raise the 429 (and end its flight).
+
+        Unchecked (nothing reserved) when Redis cannot be asked, as admit() is.
+        """
+        answer = self.ask_to_reserve(ticket, limits, tokens, budget, micro)
+        await self.reserved(ticket, answer, limits, tokens, budget, micro)
+
+    def ask_to_reserve(
+        self, ticket: Ticket, limits: Limits | None, tokens: int, budget: Budget | None = None, micro: int = 0
+    ) -> asyncio.Future:
+        """Queue reserve()'s script for the next batch; it may go before the ticket's admission has answered
+        (RESERVE holds nothing for a request ADMIT refused)."""
+        answer = asyncio.get_running_loop().create_future()
+        key = (ticket.windows, limits or NO_LIMITS, budget)
+        self._reserving.setdefault(key, []).append((ticket.request_id, tokens, micro, answer))
+        self._send_later()
+        return answer
+
+    async def reserved(
+        self,
+        ticket: Ticket,
+        answer: asyncio.Future,
+        limits: Limits | None,
+        tokens: int,
+        budget: Budget | None = None,
+        micro: int = 0,
+    ) -> None:
+        """Wait for a reservation asked for: held, or its 429 raised (and its flight ended)."""
+        try:
+            which, *used = await answer
+        except (RedisError, OSError, TimeoutError) as error:
+            self._warn(error)
+            return
+        if which < 0:
+            return  # not in flight: its admission was refused, or its mark went stale; nothing is held
+        if which:
+            self.settle(ticket, 0)
+            raise refused(limits or NO_LIMITS, budget, which, [0, *used], ticket.windows, (tokens, micro))
+        ticket.reserved, ticket.reserved_money = tokens, micro
+
+    def admitted_and_reserved(self, asked: Asked, tokens: int, micro: int = 0) -> Awaitable[Ticket | None]:
+        """admitted() and reserve() in one round trip: the reservation is queued now, before the admission has
+        answered, so both scripts go in the same batch; what is returned waits for both."""
+        answer = self.ask_to_reserve(asked.ticket, asked.limits, tokens, asked.budget, micro)
+        return self._admitted_and_reserved(asked, answer, tokens, micro)
+
+    async def _admitted_and_reserved(
+        self, asked: Asked, answer: asyncio.Future, tokens: int, micro: int
+    ) -> Ticket | None:
+        ticket = await self.admitted(asked)
+        if ticket is None:
+            answer.add_done_callback(retrieved)  # Redis failed both: said once, by admitted()
+            return None
+        await self.reserved(ticket, answer, asked.limits, tokens, asked.budget, micro)
+        return ticket
+
+    def settle(self, ticket: Ticket, tokens: int, micro: int = 0) -> None:
+        """Count an answer's tokens (and its cost, in micro-units) in place of its reservation and end its flight;
+        sent with the next batch."""
+        batch = self._settling.get(ticket.windows)
+        if batch is None:
+            batch = self._settling[ticket.windows] = [0, 0]
+        batch[0] += tokens - ticket.reserved
+        batch[1] += micro - ticket.reserved_money
+        ticket.reserved = ticket.reserved_money = 0
+        batch.append(ticket.request_id)
+        self._send_later()
+
+    def windows(self, tag: str, now: float, team: str = "") -> Windows:
+        """The key's windows at `now`: worked out once a minute, not for every request."""
+        windows = self._windows.get((tag, team))
+        if windows is None or not windows.minute_start <= now < windows.ends[0]:
+            windows = self._windows[(tag, team)] = Windows.at(tag, now, team, self._zone)
+        return windows
+
+    # --- sending --------------------------------------------------------------------------
+
+    def _send_later(self) -> None:
+        if not self._send_soon:
+            self._send_soon = True
+            asyncio.get_running_loop().call_soon(self._send)
+
+    def _send(self) -> None:
+        self._send_soon = False
+        if self._connecting is not None:
+            return  # sent once connected
+        if self._pipe is None or self._pipe.transport is None:
+            self._connecting = asyncio.get_running_loop().create_task(self._connect_and_send())
+            return
+        pipe = self._pipe
+        settling, self._settling = self._settling, {}
+        admitting, self._admitting = self._admitting, {}
+        # Settlings first: a flight that ended makes room for a request in this same batch.
+        for windows, (tokens, micro, *ids) in settling.items():
+            for some in _chunks(ids):
+                self._call(pipe, SETTLE, windows.keys, (tokens, micro, *EXPIRES.values(), *some), self._settled)
+                tokens = micro = 0
+        now = f"{time.time():.3f}"
+        for (windows, limits, budget), requests in admitting.items():
+            counted = _counted(windows, limits, budget)
+            for some in _chunks(requests):
+                ids = [request_id for request_id, _ in some]
+                futures = [future for _, future in some]
+                args = (*counted, now, STALE_IN_FLIGHT_S, *ids)
+                self._call(pipe, ADMIT, windows.keys, args, functools.partial(_admitted, futures, counted[0] + 1))
+        reserving, self._reserving = self._reserving, {}
+        for (windows, limits, budget), requests in reserving.items():
+            counted = _counted(windows, limits, budget)
+            for some in _chunks(requests):
+                amounts = [part for request_id, tokens, micro, _ in some for part in (request_id, tokens, micro)]
+                futures = [future for *_, future in some]
+                args = (*counted, *EXPIRES.values(), *amounts)
+                self._call(pipe, RESERVE, windows.keys, args, functools.partial(_admitted, futures, counted[0] + 1))
+        pipe.flush()  # written now, not a turn of the loop later
+
+    def _call(self, pipe: Pipe, script: str, keys, args, then: Callable[[object], None]) -> None:
+        def answered(reply) -> None:
+            if isinstance(reply, RedisError) and str(reply).startswith("NOSCRIPT"):
+                # Redis forgot the script (SCRIPT FLUSH) with the connection open: sent whole, once.
+                pipe.send(hiredis.pack_command(("EVAL", script, len(keys), *keys, *args)), then)
+            else:
+                then(reply)
+
+        pipe.send(hiredis.pack_command(("EVALSHA", self._shas[script], len(keys), *keys, *args)), answered)
+
+    def _settled(self, reply) -> None:
+        if isinstance(reply, Exception):
+            self._warn(reply)
+
+    async def _connect_and_send(self) -> None:
+        try:
+            self._pipe, self._shas = await connect(self._address, self._ssl, (ADMIT, RESERVE, SETTLE))
+        except (RedisError, OSError, TimeoutError) as error:
+            failure = error if isinstance(error, RedisError) else RedisError(f"Redis cannot be reached: {error!r}")
+            for requests in (*self._admitting.values(), *self._reserving.values()):
+                for *_, future in requests:
+                    resolve(future, failure)
+            self._admitting.clear()
+            self._reserving.clear()
+            if self._settling:
+                self._settling.clear()
+                self._warn(failure)
+            return
+        finally:
+            self._connecting = None
+        self._send()
+
+    def _warn(self, error: Exception) -> None:
+        if time.monotonic() - self._warned_at > 60:
+            self._warned_at = time.monotonic()
+            log.warning("per-key limits are not enforced while Redis cannot be reached: %s", error)
+
+    async def close(self) -> None:
+        """Send what is waiting and wait for its replies (a while at most), then close."""
+        if self._connecting is not None:
+            await asyncio.gather(self._connecting, return_exceptions=True)
+        if self._settling or self._admitting or self._reserving:
+            self._send()
+            if self._connecting is not None:
+                await asyncio.gather(self._connecting, return_exceptions=True)
+        if self._pipe is not None and self._pipe.transport is not None:
+            await self._pipe.close()
+        self._pipe = None
+
+
+NO_LIMITS = Limits()
+
+
+def _counted(windows: Windows, limits: Limits, budget: Budget | None) -> tuple[int, ...]:
+    """The scripts' first ARGV: how many counters, then each one's limit."""
+    if len(windows.keys) == 5:
+        return (5, *limits.values())
+    return (10, *limits.values(), *(budget or Budget()).values())
+
+
+def _chunks(items: list) -> list[list]:
+    return [items] if len(items) <= BATCH else [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
+
+
+def _admitted(futures: list[asyncio.Future], size: int, reply) -> None:
+    """Hand each request of a batch its `size` numbers of the ADMIT (or RESERVE) script's answer."""
+    if isinstance(reply, Exception):
+        for future in futures:
+            resolve(future, reply)
+        return
+    for i, future in enumerate(futures):
+        resolve(future, reply[size * i : size * i + size])
