@@ -18,8 +18,11 @@ import requests
 from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.keys import create_key
 from gateway.prometheus import shared_dir
 
+from .support.factories import add_model, add_replica
+from .support.gateway import client, held_stream, until_routed
 from .support.gateway_process import start_gateway
 from .support.waiting import wait_until
 
@@ -53,20 +56,25 @@ class TwoWorkers:
             answer = requests.post(self.url + path, json={}, headers={"Connection": "close"}, timeout=30)
             assert answer.status_code == 401, answer.text
 
-    def scraped(self, kind: str) -> float:
-        """The scraped count of requests to `kind` answered 401, from whichever process took the scrape."""
+    def scraped(self, kind: str, family: str = "llmgw_gateway_requests_total") -> float:
+        """The scraped count of requests to `kind` answered 401, from whichever process took the scrape; or, with
+        another family, its sample whose model is `kind`."""
         answer = requests.get(
             self.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}", "Connection": "close"}, timeout=30
         )
         assert answer.status_code == 200, answer.text
-        for family in text_string_to_metric_families(answer.text):
-            for sample in family.samples:
-                if sample.name == "llmgw_gateway_requests_total" and sample.labels["kind"] == kind:
-                    if sample.labels["status"] == "401":
+        for metric in text_string_to_metric_families(answer.text):
+            for sample in metric.samples:
+                if sample.name != family:
+                    continue
+                if family == "llmgw_gateway_requests_total":
+                    if sample.labels["kind"] == kind and sample.labels["status"] == "401":
                         return sample.value
+                elif sample.labels["model"] == kind:
+                    return sample.value
         return 0
 
-    def by_process(self, kind: str) -> dict[int, float]:
+    def by_process(self, kind: str, tally: str = "requests") -> dict[int, float]:
         """What each process's own snapshot counts: what a scrape of that process alone showed before."""
         counted = {}
         for path in self.counts_dir.glob("*.json"):
@@ -74,7 +82,8 @@ class TwoWorkers:
                 written = json.loads(path.read_text())
             except ValueError:
                 continue  # not possible when written whole and renamed, but said clearly if it happens
-            counted[int(path.stem)] = sum(n for labels, n in written["requests"] if labels[1] == kind)
+            where = 1 if tally == "requests" else 0  # requests: (model, kind, ...); the rest: (model, ...)
+            counted[int(path.stem)] = sum(n for labels, n in written[tally] if labels[where] == kind)
         return counted
 
     def every_scrape_shows(self, kind: str, total: int, scrapes: int = 12) -> list[float]:
@@ -144,3 +153,46 @@ def test_a_worker_killed_with_sigkill_takes_nothing_from_the_gateways_count(two_
         timeout=30,
         what=f"every scrape to show {sent + 10}, the killed process's requests with the rest",
     )
+
+
+def test_the_requests_in_flight_of_a_killed_worker_are_no_longer_counted(two_workers, replicas):
+    add_model()
+    replica = replicas()
+    add_replica("chat", replica.base)
+    _, secret = create_key("held")
+    until_routed(client(secret), two_workers.url)
+    held = []
+    try:
+        # Held streams, each on a new connection, until both processes hold some.
+        for _ in range(40):
+            held.append(held_stream(two_workers.url, secret))
+            assert held[-1].status_code == 200, held[-1].text
+            in_flight = wait_until(
+                lambda: (c := two_workers.by_process("chat", "in_flight")) and sum(c.values()) == len(held) and c,
+                timeout=30,
+                what=lambda: f"the snapshots to count {len(held)} in flight: {two_workers.by_process('chat', 'in_flight')}",
+            )
+            if len([n for n in in_flight.values() if n]) >= 2:
+                break
+        else:
+            raise AssertionError(f"after {len(held)} streams one process holds them all")
+        wait_until(
+            lambda: all(two_workers.scraped("chat", "llmgw_gateway_in_flight") == len(held) for _ in range(12)),
+            timeout=30,
+            what=f"every scrape to show {len(held)} in flight",
+        )
+        victim = next(pid for pid, n in in_flight.items() if n)
+
+        os.kill(victim, signal.SIGKILL)
+        # Its streams went with it; the others' are still held, and counted whichever process is scraped.
+        left = len(held) - in_flight[victim]
+        wait_until(
+            lambda: all(two_workers.scraped("chat", "llmgw_gateway_in_flight") == left for _ in range(12)),
+            timeout=30,
+            what=lambda: f"every scrape to show {left} in flight once {victim} is gone; they show "
+            f"{[two_workers.scraped('chat', 'llmgw_gateway_in_flight') for _ in range(6)]}",
+        )
+    finally:
+        replica.release.set()
+        for stream in held:
+            stream.close()
