@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -21,9 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.keys import create_key
 from gateway.prometheus import shared_dir
 
+from .services import free_port
 from .support.factories import add_model, add_replica
 from .support.gateway import client, held_stream, until_routed
 from .support.gateway_process import start_gateway
+from .support.processes import BASE_DIR, process_env
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -196,3 +200,19 @@ def test_the_requests_in_flight_of_a_killed_worker_are_no_longer_counted(two_wor
         replica.release.set()
         for stream in held:
             stream.close()
+
+
+def test_a_counts_directory_that_cannot_be_made_stops_the_gateway_with_a_sentence(tmp_path):
+    (tmp_path / "gateway-counts").write_text("a file where the directory goes")
+    env = process_env(LLMGW_VAR=tmp_path, LLMGW_GATEWAY_ADDR=f"127.0.0.1:{free_port()}")
+    done = subprocess.run(
+        [sys.executable, "manage.py", "gateway", "--workers", "2"],
+        env=env,
+        cwd=BASE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "The workers share their counts in" in done.stderr and "could not be made" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
