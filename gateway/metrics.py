@@ -30,7 +30,7 @@ from fleet import routing
 from fleet.live import redis_client
 
 from .endpoints import ENDPOINTS
-from .prometheus import ADDED_BUCKETS, DURATION_BUCKETS, TALLIES, add, observe
+from .prometheus import ADDED_BUCKETS, DURATION_BUCKETS, TALLIES, add, observe, share_counts
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -93,6 +93,8 @@ class Exchange:
 class Observer:
     def __init__(self) -> None:
         self.metrics = settings.GATEWAY_METRICS
+        if self.metrics:
+            share_counts()  # with --workers N only: a scrape shows the whole gateway's counts
         self.key_labels = settings.METRICS_KEY_LABELS
         self.access = AccessLog(settings.GATEWAY_ACCESS_LOG) if settings.GATEWAY_ACCESS_LOG else None
         self._hours: dict[tuple[str, str], list[int]] = {}

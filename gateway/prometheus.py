@@ -2,13 +2,22 @@
 scrape time, and the gateway's /metrics that serves them.
 
 metrics.py's Observer does the counting, from its hooks; labels stay bounded as it says.
+With `--workers N` the processes of one gateway share their counts through snapshot files
+(`Shared`), so a scrape, whichever process takes it, shows the whole gateway's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import logging
+import os
+import re
+import threading
+import time
 from bisect import bisect_left
+from pathlib import Path
 
 from django.conf import settings
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -16,6 +25,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from common import metrics
+
+log = logging.getLogger("llmgw.gateway")
 
 # Seconds: from a fast stub's sub-millisecond answer to a long generation.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -146,10 +157,12 @@ FAMILIES = (
 class GatewayCollector(Collector):
     def __init__(self, tallies: Tallies) -> None:
         self.tallies = tallies
+        self.shared: Shared | None = None
 
     def collect(self):
+        counts = self.shared.whole_gateway() if self.shared else vars(self.tallies)
         for kind, name, documentation, labels, tally, *buckets in FAMILIES:
-            values = getattr(self.tallies, tally)
+            values = counts[tally]
             if kind == "histogram":
                 yield histogram(name, documentation, labels, buckets[0], values)
             elif kind == "gauge":
@@ -184,7 +197,123 @@ def histogram(name: str, documentation: str, labels: list[str], bounds: tuple, v
     return family
 
 
-metrics.register(GatewayCollector(TALLIES))
+COLLECTOR = GatewayCollector(TALLIES)
+metrics.register(COLLECTOR)
+
+
+# --- one gateway's processes (--workers N) -------------------------------------------
+
+# Set by `manage.py gateway --workers N` for its processes: the directory they share their counts through.
+SHARED_DIR_ENV = "LLMGW_GATEWAY_COUNTS_DIR"
+SNAPSHOT_S = 1.0
+GAUGES = {family[4] for family in FAMILIES if family[0] == "gauge"}
+
+
+def shared_dir(var_dir: Path, host: str, port: int) -> Path:
+    """The directory of the gateway on host:port, under LLMGW_VAR: two gateways on one host do not mix."""
+    return Path(var_dir) / "gateway-counts" / re.sub(r"[^A-Za-z0-9.-]", "_", f"{host}-{port}")
+
+
+class Shared:
+    """This process's counts written to the gateway's directory about once a second, from a thread, and the
+    other processes' last ones read at scrape time.
+
+    Not prometheus_client's multiprocess mode, which the gateway avoids on purpose: it takes a lock and
+    writes an mmap'd file on every update, on the request path. Here the request path is unchanged; a
+    snapshot is a copy of the dicts (as a scrape makes) and one file, written whole and renamed into place
+    so a reader never sees half of one. A process that died keeps its last file, so the sums never go
+    down (rate() would read a reset), but its gauges (requests in flight) are no longer added. A scrape
+    writes its own process's snapshot first and reports that: what a scrape showed of a process is always
+    in its file, so a later scrape by another process cannot show less of it.
+    """
+
+    def __init__(self, tallies: Tallies, directory: Path) -> None:
+        self.tallies = tallies
+        self.directory = Path(directory)
+        self.pid = os.getpid()
+        self.path = self.directory / f"{self.pid}.json"
+        self._writing = threading.Lock()
+        self._failing = False
+
+    def start(self) -> None:
+        threading.Thread(target=self._write_forever, name="gateway-counts", daemon=True).start()
+
+    def _write_forever(self) -> None:
+        while True:
+            time.sleep(SNAPSHOT_S)  # a clock, not a wait for something
+            self.write()
+
+    def write(self) -> dict:
+        """This process's counts now, also written to its file (kept for the next try when the write fails)."""
+        with self._writing:
+            counts = snapshot(self.tallies)
+            staged = self.path.with_suffix(".tmp")
+            try:
+                staged.write_text(json.dumps({name: list(values.items()) for name, values in counts.items()}))
+                os.replace(staged, self.path)
+                self._failing = False
+            except OSError as error:
+                if not self._failing:  # once, not every second
+                    log.warning("the gateway's counts could not be shared with its other processes: %s", error)
+                self._failing = True
+        return counts
+
+    def others(self):
+        """(counts, alive) of every other process of this gateway that wrote a snapshot, this run."""
+        for path in self.directory.glob("*.json"):
+            if path == self.path or not path.stem.isdigit():
+                continue
+            try:
+                written = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            counts = {name: {tuple(labels): value for labels, value in values} for name, values in written.items()}
+            yield counts, alive(int(path.stem))
+
+    def whole_gateway(self) -> dict:
+        whole = self.write()
+        for counts, running in self.others():
+            for name, values in counts.items():
+                if name not in whole or (name in GAUGES and not running):
+                    continue
+                into = whole[name]
+                for labels, value in values.items():
+                    mine = into.get(labels)
+                    if mine is None:
+                        into[labels] = list(value) if isinstance(value, list) else value
+                    elif isinstance(mine, list):
+                        into[labels] = [a + b for a, b in zip(mine, value, strict=True)]
+                    else:
+                        into[labels] = mine + value
+        return whole
+
+
+def snapshot(tallies: Tallies) -> dict:
+    """A copy of every count: dicts and their histograms' lists, each copied without letting the loop in."""
+    return {
+        name: {labels: list(value) if isinstance(value, list) else value for labels, value in list(values.items())}
+        for name, values in vars(tallies).items()
+    }
+
+
+def alive(pid: int) -> bool:
+    """Whether the process is there (a pid the kernel gave again to another process counts as there: rare, and
+    only its gauges would be added)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def share_counts() -> None:
+    """Under `manage.py gateway --workers N`: share this process's counts with the gateway's others."""
+    directory = os.environ.get(SHARED_DIR_ENV)
+    if directory and COLLECTOR.shared is None:
+        COLLECTOR.shared = Shared(TALLIES, Path(directory))
+        COLLECTOR.shared.start()
 
 
 async def scrape(scope, send) -> None:
