@@ -53,9 +53,14 @@ class Site:
     llmgw did before the gateway had a process of its own: both listen on `port`."""
 
     def __init__(
-        self, servers: Servers, name: str = "llmgw", root: Path = ROOT, redis_port: int | None = None, **settings: str
+        self,
+        servers: Servers,
+        name: str = "llmgw",
+        root: Path | None = None,
+        redis_port: int | None = None,
+        **settings: str,
     ) -> None:
-        self.servers, self.name, self.root = servers, name, root
+        self.servers, self.name, self.root = servers, name, root or ROOT
         self.port = free_port()
         work = servers.work / name
         work.mkdir()
@@ -115,7 +120,12 @@ class Site:
 
 
 def stub_site(
-    servers: Servers, stub_port: int, name: str = "llmgw", root: Path = ROOT, redis_port: int | None = None, **settings
+    servers: Servers,
+    stub_port: int,
+    name: str = "llmgw",
+    root: Path | None = None,
+    redis_port: int | None = None,
+    **settings,
 ) -> Site | None:
     """A Site routing the models `stub` and `stub-hold` to bench/stub_upstream.py; None, said, for a tree without a server."""
     site = Site(servers, name, root, redis_port, **settings)
