@@ -34,7 +34,7 @@ def until(condition: Callable[[], T], timeout: float, what: str, interval: float
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def wait_for(url: str, timeout: float = 30) -> None:
+def wait_for(url: str, timeout: float = 60) -> None:
     """Until a HEAD of the address succeeds; a HEAD, so a 2 GiB file is not read to ask."""
 
     def answers() -> bool:
@@ -119,11 +119,15 @@ class Servers:
         argv = [sys.executable, str(ROOT / "bench" / "stub_upstream.py"), "--port", str(port)]
         return self.spawn(argv, "stub"), port
 
-    def byte_listener(self, root: Path, name: str = "bytes") -> tuple[subprocess.Popen, str]:
-        """`manage.py byte_listener` serving `root` on a free port, its own var/ and database in the work directory."""
+    def byte_listener(self, root: Path, name: str = "bytes", redis_url: str = "") -> tuple[subprocess.Popen, str]:
+        """`manage.py byte_listener` serving `root` on a free port, its own var/ and database in the work
+        directory, migrated; a Redis of its own unless `redis_url` names one (a manifest's copy is kept there)."""
+        if not redis_url:
+            redis_url = f"redis://127.0.0.1:{self.redis(f'{name}-redis')[1]}/0"
         port = free_port()
         env = dict(
             os.environ,
+            REDIS_URL=redis_url,
             LLMGW_MIRROR_ROOT=str(root),
             LLMGW_BYTES_ADDR=f"127.0.0.1:{port}",
             LLMGW_VAR=str(self.work / "var"),
@@ -132,5 +136,8 @@ class Servers:
             # request, not per byte, so the throughput of a file is the same (docs/mirror.md).
             LLMGW_BYTES_PUBLIC="true",
         )
-        process = self.spawn([sys.executable, str(ROOT / "manage.py"), "byte_listener"], name, env)
+        # Migrated: a version's manifest is offered once its files are in the index with their sha256.
+        manage = [sys.executable, str(ROOT / "manage.py")]
+        subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
+        process = self.spawn(manage + ["byte_listener"], name, env)
         return process, f"http://127.0.0.1:{port}/"
