@@ -617,20 +617,21 @@ def gateway_load_child(keys: int, gateway_args: list[str]) -> None:
     import importlib.util
 
     sys.path.insert(0, str(ROOT / "bench"))
+    from harness import Site
+
+    start = Site.start
+
+    def start_after_the_keys(site: Site, command: str | None = None, **settings: str):
+        if command is None and keys:
+            seeded = site.shell(SEED_KEYS.replace("{n}", str(keys)))
+            if seeded.returncode:
+                raise SystemExit(f"the keys could not be written:\n{seeded.stderr[-2000:]}")
+        return start(site, command, **settings)
+
+    Site.start = start_after_the_keys
     spec = importlib.util.spec_from_file_location("bench_gateway", ROOT / "bench" / "gateway.py")
     bench_gateway = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_gateway)
-    popen = bench_gateway.quiet_popen
-
-    def quiet_popen(argv, env, log, cwd=ROOT):
-        if ("gateway" in argv or "admin_server" in argv) and keys:
-            seed = SEED_KEYS.replace("{n}", str(keys))
-            subprocess.run(
-                [sys.executable, str(ROOT / "manage.py"), "shell", "-c", seed], env=env, cwd=ROOT, check=True
-            )
-        return popen(argv, env, log, cwd)
-
-    bench_gateway.quiet_popen = quiet_popen
     sys.argv = ["gateway.py", "--no-litellm", *gateway_args]
     bench_gateway.main()
 
@@ -669,7 +670,7 @@ def main() -> int:
     redis_server = None
     if "worker" in jobs:
         sys.path.insert(0, str(ROOT / "bench"))
-        from benchlib import free_port
+        from harness import free_port
 
         redis_port = free_port()
         redis_server = subprocess.Popen(
