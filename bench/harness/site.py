@@ -72,8 +72,8 @@ class Site:
             DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
             # Without a Redis nothing listens there, and it must not matter: a key without limits never asks Redis.
             REDIS_URL=f"redis://127.0.0.1:{redis_port or free_port()}/0",
-            **settings,
         )
+        self.env.update(settings)
         known = self.manage("help", "--commands").split()
         self.server = "gateway" if "gateway" in known else "admin_server" if "admin_server" in known else None
         if self.server is not None:
