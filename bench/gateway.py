@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvloop
-from harness import Goal, Servers, best, free_port, report, side_by_side_async, stub_site, table
+from harness import Goal, Servers, Site, best, free_port, report, side_by_side_async, stub_site, table
 from harness.litellm import ensure_litellm, start_litellm
 from httpload import (
     Concurrent,
@@ -124,35 +124,24 @@ Model.objects.update(price_input=Decimal("0.5"), price_cached_input=Decimal("0.2
 """
 
 
-def start_llmgw(
-    servers: Servers,
-    stub_port: int,
-    name: str = "llmgw",
-    redis_port: int | None = None,
-    root: Path | None = None,
-    limited: bool = True,
-    admin_load: AdminLoad | None = None,
-    **settings: str,
-) -> list[Target]:
-    """An llmgw routing to the stub and its targets: a key without limits, and with a Redis (--limits)
+def llmgw_targets(site: Site | None, limited: bool, admin_load: AdminLoad | None = None) -> list[Target]:
+    """A stub-routed llmgw started, and its targets: a key without limits, and with `limited` (a Redis)
     a key with every limit (+limits) and a team's key with every budget (+team)."""
-    site = stub_site(servers, stub_port, name, root, redis_port, **settings)
     if site is None:
         return []
     key = site.create_key("bench")
     process = site.start()
-    targets = [Target(name, site.port, key=key, pid=process.pid)]
+    targets = [Target(site.name, site.port, key=key, pid=process.pid)]
     if admin_load is not None:
         admin_load.attach(site)
-    if redis_port and limited:
-        targets.append(
-            Target(f"{name}+limits", site.port, site.create_key("bench-limited", *EVERY_LIMIT), pid=process.pid)
-        )
+    if limited:
+        limits_key = site.create_key("bench-limited", *EVERY_LIMIT)
+        targets.append(Target(f"{site.name}+limits", site.port, limits_key, pid=process.pid))
         team_key = site.create_key("bench-team", *EVERY_LIMIT)
         if site.shell(TEAM_SEED).returncode == 0:
-            targets.append(Target(f"{name}+team", site.port, key=team_key, pid=process.pid))
+            targets.append(Target(f"{site.name}+team", site.port, key=team_key, pid=process.pid))
         else:
-            print(f"{name}: this tree has no teams' budgets: its +team key is left out of this run.")
+            print(f"{site.name}: this tree has no teams' budgets: its +team key is left out of this run.")
     return targets
 
 
@@ -319,79 +308,88 @@ def rows(f: Figures, args: argparse.Namespace, with_redis: bool) -> list[tuple[s
     return [(label, [cell(n) for n in f.names]) for label, cell in cells]
 
 
-def comparisons(f: Figures, args: argparse.Namespace) -> list[str]:
-    """The lines under the table that set one contender against another, where both ran."""
-    names, added50, rps, held = f.names, f.added50, f.rps, f.held
-    lines = []
-    if "llmgw" in names and "LiteLLM" in names:
-        lines.append(
-            f"llmgw / LiteLLM: added p50 {added50['llmgw'] / added50['LiteLLM']:.2f} ×, "
-            f"first chunk added {f.first_added['llmgw'] / f.first_added['LiteLLM']:.2f} ×, "
-            f"requests/s {rps['llmgw'] / rps['LiteLLM']:.1f} ×, open streams {held['llmgw'].held} vs {held['LiteLLM'].held}"
-        )
-    if "llmgw" in names and "llmgw+limits" in names:
-        by_limits = added50["llmgw+limits"] - added50["llmgw"]
-        lines.append(
-            f"per-key limits: added p50 {added50['llmgw+limits']:.2f} ms, {by_limits:+.2f} ms over a key without"
-        )
-    if "llmgw" in names and "llmgw+limits" in names and "llmgw+team" in names:
-        lines.append(
-            f"teams' budgets: added p50 {added50['llmgw+team']:.2f} ms, "
-            f"{added50['llmgw+team'] - added50['llmgw+limits']:+.3f} ms over a key with its own "
-            f"limits only; requests/s {rps['llmgw+team']:,.0f} against {rps['llmgw+limits']:,.0f} "
-            f"({rps['llmgw+team'] / rps['llmgw+limits']:.2f} ×)"
-        )
-    return lines
+def _both(a: str, b: str):
+    return lambda f: a in f.names and b in f.names
 
 
-def against_others(f: Figures, args: argparse.Namespace) -> list[str]:
-    """The lines that set this tree's gateway against a baseline, its variants and its workers."""
-    names, added50, rps = f.names, f.added50, f.rps
-    lines = []
-    if "llmgw" in names and "baseline" in names:
-        lines.append(
-            f"gateway process vs baseline: {args.clients} concurrent, requests/s {rps['llmgw']:,.0f} against "
-            f"{rps['baseline']:,.0f} ({rps['llmgw'] / rps['baseline']:.2f} ×); added p50 one at a time "
-            f"{added50['llmgw']:.2f} against {added50['baseline']:.2f} ms"
+# The lines under the table, each printed where the contenders it sets side by side ran: BESIDE
+# before the goals' lines, AFTER them.
+BESIDE = [
+    (
+        _both("llmgw", "LiteLLM"),
+        lambda f, a: f"llmgw / LiteLLM: added p50 {f.added50['llmgw'] / f.added50['LiteLLM']:.2f} ×, "
+        f"first chunk added {f.first_added['llmgw'] / f.first_added['LiteLLM']:.2f} ×, "
+        f"requests/s {f.rps['llmgw'] / f.rps['LiteLLM']:.1f} ×, "
+        f"open streams {f.held['llmgw'].held} vs {f.held['LiteLLM'].held}",
+    ),
+    (
+        _both("llmgw", "llmgw+limits"),
+        lambda f, a: f"per-key limits: added p50 {f.added50['llmgw+limits']:.2f} ms, "
+        f"{f.added50['llmgw+limits'] - f.added50['llmgw']:+.2f} ms over a key without",
+    ),
+    (
+        _both("llmgw+limits", "llmgw+team"),
+        lambda f, a: f"teams' budgets: added p50 {f.added50['llmgw+team']:.2f} ms, "
+        f"{f.added50['llmgw+team'] - f.added50['llmgw+limits']:+.3f} ms over a key with its own "
+        f"limits only; requests/s {f.rps['llmgw+team']:,.0f} against {f.rps['llmgw+limits']:,.0f} "
+        f"({f.rps['llmgw+team'] / f.rps['llmgw+limits']:.2f} ×)",
+    ),
+]
+AFTER = [
+    (
+        _both("llmgw", "baseline"),
+        lambda f, a: f"gateway process vs baseline: {a.clients} concurrent, requests/s {f.rps['llmgw']:,.0f} "
+        f"against {f.rps['baseline']:,.0f} ({f.rps['llmgw'] / f.rps['baseline']:.2f} ×); added p50 one at a "
+        f"time {f.added50['llmgw']:.2f} against {f.added50['baseline']:.2f} ms",
+    ),
+    *(
+        (
+            _both(name, f"{name}+limits"),
+            lambda f, a, n=name: f"{n} with every limit on: requests/s {f.rps[n + '+limits']:,.0f} against "
+            f"{f.rps[n]:,.0f} ({f.rps[n + '+limits'] / f.rps[n]:.2f} ×), added p50 {f.added50[n + '+limits']:.2f} ms",
         )
-    for name in ("llmgw", "baseline"):
-        if name in names and f"{name}+limits" in names:
-            lines.append(
-                f"{name} with every limit on: requests/s {rps[name + '+limits']:,.0f} against {rps[name]:,.0f} "
-                f"({rps[name + '+limits'] / rps[name]:.2f} ×), added p50 {added50[name + '+limits']:.2f} ms"
-            )
-    if "llmgw" in names and "llmgw-2w" in names:
-        lines.append(
-            f"gateway --workers: {args.clients} concurrent, requests/s {rps['llmgw']:,.0f} with 1, "
-            f"{rps['llmgw-2w']:,.0f} with 2 ({rps['llmgw-2w'] / rps['llmgw']:.2f} ×); server CPU per request "
-            f"{f.cpu_per_request('llmgw'):.2f} and {f.cpu_per_request('llmgw-2w'):.2f} ms"
-        )
-    if "baseline" in names and "llmgw" in names:
+        for name in ("llmgw", "baseline")
+    ),
+    (
+        _both("llmgw", "llmgw-2w"),
+        lambda f, a: f"gateway --workers: {a.clients} concurrent, requests/s {f.rps['llmgw']:,.0f} with 1, "
+        f"{f.rps['llmgw-2w']:,.0f} with 2 ({f.rps['llmgw-2w'] / f.rps['llmgw']:.2f} ×); server CPU per request "
+        f"{f.cpu_per_request('llmgw'):.2f} and {f.cpu_per_request('llmgw-2w'):.2f} ms",
+    ),
+    (
         # Issue 14: this tree's gateway against another's, in one run, taking turns.
-        lines.append(
-            f"llmgw / baseline: one at a time added p50 {added50['llmgw'] - added50['baseline']:+.3f} ms; "
-            f"{args.clients} concurrent added p50 {f.loaded_added('llmgw', 50) / f.loaded_added('baseline', 50):.3f} ×, "
-            f"requests/s {rps['llmgw'] / rps['baseline']:.3f} ×, server CPU a request "
-            f"{f.cpu_per_request('llmgw') * 1000:.0f} µs vs {f.cpu_per_request('baseline') * 1000:.0f} µs"
-        )
-    for variant in (n for n in names if n.startswith("llmgw+")):
-        # Issue 16: metrics (and the access log) within 5 % of the gateway without them.
-        lines.append(
-            f"{variant} / llmgw: one at a time added p50 {added50[variant] - added50['llmgw']:+.3f} ms; "
-            f"{args.clients} concurrent added p50 {f.loaded_added(variant, 50) / f.loaded_added('llmgw', 50):.3f} ×, "
-            f"requests/s {rps[variant] / rps['llmgw']:.3f} ×"
-        )
-    return lines
+        _both("llmgw", "baseline"),
+        lambda f, a: f"llmgw / baseline: one at a time added p50 {f.added50['llmgw'] - f.added50['baseline']:+.3f} "
+        f"ms; {a.clients} concurrent added p50 {f.loaded_added('llmgw', 50) / f.loaded_added('baseline', 50):.3f} ×, "
+        f"requests/s {f.rps['llmgw'] / f.rps['baseline']:.3f} ×, server CPU a request "
+        f"{f.cpu_per_request('llmgw') * 1000:.0f} µs vs {f.cpu_per_request('baseline') * 1000:.0f} µs",
+    ),
+]
+
+
+def variant_lines(f: Figures, args: argparse.Namespace) -> list[str]:
+    """Issue 16: each llmgw+ variant (metrics, the access log, limits) against llmgw without it."""
+    return [
+        f"{variant} / llmgw: one at a time added p50 {f.added50[variant] - f.added50['llmgw']:+.3f} ms; "
+        f"{args.clients} concurrent added p50 {f.loaded_added(variant, 50) / f.loaded_added('llmgw', 50):.3f} ×, "
+        f"requests/s {f.rps[variant] / f.rps['llmgw']:.3f} ×"
+        for variant in f.names
+        if variant.startswith("llmgw+")
+    ]
 
 
 def print_figures(f: Figures, args: argparse.Namespace, with_redis: bool) -> None:
     print()
     table(["what", *f.names], [(label, *cells) for label, cells in rows(f, args, with_redis)])
     print()
-    for line in comparisons(f, args):
-        print(line)
+    for ran, line in BESIDE:
+        if ran(f):
+            print(line(f, args))
     report(GOALS, f)
-    for line in against_others(f, args):
+    for ran, line in AFTER:
+        if ran(f):
+            print(line(f, args))
+    for line in variant_lines(f, args):
         print(line)
 
 
@@ -471,12 +469,11 @@ def main() -> None:
         proxies = []
         for name, settings in variants(args, servers.work).items():
             first = name == "llmgw"
-            redis = redis_port if first else None
-            load = admin_load if first else None
-            proxies += start_llmgw(servers, stub_port, name, redis, None, args.limits, load, **settings)
+            site = stub_site(servers, stub_port, name, None, redis_port if first else None, **settings)
+            proxies += llmgw_targets(site, args.limits and first, admin_load if first else None)
         if args.baseline:
-            tree = Path(args.baseline).resolve()
-            proxies += start_llmgw(servers, stub_port, "baseline", redis_port, tree, args.limits, admin_load)
+            site = stub_site(servers, stub_port, "baseline", Path(args.baseline).resolve(), redis_port)
+            proxies += llmgw_targets(site, args.limits, admin_load)
         litellm = None if args.no_litellm else ensure_litellm()
         if litellm:
             process, port, key = start_litellm(servers, litellm, stub_port)

@@ -12,9 +12,9 @@ T = TypeVar("T")
 
 
 def rotation(names: Sequence[T], round_: int) -> list[T]:
-    """`names` starting at this round's one: on a shared machine the load from elsewhere
-    changes over a run, and a contender always measured first (or after the same one)
-    would take more or less of it than the others."""
+    """`names` starting at this round's one, so that each goes first in turn: on a shared machine
+    the load from elsewhere changes over a run, and a contender always measured first (just
+    after a pause, or after the heaviest) would take more or less of it than the others."""
     k = round_ % len(names)
     return list(names[k:]) + list(names[:k])
 

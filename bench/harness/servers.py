@@ -54,10 +54,11 @@ class Servers:
         self.processes: list[subprocess.Popen] = []
 
     def __enter__(self) -> Servers:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        self._sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         return self
 
     def __exit__(self, *_) -> None:
+        signal.signal(signal.SIGTERM, self._sigterm)
         self.stop_all()
         if self.keep:
             print(f"work directory kept: {self.work}")
