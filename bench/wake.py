@@ -45,6 +45,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fleetbench import MODEL, LocalFleet, until  # noqa: E402
+from harness import Goal, report, side_by_side  # noqa: E402
 
 ASK = {
     "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -71,7 +72,8 @@ def summary(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f})"
 
 
-GOAL_S = 0.5  # issue 39: a wake costs at most half a second over the engine's own start, to the first token
+GOAL_S = 0.5  # issue 39
+GOALS = [Goal(f"a wake costs at most {GOAL_S} s over the engine's own start to the first token", lambda c: c <= GOAL_S)]
 STEPS = (
     ("placed", "request -> replica placed (its row)"),
     ("spawned", "placed -> engine process started"),
@@ -211,26 +213,25 @@ def main() -> int:
         to_zero()
         cached = next(p for p in fleet.cache.rglob(fleet.weights.name))
 
-        llmgw_ready, llmgw_token = [], []
-        for _ in range(options.runs):
-            ready, token = (through_the_gateway if options.origin == "request" else by_task)()
-            llmgw_ready.append(ready)
-            llmgw_token.append(token)
+        def llmgw_once() -> tuple[float, float]:
+            ready_and_token = (through_the_gateway if options.origin == "request" else by_task)()
             to_zero()
+            return ready_and_token
 
-        engine_ready, engine_token = [], []
-        for _ in range(options.runs):
+        def engine_once() -> tuple[float, float]:
             port = engines.free_port()
             argv = engines.command("llamacpp", cached, port, ["--ctx-size", "2048"], model=MODEL)
             started = time.monotonic()
-            process = engines.spawn(argv, fleet.work / "engine.log")
-            until(lambda port=port: engines.answers(port, timeout=0.5), 180, "the engine", 0.02)
+            process = fleet.servers.adopt(engines.spawn(argv, fleet.work / "engine.log"))
+            until(lambda: engines.answers(port, timeout=0.5), 180, "the engine", 0.02)
             ready = time.monotonic()
             token_at = first_token(f"http://127.0.0.1:{port}/v1")
-            engine_ready.append(ready - started)
-            engine_token.append(token_at - started)
-            engines.stop_group(process.pid, grace=5)
-            process.wait(timeout=10)
+            fleet.servers.stop(process, grace=5)
+            return ready - started, token_at - started
+
+        runs = side_by_side({"llmgw": llmgw_once, "engine": engine_once}, options.runs)
+        llmgw_ready, llmgw_token = [r for r, _ in runs["llmgw"]], [t for _, t in runs["llmgw"]]
+        engine_ready, engine_token = [r for r, _ in runs["engine"]], [t for _, t in runs["engine"]]
 
     start = "a request through the gateway" if options.origin == "request" else "fleet.wake sent"
     cost = statistics.median(llmgw_token) - statistics.median(engine_token)
@@ -249,10 +250,7 @@ def main() -> int:
             values = [at[name] for at in steps if name in at]
             if values:
                 print(f"    {said:<46} {summary(values)}")
-    verdict = "met" if cost <= GOAL_S else "NOT met"
-    print(
-        f"goal: a wake costs at most {GOAL_S} s over the engine's own start to the first token: {verdict} ({cost:.2f} s)"
-    )
+    report(GOALS, cost)
     return 0
 
 
