@@ -95,7 +95,14 @@ def start_gateway(servers: Servers, engine_port: int, slots: int) -> tuple[str, 
     model_fields = dict(source="http://127.0.0.1:1/m/v1/", context_length=SLOT_CONTEXT)
     endpoint = f"http://127.0.0.1:{engine_port}/v1"
     site.route(
-        [dict(model=smollm2.MODEL, endpoint=endpoint, model_fields=model_fields, profile_fields=dict(parallel=slots))]
+        [
+            dict(
+                model=smollm2.MODEL,
+                endpoints=[endpoint],
+                model_fields=model_fields,
+                profile_fields=dict(parallel=slots),
+            )
+        ]
     )
     key = site.create_key("bench")
     site.start()

@@ -29,7 +29,7 @@ def django_setup(var: Path | None = None) -> None:
         call_command("migrate", verbosity=0)
 
 
-# Each route: a model with a ready replica at `endpoint`, on a node named bench. Only fields every
+# Each route: a model with a ready replica at each of its `endpoints`, on a node named bench. Only fields every
 # tree since the gateway has, so that a --baseline tree takes the same seed.
 ROUTES_SEED = """
 import json
@@ -39,10 +39,10 @@ node, _ = Node.objects.get_or_create(name="bench")
 for route in json.loads(ROUTES):
     model, _ = Model.objects.get_or_create(name=route["model"], defaults=route["model_fields"])
     Profile.objects.get_or_create(model=model, name="cpu", defaults=dict(engine="llamacpp", **route["profile_fields"]))
-    Replica.objects.update_or_create(
-        model_name=route["model"], profile_name="cpu", node=node,
-        defaults=dict(state="ready", endpoint=route["endpoint"]),
-    )
+    for endpoint in route["endpoints"]:
+        Replica.objects.update_or_create(
+            model_name=route["model"], profile_name="cpu", node=node, endpoint=endpoint, defaults=dict(state="ready")
+        )
 """
 
 
@@ -98,7 +98,7 @@ class Site:
         return subprocess.run(argv, env=self.env, cwd=self.root, capture_output=True, text=True)
 
     def route(self, routes: list[dict]) -> None:
-        """Each of `routes` ({"model", "endpoint", "model_fields", "profile_fields"}) written with a ready replica."""
+        """Each of `routes` ({"model", "endpoints", "model_fields", "profile_fields"}) written with ready replicas."""
         written = self.shell(f"ROUTES = {json.dumps(json.dumps(routes))}\n" + ROUTES_SEED)
         if written.returncode:
             raise SystemExit(f"{self.name}: the routes could not be written:\n{written.stderr[-2000:]}")
@@ -136,7 +136,7 @@ def stub_site(
         [
             {
                 "model": model,
-                "endpoint": f"http://127.0.0.1:{stub_port}/v1",
+                "endpoints": [f"http://127.0.0.1:{stub_port}/v1"],
                 "model_fields": dict(
                     source=f"http://127.0.0.1:1/{model}/v1/stub.gguf", context_length=100000, max_output=0
                 ),
