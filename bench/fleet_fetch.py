@@ -50,14 +50,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import ROOT, Servers, table, until  # noqa: E402
+
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 PEER_PORT = 6881
 NAMES = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
@@ -488,11 +489,13 @@ def one_node_at_rtt(host, work: Path, mirror: Path, fleet_address: str, bytes_po
     return out
 
 
-def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup: list, args) -> Agents:
+def start_agents_side(fleet, hosts, servers: Servers, env: dict, args) -> Agents:
     """What the agent's path needs on this host: Redis (the tracker's peer lists), a byte listener that
     serves only enrolled nodes (the tracker names them), and each node enrolled."""
     import secrets
     import socket
+
+    import requests
 
     def port_on_bridge() -> int:
         with socket.socket() as s:
@@ -502,26 +505,8 @@ def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup
     redis_port, bytes_port = port_on_bridge(), port_on_bridge()
     password = secrets.token_hex(16)
     redis_url = f"redis://:{password}@{fleet.address}:{redis_port}/0"
-    cleanup.append(
-        subprocess.Popen(
-            [
-                "redis-server",
-                "--bind",
-                fleet.address,
-                "--port",
-                str(redis_port),
-                "--requirepass",
-                password,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=open(work / "redis.log", "ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    )
+    redis = ["redis-server", "--bind", fleet.address, "--port", str(redis_port), "--requirepass", password]
+    servers.spawn(redis + ["--save", "", "--appendonly", "no"], "redis")
     private = dict(
         env, LLMGW_BYTES_PUBLIC="false", REDIS_URL=redis_url, LLMGW_BYTES_ADDR=f"{fleet.address}:{bytes_port}"
     )
@@ -536,30 +521,17 @@ def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup
             text=True,
         )
         tokens[f"n{index}"] = made.stdout.strip().splitlines()[-1]
-    cleanup.append(
-        subprocess.Popen(
-            [sys.executable, "manage.py", "byte_listener"],
-            env=private,
-            cwd=ROOT,
-            start_new_session=True,
-            stdout=open(work / "byte-listener-private.log", "ab"),
-            stderr=subprocess.STDOUT,
-        )
-    )
+    servers.spawn([sys.executable, "manage.py", "byte_listener"], "byte-listener-private", private)
     url = f"http://{fleet.address}:{bytes_port}/"
-    until = time.monotonic() + 60
-    import requests
 
-    while True:
+    def answers() -> bool:
         try:
-            if requests.get(url, timeout=2).status_code == 401:
-                break
+            return requests.get(url, timeout=2).status_code == 401
         except requests.RequestException:
-            pass
-        if time.monotonic() > until:
-            raise SystemExit("the byte listener for the agents did not start; see byte-listener-private.log")
-        time.sleep(0.3)
-    return Agents(hosts, work, url, redis_url, tokens, args.connections)
+            return False
+
+    until(answers, 60, "the byte listener for the agents (see byte-listener-private.log)", 0.3)
+    return Agents(hosts, servers.work, url, redis_url, tokens, args.connections)
 
 
 def main() -> None:
@@ -589,118 +561,121 @@ def main() -> None:
         return agent_fetch_main(args)
     if os.geteuid() != 0 or shutil.which("tc") is None:
         raise SystemExit("bench/fleet_fetch.py needs root and tc (iproute2): nodes are namespaces, links are shaped")
-    skip = set(filter(None, args.skip.split(",")))
 
     from tests.netns import Fleet
 
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-fleet-fetch-"))
-    os.chmod(work, 0o755)
+    fleet = Fleet()
+    try:
+        with Servers("llmgw-bench-fleet-fetch-") as servers:
+            os.chmod(servers.work, 0o755)
+            run_all(args, fleet, servers)
+    finally:
+        fleet.remove()
+
+
+def run_all(args, fleet, servers: Servers) -> None:
+    """The set served on the bridge and hashed, every link shaped, then each run the options leave in."""
+    skip = set(filter(None, args.skip.split(",")))
+    work = servers.work
     mirror = work / "mirror"
     total = write_set(mirror / "bench" / "v1", NAMES, args.size_mib)
     if "rtt" not in skip:
         write_set(mirror / "bench" / "one", ["one.bin"], args.rtt_size_mib)
-    fleet = Fleet()
-    listener = None
-    cleanup: list[subprocess.Popen] = []
-    try:
-        hosts = [fleet.add_host(f"n{i}") for i in range(1, args.nodes + 1)]
-        with __import__("socket").socket() as s:
-            s.bind((fleet.address, 0))
-            bytes_port = s.getsockname()[1]
-        env = dict(
-            os.environ,
-            DJANGO_SETTINGS_MODULE="llmgw_site.settings",
-            LLMGW_MIRROR_ROOT=str(mirror),
-            LLMGW_BYTES_ADDR=f"{fleet.address}:{bytes_port}",
-            LLMGW_VAR=str(work / "var"),
-            DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
-            LLMGW_BYTES_PUBLIC="true",
-            LLMGW_MIRROR_HASH_INLINE_BYTES=str(max(args.size_mib, args.rtt_size_mib) << 21),
-        )
-        subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
-        listener = subprocess.Popen(
-            [sys.executable, "manage.py", "byte_listener"],
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-            stdout=open(work / "byte-listener.log", "ab"),
-            stderr=subprocess.STDOUT,
-        )
-        base = f"http://{fleet.address}:{bytes_port}/"
-        print(f"hashing {total / (1 << 30):.2f} GiB and making its torrent …", flush=True)
-        get(f"{base}bench/v1/")
-        torrent = work / "v1.torrent"
-        torrent.write_bytes(get(f"{base}bench/v1/?torrent"))
+    hosts = [fleet.add_host(f"n{i}") for i in range(1, args.nodes + 1)]
+    with __import__("socket").socket() as s:
+        s.bind((fleet.address, 0))
+        bytes_port = s.getsockname()[1]
+    env = dict(
+        os.environ,
+        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
+        LLMGW_MIRROR_ROOT=str(mirror),
+        LLMGW_BYTES_ADDR=f"{fleet.address}:{bytes_port}",
+        LLMGW_VAR=str(work / "var"),
+        DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
+        LLMGW_BYTES_PUBLIC="true",
+        LLMGW_MIRROR_HASH_INLINE_BYTES=str(max(args.size_mib, args.rtt_size_mib) << 21),
+    )
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
+    servers.spawn([sys.executable, "manage.py", "byte_listener"], "byte-listener", env)
+    base = f"http://{fleet.address}:{bytes_port}/"
+    print(f"hashing {total / (1 << 30):.2f} GiB and making its torrent …", flush=True)
+    get(f"{base}bench/v1/")
+    torrent = work / "v1.torrent"
+    torrent.write_bytes(get(f"{base}bench/v1/?torrent"))
 
-        # Every link at the same rate: the mirror host's uplink, each node's down- and uplink.
-        tbf(fleet.bridge, args.rate_mbit)
-        for index, host in enumerate(hosts, 1):
-            tbf(host.veth, args.rate_mbit)
-            tbf(f"lg{fleet.tag}n{index}", args.rate_mbit, namespace=host.name)  # the node's end (tests/netns.py)
-        seed = f"{base}bench/"  # a folder torrent: libtorrent adds v1/<file>
-        rows = {}
-        if "t1" not in skip:
-            rows["one node alone (T1)"] = run_nodes(hosts[:1], work, torrent, seed, False, fleet.bridge)
-            print("T1", rows["one node alone (T1)"], flush=True)
-        if "mirror" not in skip:
-            rows[f"{args.nodes} nodes, mirror only"] = run_nodes(hosts, work, torrent, seed, False, fleet.bridge)
-            print("mirror only", rows[f"{args.nodes} nodes, mirror only"], flush=True)
-        if "peers" not in skip:
-            rows[f"{args.nodes} nodes, with peers"] = run_nodes(hosts, work, torrent, seed, True, fleet.bridge)
-            print("with peers", rows[f"{args.nodes} nodes, with peers"], flush=True)
-        if "agents" not in skip:
-            agents = start_agents_side(fleet, hosts, work, mirror, env, cleanup, args)
-            rows["one node alone, the agent's path (T1 agent)"] = agents.run(1, fleet.bridge)
-            print("agent T1", rows["one node alone, the agent's path (T1 agent)"], flush=True)
-            rows[f"{args.nodes} nodes, the agent's path (peers from the tracker)"] = agents.run(
-                len(hosts), fleet.bridge
-            )
-            print("agents", rows[f"{args.nodes} nodes, the agent's path (peers from the tracker)"], flush=True)
-        rtt = None
-        if "rtt" not in skip:
-            rtt = one_node_at_rtt(hosts[0], work, mirror, fleet.address, bytes_port, args)
-            print("rtt", rtt, flush=True)
+    # Every link at the same rate: the mirror host's uplink, each node's down- and uplink.
+    tbf(fleet.bridge, args.rate_mbit)
+    for index, host in enumerate(hosts, 1):
+        tbf(host.veth, args.rate_mbit)
+        tbf(f"lg{fleet.tag}n{index}", args.rate_mbit, namespace=host.name)  # the node's end (tests/netns.py)
+    seed = f"{base}bench/"  # a folder torrent: libtorrent adds v1/<file>
+    runs = {
+        "t1": ("one node alone (T1)", lambda: run_nodes(hosts[:1], work, torrent, seed, False, fleet.bridge)),
+        "mirror": (
+            f"{args.nodes} nodes, mirror only",
+            lambda: run_nodes(hosts, work, torrent, seed, False, fleet.bridge),
+        ),
+        "peers": (f"{args.nodes} nodes, with peers", lambda: run_nodes(hosts, work, torrent, seed, True, fleet.bridge)),
+    }
+    rows = {}
+    for key, (name, run) in runs.items():
+        if key not in skip:
+            rows[name] = run()
+            print(name, rows[name], flush=True)
+    if "agents" not in skip:
+        agents = start_agents_side(fleet, hosts, servers, env, args)
+        for count, name in (
+            (1, AGENT_T1),
+            (len(hosts), f"{args.nodes} nodes, the agent's path (peers from the tracker)"),
+        ):
+            rows[name] = agents.run(count, fleet.bridge)
+            print(name, rows[name], flush=True)
+    rtt = None
+    if "rtt" not in skip:
+        rtt = one_node_at_rtt(hosts[0], work, mirror, fleet.address, bytes_port, args)
+        print("rtt", rtt, flush=True)
+    print_tables(args, total, rows, rtt)
 
+
+AGENT_T1 = "one node alone, the agent's path (T1 agent)"
+
+
+def print_tables(args, total: int, rows: dict, rtt: dict | None) -> None:
+    print(
+        f"\n{len(NAMES)} files, {total / (1 << 30):.2f} GiB; every link {args.rate_mbit} Mbit/s "
+        f"({args.rate_mbit / 8:.0f} MB/s); {args.nodes} nodes\n"
+    )
+    t1 = rows.get("one node alone (T1)", {}).get("seconds")
+    t1_agent = rows.get(AGENT_T1, {}).get("seconds")
+
+    def gib(value) -> str:
+        return "—" if value is None else f"{value / (1 << 30):.2f} GiB"
+
+    def against(name: str, row: dict) -> str:
+        reference, label = (t1_agent, "T1 agent") if "agent's path" in name else (t1, "T1")
+        return f"{row['seconds'] / reference:.2f} × {label}" if reference else "—"
+
+    table(
+        ["run", "time", "vs T1", "the byte listener's host sent", "vs the set", "from peers", "from the mirror"],
+        [
+            (name, f"{row['seconds']:.1f} s", against(name, row), gib(row["mirror_sent"]))
+            + (f"{row['mirror_sent'] / total:.2f} ×", gib(row["from_peers"]), gib(row["from_web"]))
+            for name, row in rows.items()
+        ],
+    )
+    if rtt:
         print(
-            f"\n{len(NAMES)} files, {total / (1 << 30):.2f} GiB; every link {args.rate_mbit} Mbit/s "
-            f"({args.rate_mbit / 8:.0f} MB/s); {args.nodes} nodes\n"
+            f"\none node, one file of {args.rtt_size_mib} MiB, {args.rtt_ms} ms round trip, "
+            f"{args.conn_mbit} Mbit/s a connection\n"
         )
-        t1 = rows.get("one node alone (T1)", {}).get("seconds")
-        t1_agent = rows.get("one node alone, the agent's path (T1 agent)", {}).get("seconds")
-
-        def gib(value) -> str:
-            return "—" if value is None else f"{value / (1 << 30):.2f} GiB"
-
-        print("| run | time | vs T1 | the byte listener's host sent | vs the set | from peers | from the mirror |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
-        for name, row in rows.items():
-            agent_row = "agent's path" in name
-            reference, label = (t1_agent, "T1 agent") if agent_row else (t1, "T1")
-            ratio = f"{row['seconds'] / reference:.2f} × {label}" if reference else "—"
-            print(
-                f"| {name} | {row['seconds']:.1f} s | {ratio} | {gib(row['mirror_sent'])} | "
-                f"{row['mirror_sent'] / total:.2f} × | {gib(row['from_peers'])} | {gib(row['from_web'])} |"
-            )
-        if rtt:
-            print(
-                f"\none node, one file of {args.rtt_size_mib} MiB, {args.rtt_ms} ms round trip, "
-                f"{args.conn_mbit} Mbit/s a connection\n"
-            )
-            print("| how | time | throughput | vs curl |")
-            print("| --- | --- | --- | --- |")
-            size = args.rtt_size_mib << 20
-            for name in rtt:  # curl first
-                print(
-                    f"| {name} | {rtt[name]:.1f} s | {size / rtt[name] / 1e6:.1f} MB/s | "
-                    f"{rtt['curl'] / rtt[name]:.2f} × |"
-                )
-    finally:
-        for process in [listener, *cleanup]:
-            if process is not None:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=30)
-        fleet.remove()
-        shutil.rmtree(work, ignore_errors=True)
+        size = args.rtt_size_mib << 20
+        table(
+            ["how", "time", "throughput", "vs curl"],
+            [  # curl first
+                (name, f"{rtt[name]:.1f} s", f"{size / rtt[name] / 1e6:.1f} MB/s", f"{rtt['curl'] / rtt[name]:.2f} ×")
+                for name in rtt
+            ],
+        )
 
 
 if __name__ == "__main__":
