@@ -34,11 +34,12 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import ROOT, Servers  # noqa: E402
 
 MIRROR_SIZES = {"1x": (1_000, 3), "10x": (10_000, 3)}  # versions, files each
 GATEWAY_SIZES = {"1x": (1_000, 100), "10x": (10_000, 1_000), "100x": (100_000, 1_000)}  # keys, models
@@ -616,7 +617,6 @@ def gateway_load_child(keys: int, gateway_args: list[str]) -> None:
     """bench/gateway.py as it is, with `keys` more API keys written before llmgw's server starts."""
     import importlib.util
 
-    sys.path.insert(0, str(ROOT / "bench"))
     from harness import Site
 
     start = Site.start
@@ -664,21 +664,17 @@ def main() -> int:
         bench_gateway_load([int(n) for n in options.load_keys.split(",")], options.gateway_args)
         return 0
 
-    var = Path(tempfile.mkdtemp(prefix="llmgw-bench-scale-"))
+    # The work directory is kept: its database is what the figures were measured on.
+    with Servers("llmgw-bench-scale-", keep=True) as servers:
+        if "worker" in jobs:
+            os.environ["REDIS_URL"] = f"redis://127.0.0.1:{servers.redis()[1]}/0"
+        run_jobs(jobs, sizes, options, servers.work)
+    return 0
+
+
+def run_jobs(jobs: list[str], sizes: list[str], options, var: Path) -> None:
     mirror_root = var / "mirror"
     mirror_root.mkdir()
-    redis_server = None
-    if "worker" in jobs:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from harness import free_port
-
-        redis_port = free_port()
-        redis_server = subprocess.Popen(
-            ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(var)],
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     os.environ.update(
         LLMGW_VAR=str(var),
         LLMGW_MIRROR_ROOT=str(mirror_root),
@@ -704,13 +700,8 @@ def main() -> int:
         bench_gateway(sizes, options.runs)
     if "heartbeats" in jobs:
         bench_heartbeats(options.runs)
-    try:
-        if "worker" in jobs:
-            bench_worker(var, options.worker_old_ref, options.runs)
-    finally:
-        if redis_server is not None:
-            redis_server.terminate()
-    return 0
+    if "worker" in jobs:
+        bench_worker(var, options.worker_old_ref, options.runs)
 
 
 if __name__ == "__main__":
