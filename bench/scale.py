@@ -631,6 +631,7 @@ def gateway_load_child(keys: int, gateway_args: list[str]) -> None:
     Site.start = start_after_the_keys
     spec = importlib.util.spec_from_file_location("bench_gateway", ROOT / "bench" / "gateway.py")
     bench_gateway = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gateway"] = bench_gateway  # its dataclasses look their module up there
     spec.loader.exec_module(bench_gateway)
     sys.argv = ["gateway.py", "--no-litellm", *gateway_args]
     bench_gateway.main()
