@@ -50,7 +50,6 @@ from harness import Goal, Servers, Site, best, free_port, report, side_by_side_a
 from harness.litellm import ensure_litellm, start_litellm
 from httpload import (
     Concurrent,
-    Connection,
     OpenStreams,
     Sequential,
     Target,
@@ -58,6 +57,7 @@ from httpload import (
     concurrent,
     open_streams,
     pct,
+    release_held,
     sequential,
 )
 
@@ -202,13 +202,6 @@ class AdminLoad:
 
 def ms(seconds: float) -> float:
     return seconds * 1000
-
-
-async def release_held(stub_port: int) -> None:
-    connection = await Connection.open(stub_port)
-    raw = b"POST /release HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n"
-    await connection.send(raw)
-    connection.close()
 
 
 @dataclass

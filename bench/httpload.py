@@ -26,6 +26,7 @@ __all__ = [
     "concurrent",
     "open_streams",
     "pct",
+    "release_held",
     "sequential",
 ]
 
@@ -192,6 +193,14 @@ async def answers(target: Target, timeout: float = 60) -> bool:
             pass
         await asyncio.sleep(0.3)
     return False
+
+
+async def release_held(stub_port: int) -> None:
+    """bench/stub_upstream.py lets every stream it holds go."""
+    connection = await Connection.open(stub_port)
+    raw = b"POST /release HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n"
+    await connection.send(raw)
+    connection.close()
 
 
 # --- the measures ---------------------------------------------------------------------------

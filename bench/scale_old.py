@@ -17,6 +17,7 @@ def old_scan_mirror():
     from django.db import transaction
     from django.utils import timezone
 
+    from contracts.names import plain_name_problem
     from mirror import disk
     from mirror.models import MirrorFile, MirrorVersion
     from mirror.scan import ScanReport
@@ -28,7 +29,7 @@ def old_scan_mirror():
         except OSError:
             return sentences
         for name in entries:
-            problem = disk.name_problem(name)
+            problem = plain_name_problem(name)
             if problem is None or name.startswith(".") or name.endswith(".part"):
                 continue
             sentences.append(f"{where}{name!r} is not indexed: {problem}")
