@@ -47,6 +47,48 @@ def write_set(directory: Path, total_mib: int) -> int:
     return each * len(NAMES)
 
 
+def fetches(base: str, dest: Path, total: int, parallel: int) -> dict:
+    """Each contender: a fetch of the whole set into `dest`, timed and checked whole."""
+    from agent.fetch import fetch_source
+
+    def agent(files_at_once: int) -> None:
+        fetch_source(base, dest, parallel=files_at_once, any_host=True)
+
+    def curl() -> None:
+        dest.mkdir(parents=True)
+        for name in NAMES:
+            subprocess.run(["curl", "-sf", "-o", str(dest / name), base + name], check=True)
+
+    def aria2c() -> None:
+        dest.mkdir(parents=True)
+        urls = dest / "urls.txt"
+        urls.write_text("".join(base + name + "\n" for name in NAMES))
+        subprocess.run(
+            ["aria2c", "-x8", "-s8", "-j4", "-q", "--file-allocation=none", "-d", str(dest), "-i", str(urls)],
+            check=True,
+        )
+
+    def timed_fetch(fetch):
+        def run() -> float:
+            shutil.rmtree(dest, ignore_errors=True)
+            started = time.perf_counter()
+            fetch()
+            seconds = time.perf_counter() - started
+            fetched = sum(p.stat().st_size for p in dest.rglob("*.safetensors"))
+            if fetched != total:
+                raise SystemExit(f"fetched {fetched} bytes of {total}")
+            return seconds
+
+        return run
+
+    return {
+        "agent": timed_fetch(lambda: agent(parallel)),
+        "agent, 1 file at a time": timed_fetch(lambda: agent(1)),
+        CURL: timed_fetch(curl),
+        "aria2c -x8": timed_fetch(aria2c),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-mib", type=int, default=2048)
@@ -61,49 +103,11 @@ def main() -> None:
         work = servers.work
         os.environ["LLMGW_MIRROR_ROOT"] = str(work / "mirror")
         django_setup(work / "var")
-        from agent.fetch import fetch_source
 
         total = write_set(work / "mirror" / "bench" / "v1", args.size_mib)
         base = servers.byte_listener(work / "mirror")[1] + "bench/v1/"
         wait_for(base)
-        dest = work / "dest"
-
-        def agent(parallel: int) -> None:
-            fetch_source(base, dest, parallel=parallel, any_host=True)
-
-        def curl() -> None:
-            dest.mkdir(parents=True)
-            for name in NAMES:
-                subprocess.run(["curl", "-sf", "-o", str(dest / name), base + name], check=True)
-
-        def aria2c() -> None:
-            dest.mkdir(parents=True)
-            urls = dest / "urls.txt"
-            urls.write_text("".join(base + name + "\n" for name in NAMES))
-            subprocess.run(
-                ["aria2c", "-x8", "-s8", "-j4", "-q", "--file-allocation=none", "-d", str(dest), "-i", str(urls)],
-                check=True,
-            )
-
-        def timed_fetch(fetch):
-            def run() -> float:
-                shutil.rmtree(dest, ignore_errors=True)
-                started = time.perf_counter()
-                fetch()
-                seconds = time.perf_counter() - started
-                fetched = sum(p.stat().st_size for p in dest.rglob("*.safetensors"))
-                if fetched != total:
-                    raise SystemExit(f"fetched {fetched} bytes of {total}")
-                return seconds
-
-            return run
-
-        contenders = {
-            "agent": timed_fetch(lambda: agent(args.parallel)),
-            "agent, 1 file at a time": timed_fetch(lambda: agent(1)),
-            CURL: timed_fetch(curl),
-            "aria2c -x8": timed_fetch(aria2c),
-        }
+        contenders = fetches(base, work / "dest", total, args.parallel)
         times = side_by_side(
             contenders,
             args.runs,
