@@ -264,22 +264,19 @@ def main() -> None:
         fleet.remove()
 
 
-def run_all(args, fleet, servers: Servers) -> None:
-    """The set served on the bridge and hashed, every link shaped, then each run the options leave in."""
-    skip = set(filter(None, args.skip.split(",")))
+def serve_the_set(args, fleet, servers: Servers, total: int) -> tuple[dict, int, Path]:
+    """The byte listener on the bridge, public, the set hashed and its torrent made: (its environment,
+    its port, the torrent)."""
+    import socket
+
     work = servers.work
-    mirror = work / "mirror"
-    total = write_set(mirror / "bench" / "v1", NAMES, args.size_mib)
-    if "rtt" not in skip:
-        write_set(mirror / "bench" / "one", ["one.bin"], args.rtt_size_mib)
-    hosts = [fleet.add_host(f"n{i}") for i in range(1, args.nodes + 1)]
-    with __import__("socket").socket() as s:
+    with socket.socket() as s:
         s.bind((fleet.address, 0))
         bytes_port = s.getsockname()[1]
     env = dict(
         os.environ,
         DJANGO_SETTINGS_MODULE="llmgw_site.settings",
-        LLMGW_MIRROR_ROOT=str(mirror),
+        LLMGW_MIRROR_ROOT=str(work / "mirror"),
         LLMGW_BYTES_ADDR=f"{fleet.address}:{bytes_port}",
         LLMGW_VAR=str(work / "var"),
         DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
@@ -293,6 +290,20 @@ def run_all(args, fleet, servers: Servers) -> None:
     get(f"{base}bench/v1/")
     torrent = work / "v1.torrent"
     torrent.write_bytes(get(f"{base}bench/v1/?torrent"))
+    return env, bytes_port, torrent
+
+
+def run_all(args, fleet, servers: Servers) -> None:
+    """The set served on the bridge and hashed, every link shaped, then each run the options leave in."""
+    skip = set(filter(None, args.skip.split(",")))
+    work = servers.work
+    mirror = work / "mirror"
+    total = write_set(mirror / "bench" / "v1", NAMES, args.size_mib)
+    if "rtt" not in skip:
+        write_set(mirror / "bench" / "one", ["one.bin"], args.rtt_size_mib)
+    hosts = [fleet.add_host(f"n{i}") for i in range(1, args.nodes + 1)]
+    env, bytes_port, torrent = serve_the_set(args, fleet, servers, total)
+    base = f"http://{fleet.address}:{bytes_port}/"
 
     # Every link at the same rate: the mirror host's uplink, each node's down- and uplink.
     tbf(fleet.bridge, args.rate_mbit)
