@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from harness import Goal, django_setup, pct, report, table
+from harness import Goal, Servers, django_setup, pct, report, table
 
 GOAL_MS = 200  # issue 16
 GOALS = [Goal(f"the whole page under {GOAL_MS} ms at the median", lambda f: f["page"] * 1000 < GOAL_MS)]
@@ -28,7 +26,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     options = parser.parse_args()
 
-    django_setup(Path(tempfile.mkdtemp(prefix="llmgw-bench-overview-")))
+    with Servers("llmgw-bench-overview-") as servers:  # its work directory, removed at the end
+        django_setup(servers.work / "var")
+        return measure(options)
+
+
+def measure(options) -> int:
     from django.contrib.auth import get_user_model
     from django.db import connection
     from django.test import Client
