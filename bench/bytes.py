@@ -22,18 +22,18 @@ import os
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-from benchlib import free_port, start_byte_listener, wait_for
+from harness import Servers, free_port, side_by_side, table, wait_for
 
 
-def start_nginx(root: Path, work: Path) -> tuple[subprocess.Popen, str]:
+def start_nginx(servers: Servers, root: Path) -> str:
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not os.path.exists(nginx):
         raise SystemExit("nginx is not installed: apt-get install nginx-light")
     port = free_port()
+    work = servers.work
     conf = work / "nginx.conf"
     conf.write_text(f"""
 {"user root;" if os.geteuid() == 0 else ""}
@@ -57,8 +57,8 @@ http {{
     }}
 }}
 """)
-    process = subprocess.Popen([nginx, "-c", str(conf), "-p", str(work)], stderr=subprocess.DEVNULL)
-    return process, f"http://127.0.0.1:{port}/"
+    servers.spawn([nginx, "-c", str(conf), "-p", str(work)], "nginx")
+    return f"http://127.0.0.1:{port}/"
 
 
 def curl(url: str, range_header: str | None = None) -> subprocess.Popen:
@@ -74,18 +74,29 @@ def one(url: str, range_header: str | None = None) -> float:
     return size / total
 
 
-def parallel(url: str, streams: int) -> tuple[float, list[float]]:
+def parallel(url: str, streams: int) -> dict[str, float]:
+    """All streams' bytes over the wall time, and the slowest first byte."""
     start = time.monotonic()
     processes = [curl(url) for _ in range(streams)]
     results = [p.communicate()[0].split() for p in processes]
     wall = time.monotonic() - start
-    total_bytes = sum(int(r[0]) for r in results)
-    first_bytes = [float(r[1]) for r in results]
-    return total_bytes / wall, first_bytes
+    return {"total": sum(int(r[0]) for r in results) / wall, "first byte": max(float(r[1]) for r in results)}
 
 
 def gib(rate: float) -> str:
     return f"{rate / (1 << 30):6.2f} GiB/s"
+
+
+def write_file(path: Path, size_mib: int) -> None:
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as fh:
+        block = os.urandom(1 << 20)
+        for _ in range(size_mib):
+            fh.write(block)
+    # Read once so both servers start from a warm page cache.
+    with open(path, "rb") as fh:
+        while fh.read(16 << 20):
+            pass
 
 
 def main() -> None:
@@ -94,65 +105,40 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--streams", type=int, default=8)
     args = parser.parse_args()
-
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
-    root = work / "mirror"
-    (root / "m" / "v1").mkdir(parents=True)
-    path = root / "m" / "v1" / "big.gguf"
     size = args.size_mib << 20
-    with open(path, "wb") as fh:
-        block = os.urandom(1 << 20)
-        for _ in range(args.size_mib):
-            fh.write(block)
-    # Read once so both servers start from a warm page cache.
-    with open(path, "rb") as fh:
-        while fh.read(16 << 20):
-            pass
 
-    servers = {}
-    try:
-        servers["nginx"] = start_nginx(root, work)
-        servers["llmgw"] = start_byte_listener(root, work)
-        for _, url in servers.values():
-            wait_for(url + "m/v1/big.gguf")
-        urls = {name: url + "m/v1/big.gguf" for name, (_, url) in servers.items()}
+    with Servers() as servers:
+        root = servers.work / "mirror"
+        write_file(root / "m" / "v1" / "big.gguf", args.size_mib)
+        urls = {"llmgw": servers.byte_listener(root)[1], "nginx": start_nginx(servers, root)}
+        urls = {name: url + "m/v1/big.gguf" for name, url in urls.items()}
+        for url in urls.values():
+            wait_for(url)
 
-        whole = {name: [] for name in servers}
-        ranged = {name: [] for name in servers}
-        for _ in range(args.runs):
-            for name in ("llmgw", "nginx"):
-                whole[name].append(one(urls[name]))
-                ranged[name].append(one(urls[name], f"bytes={size // 2}-"))
+        def whole_and_ranged(url: str):
+            return lambda: {"whole": one(url), "ranged": one(url, f"bytes={size // 2}-")}
 
-        totals = {name: [] for name in servers}
-        first_byte_worst = {name: [] for name in servers}
-        for _ in range(args.runs):
-            for name in ("llmgw", "nginx"):
-                rate, first = parallel(urls[name], args.streams)
-                totals[name].append(rate)
-                first_byte_worst[name].append(max(first))
+        singles = side_by_side({name: whole_and_ranged(url) for name, url in urls.items()}, args.runs)
+        streams = side_by_side(
+            {name: (lambda url=url: parallel(url, args.streams)) for name, url in urls.items()}, args.runs
+        )
 
-        med = statistics.median
-        print(f"file: {args.size_mib} MiB, {args.runs} runs each, alternating; medians")
-        print(f"{'':22}{'llmgw':>14}{'nginx':>14}{'ratio':>9}")
-        for label, data in (
-            ("one stream", whole),
-            ("ranged (2nd half)", ranged),
-            (f"{args.streams} streams, total", totals),
-        ):
-            a, b = med(data["llmgw"]), med(data["nginx"])
-            print(f"{label:22}{gib(a):>14}{gib(b):>14}{a / b:>9.2f}")
-        a, b = med(first_byte_worst["llmgw"]), med(first_byte_worst["nginx"])
-        print(f"{'slowest first byte':22}{a * 1000:>11.1f} ms{b * 1000:>11.1f} ms")
-        print(f"ranged / whole (llmgw): {med(ranged['llmgw']) / med(whole['llmgw']):.2f}")
-    finally:
-        for process, _ in servers.values():
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        shutil.rmtree(work, ignore_errors=True)
+    def med(samples: dict, name: str, figure: str) -> float:
+        return statistics.median(s[figure] for s in samples[name])
+
+    print(f"file: {args.size_mib} MiB, {args.runs} runs each, alternating; medians")
+    rows = []
+    for label, samples, figure in (
+        ("one stream", singles, "whole"),
+        ("ranged (2nd half)", singles, "ranged"),
+        (f"{args.streams} streams, total", streams, "total"),
+    ):
+        a, b = med(samples, "llmgw", figure), med(samples, "nginx", figure)
+        rows.append((label, gib(a), gib(b), f"{a / b:.2f}"))
+    a, b = med(streams, "llmgw", "first byte"), med(streams, "nginx", "first byte")
+    rows.append(("slowest first byte", f"{a * 1000:.1f} ms", f"{b * 1000:.1f} ms", ""))
+    table(["", "llmgw", "nginx", "ratio"], rows)
+    print(f"ranged / whole (llmgw): {med(singles, 'llmgw', 'ranged') / med(singles, 'llmgw', 'whole'):.2f}")
 
 
 if __name__ == "__main__":

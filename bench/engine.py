@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import requests
+from harness import ROOT, Servers, Site, free_port, rotation, table, until
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
 
@@ -82,70 +80,42 @@ def concurrent(url: str, streams: int, duration: float, max_tokens: int, key: st
     return bench.summary(results, errors, time.monotonic() - started)
 
 
-def start_engine(argv: list[str], work: Path, name: str, port: int, health: str = "llamacpp") -> subprocess.Popen:
+def start_engine(servers: Servers, argv: list[str], name: str, port: int, health: str = "llamacpp") -> None:
     """`health` is the engine whose health path to wait on: the old server has no /health, only /v1/models."""
-    log_path = work / f"{name}.log"
-    process = engines.spawn(argv, log_path, engines.engine_env("llamacpp", ""))
+    log_path = servers.work / f"{name}.log"
+    process = servers.adopt(engines.spawn(argv, log_path, engines.engine_env("llamacpp", "")))
     if not engines.wait_until_answers(process, port, timeout=300, engine=health):
         raise SystemExit(f"{name}: the engine did not answer (exit {process.poll()}):\n{engines.last_lines(log_path)}")
-    return process
 
 
-SEED = """
-from catalog.models import Model, Profile
-from fleet.models import Node, Replica
-node, _ = Node.objects.get_or_create(name="bench")
-model, _ = Model.objects.get_or_create(name="{model}", defaults=dict(source="http://127.0.0.1:1/m/v1/", context_length={ctx}))
-Profile.objects.get_or_create(model=model, name="cpu", defaults=dict(engine="llamacpp", parallel={slots}))
-Replica.objects.update_or_create(model_name="{model}", profile_name="cpu", node=node,
-    defaults=dict(state="ready", endpoint="http://127.0.0.1:{port}/v1"))
-"""
-
-
-def start_gateway(engine_port: int, work: Path, slots: int) -> tuple[list[subprocess.Popen], str, str]:
+def start_gateway(servers: Servers, engine_port: int, slots: int) -> tuple[str, str]:
     """`manage.py gateway` (the data plane alone) on its own SQLite and Redis, routing the model to the engine."""
-    port, redis_port = engines.free_port(), engines.free_port()
-    redis = subprocess.Popen(
-        ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(work)],
-        stdout=(work / "redis.log").open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    _, redis_port = servers.redis()
+    site = Site(servers, "gateway", redis_port=redis_port, LLMGW_ADMIN_ADDR=f"127.0.0.1:{free_port()}")
+    model_fields = dict(source="http://127.0.0.1:1/m/v1/", context_length=SLOT_CONTEXT)
+    endpoint = f"http://127.0.0.1:{engine_port}/v1"
+    site.route(
+        [
+            dict(
+                model=smollm2.MODEL,
+                endpoints=[endpoint],
+                model_fields=model_fields,
+                profile_fields=dict(parallel=slots),
+            )
+        ]
     )
-    env = dict(
-        os.environ,
-        LLMGW_GATEWAY_ADDR=f"127.0.0.1:{port}",
-        LLMGW_ADMIN_ADDR=f"127.0.0.1:{engines.free_port()}",
-        LLMGW_VAR=str(work / "var"),
-        DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
-        REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
-    )
-    manage = [sys.executable, str(ROOT / "manage.py")]
-    subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
-    seed = SEED.format(model=smollm2.MODEL, ctx=SLOT_CONTEXT, slots=slots, port=engine_port)
-    subprocess.run(manage + ["shell", "-c", seed], env=env, cwd=ROOT, check=True, capture_output=True)
-    created = subprocess.run(
-        manage + ["api_key", "create", "bench"], env=env, cwd=ROOT, check=True, capture_output=True, text=True
-    )
-    key = created.stdout.strip().splitlines()[-1].strip()
-    process = subprocess.Popen(
-        manage + ["gateway"],
-        env=env,
-        cwd=ROOT,
-        stdout=(work / "gateway.log").open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    key = site.create_key("bench")
+    site.start()
+
+    def routed() -> bool:
         try:
-            listed = requests.get(url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=2)
-            if listed.status_code == 200 and any(m.get("ready") for m in listed.json().get("data", [])):
-                return [redis, process], url, key
+            listed = requests.get(site.url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=2)
+            return listed.status_code == 200 and any(m.get("ready") for m in listed.json().get("data", []))
         except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    raise SystemExit("the gateway did not route the model within 60 s")
+            return False
+
+    until(routed, 60, "the gateway to route the model", 0.3)
+    return site.url, key
 
 
 def main() -> int:
@@ -172,56 +142,58 @@ def main() -> int:
         print(f"engines on CPU {options.engine_cpus}; clients and gateway on CPU {sorted(others)}", flush=True)
 
     weights = smollm2.gguf_path()
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-engine-"))
     args = ["--ctx-size", str(options.slots * SLOT_CONTEXT), "--parallel", str(options.slots)]
     args += ["--threads", str(options.threads)]
-    processes: list[subprocess.Popen] = []
-    targets: list[tuple[str, str, dict]] = []
-    try:
-        direct_port, gateway_engine_port = engines.free_port(), engines.free_port()
-        for name, port in (("direct", direct_port), ("behind-gateway", gateway_engine_port)):
-            argv = engines.command("llamacpp", weights, port, args, model=smollm2.MODEL)
-            processes.append(start_engine(pin + argv, work, name, port))
-        print(f"llama-server: {' '.join(argv)}", flush=True)
-        built = Path(os.path.realpath(argv[0])).parent / "CMAKE_ARGS"  # argv: the engine's, without taskset
-        if built.is_file():
-            print(f"built with: {built.read_text().strip()}", flush=True)
-        started, gateway_url, key = start_gateway(gateway_engine_port, work, options.slots)
-        processes.extend(started)
-        targets.append(("through the gateway", gateway_url, key))
-        targets.append(("llama-server direct", f"http://127.0.0.1:{direct_port}/v1", ""))
-        if options.old_python:
-            old_port = engines.free_port()
-            old = [options.old_python, "-m", "llama_cpp.server", "--model", str(weights), "--host", "127.0.0.1"]
-            old += ["--port", str(old_port), "--n_ctx", "2048", "--n_threads", str(options.threads)]
-            old += ["--model_alias", smollm2.MODEL, "--interrupt_requests", "false"]
-            processes.append(start_engine(pin + old, work, "old", old_port, health="vllm"))
-            targets.append(("old Python server", f"http://127.0.0.1:{old_port}/v1", ""))
-        else:
-            print("old Python server: left out (no --old-python with llama-cpp-python[server] installed)")
+    with Servers("llmgw-bench-engine-") as servers:
+        targets = start_targets(servers, options, pin, weights, args)
         for _, url, key in targets:
             bench.stream_once(url, key, smollm2.MODEL, "Hello", 4)  # warm up
-        print(
-            "| clients | target | answers | whole | tokens/s | first token p50 | p95 |\n"
-            "| --- | --- | --- | --- | --- | --- | --- |",
-            flush=True,
-        )
-        for streams in (int(s) for s in options.streams.split(",")):
-            for label, url, key in targets:
+        rows = []
+        for level, streams in enumerate(int(s) for s in options.streams.split(",")):
+            for label, url, key in rotation(targets, level):
                 r = concurrent(url, streams, options.duration, options.max_tokens, key, smollm2.MODEL)
-                print(
-                    f"| {streams} | {label} | {r['requests']} | {r['whole']}{' (' + str(r['errors']) + ' errors)' if r['errors'] else ''} "
-                    f"| {r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p95_ms']:.0f} ms |",
-                    flush=True,
+                errors = f" ({r['errors']} errors)" if r["errors"] else ""
+                rows.append(
+                    (streams, label, r["requests"], f"{r['whole']}{errors}", f"{r['tokens_per_s']:.1f}")
+                    + (f"{r['ttft_p50_ms']:.0f} ms", f"{r['ttft_p95_ms']:.0f} ms")
                 )
-        for process in processes:
-            if process.poll() is not None:
-                print(f"a process of the run died (exit {process.returncode}); its log is under {work}")
-                return 1
-    finally:
-        for process in processes:
-            engines.stop_group(process.pid, grace=5)
+                print(f"{streams} clients, {label}: {r['tokens_per_s']:.1f} tokens/s", flush=True)
+        died = [p for p in servers.processes if p.poll() is not None]
+        if died:
+            print(f"a process of the run died (exit {died[0].returncode}); the logs are in {servers.work}")
+            servers.keep = True
+            return 1
+    table(["clients", "target", "answers", "whole", "tokens/s", "first token p50", "p95"], rows)
     return 0
+
+
+def start_targets(
+    servers: Servers, options, pin: list[str], weights: Path, args: list[str]
+) -> list[tuple[str, str, str]]:
+    """The engines and the gateway: (label, base URL, key) of each target."""
+    direct_port, gateway_engine_port = free_port(), free_port()
+    for name, port in (("direct", direct_port), ("behind-gateway", gateway_engine_port)):
+        argv = engines.command("llamacpp", weights, port, args, model=smollm2.MODEL)
+        start_engine(servers, pin + argv, name, port)
+    print(f"llama-server: {' '.join(argv)}", flush=True)
+    built = Path(os.path.realpath(argv[0])).parent / "CMAKE_ARGS"  # argv: the engine's, without taskset
+    if built.is_file():
+        print(f"built with: {built.read_text().strip()}", flush=True)
+    gateway_url, key = start_gateway(servers, gateway_engine_port, options.slots)
+    targets = [
+        ("through the gateway", gateway_url, key),
+        ("llama-server direct", f"http://127.0.0.1:{direct_port}/v1", ""),
+    ]
+    if options.old_python:
+        old_port = free_port()
+        old = [options.old_python, "-m", "llama_cpp.server", "--model", str(weights), "--host", "127.0.0.1"]
+        old += ["--port", str(old_port), "--n_ctx", "2048", "--n_threads", str(options.threads)]
+        old += ["--model_alias", smollm2.MODEL, "--interrupt_requests", "false"]
+        start_engine(servers, pin + old, "old", old_port, health="vllm")
+        targets.append(("old Python server", f"http://127.0.0.1:{old_port}/v1", ""))
+    else:
+        print("old Python server: left out (no --old-python with llama-cpp-python[server] installed)")
+    return targets
 
 
 if __name__ == "__main__":

@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchlib import ROOT, start_byte_listener, wait_for
+from harness import Servers, django_setup, medians, side_by_side, table, wait_for
 
+CURL = "curl, one file after another"
 NAMES = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
 
 
@@ -49,6 +47,48 @@ def write_set(directory: Path, total_mib: int) -> int:
     return each * len(NAMES)
 
 
+def fetches(base: str, dest: Path, total: int, parallel: int) -> dict:
+    """Each contender: a fetch of the whole set into `dest`, timed and checked whole."""
+    from agent.fetch import fetch_source
+
+    def agent(files_at_once: int) -> None:
+        fetch_source(base, dest, parallel=files_at_once, any_host=True)
+
+    def curl() -> None:
+        dest.mkdir(parents=True)
+        for name in NAMES:
+            subprocess.run(["curl", "-sf", "-o", str(dest / name), base + name], check=True)
+
+    def aria2c() -> None:
+        dest.mkdir(parents=True)
+        urls = dest / "urls.txt"
+        urls.write_text("".join(base + name + "\n" for name in NAMES))
+        subprocess.run(
+            ["aria2c", "-x8", "-s8", "-j4", "-q", "--file-allocation=none", "-d", str(dest), "-i", str(urls)],
+            check=True,
+        )
+
+    def timed_fetch(fetch):
+        def run() -> float:
+            shutil.rmtree(dest, ignore_errors=True)
+            started = time.perf_counter()
+            fetch()
+            seconds = time.perf_counter() - started
+            fetched = sum(p.stat().st_size for p in dest.rglob("*.safetensors"))
+            if fetched != total:
+                raise SystemExit(f"fetched {fetched} bytes of {total}")
+            return seconds
+
+        return run
+
+    return {
+        "agent": timed_fetch(lambda: agent(parallel)),
+        "agent, 1 file at a time": timed_fetch(lambda: agent(1)),
+        CURL: timed_fetch(curl),
+        "aria2c -x8": timed_fetch(aria2c),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-mib", type=int, default=2048)
@@ -59,76 +99,30 @@ def main() -> None:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed: apt-get install {'aria2' if tool == 'aria2c' else tool}")
 
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-fetch-"))
-    os.environ.update(
-        {
-            "DJANGO_SETTINGS_MODULE": "llmgw_site.settings",
-            "LLMGW_VAR": str(work / "var"),
-            "LLMGW_MIRROR_ROOT": str(work / "mirror"),
-        }
-    )
-    sys.path.insert(0, str(ROOT))
-    import django
+    with Servers("llmgw-bench-fetch-") as servers:
+        work = servers.work
+        os.environ["LLMGW_MIRROR_ROOT"] = str(work / "mirror")
+        django_setup(work / "var")
 
-    django.setup()
-    from agent.fetch import fetch_source
-
-    total = write_set(work / "mirror" / "bench" / "v1", args.size_mib)
-    listener, url = start_byte_listener(work / "mirror", work)
-    base = url + "bench/v1/"
-    try:
+        total = write_set(work / "mirror" / "bench" / "v1", args.size_mib)
+        base = servers.byte_listener(work / "mirror")[1] + "bench/v1/"
         wait_for(base)
+        contenders = fetches(base, work / "dest", total, args.parallel)
+        times = side_by_side(
+            contenders,
+            args.runs,
+            each=lambda run, name, seconds: print(f"run {run + 1}: {name}: {seconds:.2f} s", flush=True),
+        )
 
-        def agent(dest: Path, parallel: int) -> None:
-            fetch_source(base, dest, parallel=parallel, any_host=True)
-
-        def curl(dest: Path) -> None:
-            dest.mkdir(parents=True)
-            for name in NAMES:
-                subprocess.run(["curl", "-sf", "-o", str(dest / name), base + name], check=True)
-
-        def aria2c(dest: Path) -> None:
-            dest.mkdir(parents=True)
-            urls = dest / "urls.txt"
-            urls.write_text("".join(base + name + "\n" for name in NAMES))
-            subprocess.run(
-                ["aria2c", "-x8", "-s8", "-j4", "-q", "--file-allocation=none", "-d", str(dest), "-i", str(urls)],
-                check=True,
-            )
-
-        contenders = {
-            "agent": lambda d: agent(d, args.parallel),
-            "agent, 1 file at a time": lambda d: agent(d, 1),
-            "curl, one file after another": curl,
-            "aria2c -x8": aria2c,
-        }
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        order = list(contenders)
-        for run in range(args.runs):
-            for name in order[run % len(order) :] + order[: run % len(order)]:
-                dest = work / "dest"
-                shutil.rmtree(dest, ignore_errors=True)
-                started = time.perf_counter()
-                contenders[name](dest)
-                times[name].append(time.perf_counter() - started)
-                fetched = sum(p.stat().st_size for p in dest.rglob("*.safetensors"))
-                if fetched != total:
-                    raise SystemExit(f"{name} fetched {fetched} bytes of {total}")
-                print(f"run {run + 1}: {name}: {times[name][-1]:.2f} s", flush=True)
-        shutil.rmtree(work / "dest", ignore_errors=True)
-
-        curl_median = statistics.median(times["curl, one file after another"])
-        print(f"\n{len(NAMES)} files, {total / (1 << 30):.2f} GiB, median of {args.runs} runs\n")
-        print("| how | median | throughput | vs curl |")
-        print("| --- | --- | --- | --- |")
-        for name, values in times.items():
-            median = statistics.median(values)
-            rate = total / median / (1 << 20)
-            print(f"| {name} | {median:.2f} s | {rate:,.0f} MiB/s | {curl_median / median:.2f} x |")
-    finally:
-        os.killpg(listener.pid, 15)
-        listener.wait(timeout=30)
-        shutil.rmtree(work, ignore_errors=True)
+    medians_s = medians(times)
+    print(f"\n{len(NAMES)} files, {total / (1 << 30):.2f} GiB, median of {args.runs} runs\n")
+    table(
+        ["how", "median", "throughput", "vs curl"],
+        [
+            (name, f"{m:.2f} s", f"{total / m / (1 << 20):,.0f} MiB/s", f"{medians_s[CURL] / m:.2f} x")
+            for name, m in medians_s.items()
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -47,327 +47,19 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import ROOT, Servers, table, until  # noqa: E402
+
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-PEER_PORT = 6881
-NAMES = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
-
-
-# --- inside a node's namespace ---------------------------------------------------------
-
-
-def node_main(args) -> None:
-    """One node: set up the session, say "ready", fetch at "go", say what it got, seed until stdin closes."""
-    from contracts.swarm import Swarm
-
-    torrent = Path(args.torrent).read_bytes()
-    peers = [(p, PEER_PORT) for p in args.peers.split(",") if p]
-    swarm = Swarm(listen_port=PEER_PORT, listen_host=args.listen)
-    swarm.allow(p for p, _ in peers)
-    print("ready", flush=True)
-    if sys.stdin.readline().strip() != "go":
-        return
-    started = time.monotonic()
-    done = swarm.fetch(torrent, args.dest, web_seeds=args.seed.split(","), peers=peers, stall_s=60)
-    print(
-        json.dumps(
-            {
-                "seconds": time.monotonic() - started,
-                "from_peers": done.bytes_from_peers,
-                "from_web": done.bytes_from_web_seeds,
-                "bytes": done.bytes_total,
-            }
-        ),
-        flush=True,
-    )
-    sys.stdin.read()  # seeding for the others until the run ends
-    swarm.close()
-
-
-def agent_fetch_main(args) -> None:
-    """One node's fetch as `manage.py fetch` makes it (the node's settings, `fetch_source`): "ready", then at "go"
-    the source into the cache, and its seconds."""
-    os.environ["DJANGO_SETTINGS_MODULE"] = "agent.settings"
-    import django
-
-    django.setup()
-    from agent.fetch import fetch_source
-
-    print("ready", flush=True)
-    if sys.stdin.readline().strip() != "go":
-        return
-    started = time.monotonic()
-    fetch_source(args.source, Path(args.cache))
-    print(json.dumps({"seconds": time.monotonic() - started}), flush=True)
-
-
-# --- on this host ----------------------------------------------------------------------
-
-
-def sh(*argv: str) -> None:
-    subprocess.run(argv, check=True, capture_output=True)
-
-
-def tbf(device: str, mbit: int, namespace: str | None = None) -> None:
-    burst = max(64 << 10, mbit * 1_000_000 // 8 // 100)  # at least a 10 ms tick of bytes
-    prefix = ["ip", "netns", "exec", namespace] if namespace else []
-    sh(
-        *prefix,
-        "tc",
-        "qdisc",
-        "replace",
-        "dev",
-        device,
-        "root",
-        "tbf",
-        "rate",
-        f"{mbit}mbit",
-        "burst",
-        str(burst),
-        "latency",
-        "200ms",
-    )
-
-
-def tx_bytes(device: str) -> int:
-    return int(Path(f"/sys/class/net/{device}/statistics/tx_bytes").read_text())
-
-
-def write_set(directory: Path, names: list[str], total_mib: int) -> int:
-    directory.mkdir(parents=True)
-    each = (total_mib << 20) // len(names)
-    for name in names:
-        with open(directory / name, "wb") as fh:
-            left = each
-            while left:
-                chunk = os.urandom(min(left, 8 << 20))
-                fh.write(chunk)
-                left -= len(chunk)
-    then = time.time_ns() - 3600 * 10**9  # copied in an hour ago: settled
-    for name in names:
-        os.utime(directory / name, ns=(then, then))
-    return each * len(names)
-
-
-def get(url: str, timeout: float = 600) -> bytes:
-    """The body once the mirror answers 200 (it answers 503 while it hashes and makes the torrent)."""
-    import requests
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            answer = requests.get(url, timeout=600)
-        except requests.RequestException:
-            time.sleep(0.5)
-            continue
-        if answer.status_code == 200 and (not url.endswith("/") or "torrent" in answer.json()):
-            return answer.content
-        time.sleep(1)
-    raise SystemExit(f"{url} did not answer 200 within {timeout:g} s")
-
-
-class Node:
-    def __init__(self, host, work: Path, torrent: Path, seed: str, peers: list[str]):
-        self.host = host
-        self.dest = work / "nodes" / host.name.rsplit("-", 1)[1]
-        shutil.rmtree(self.dest, ignore_errors=True)
-        argv = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "node",
-            "--torrent",
-            str(torrent),
-            "--dest",
-            str(self.dest),
-            "--seed",
-            seed,
-            "--listen",
-            host.address,
-            "--peers",
-            ",".join(peers),
-        ]
-        self.log = open(work / f"{host.name}.log", "ab")
-        self.process = subprocess.Popen(
-            host.argv(argv),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            start_new_session=True,
-        )
-        self.result: dict | None = None
-
-    def wait_ready(self) -> None:
-        line = self.process.stdout.readline().strip()
-        if line != "ready":
-            raise SystemExit(f"node {self.host.name} did not start: {line!r}; see its log")
-
-    def go(self) -> None:
-        self.process.stdin.write("go\n")
-        self.process.stdin.flush()
-
-    def wait_done(self) -> dict:
-        line = self.process.stdout.readline().strip()
-        try:
-            self.result = json.loads(line)
-        except ValueError:
-            raise SystemExit(f"node {self.host.name} failed: {line!r}; see its log") from None
-        return self.result
-
-    def stop(self) -> None:
-        try:
-            self.process.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        self.log.close()
-        shutil.rmtree(self.dest, ignore_errors=True)
-
-
-def run_nodes(hosts, work: Path, torrent: Path, seed: str, with_peers: bool, bridge: str) -> dict:
-    """Start a node in each host, wait until all are up, say go, and time the last one's last piece."""
-    nodes = []
-    try:
-        for host in hosts:
-            peers = [h.address for h in hosts if h is not host] if with_peers else []
-            nodes.append(Node(host, work, torrent, seed, peers))
-        for node in nodes:
-            node.wait_ready()
-        sent_before = tx_bytes(bridge)
-        started = time.monotonic()
-        for node in nodes:
-            node.go()
-        results = []
-        done_at = []
-        threads = []
-
-        def wait(node):
-            results.append(node.wait_done())
-            done_at.append(time.monotonic() - started)
-
-        for node in nodes:
-            threads.append(threading.Thread(target=wait, args=(node,)))
-            threads[-1].start()
-        for thread in threads:
-            thread.join()
-        seconds = max(done_at)
-        sent = tx_bytes(bridge) - sent_before
-        for node in nodes:
-            got = sum(p.stat().st_size for p in node.dest.rglob("*") if p.is_file())
-            if got != node.result["bytes"]:
-                raise SystemExit(f"node {node.host.name} holds {got} bytes, not {node.result['bytes']}")
-    finally:
-        for node in nodes:
-            node.stop()
-    return {
-        "seconds": seconds,
-        "mirror_sent": sent,
-        "from_peers": sum(r["from_peers"] for r in results),
-        "from_web": sum(r["from_web"] for r in results),
-        "slowest_node": max(r["seconds"] for r in results),
-        "fastest_node": min(r["seconds"] for r in results),
-    }
-
-
-# --- the agent's own path: its libtorrent session process, peers from the byte listener's tracker ---
-
-
-class Agents:
-    """Each node as `manage.py agent` runs its fetches: `python -m agent.peers` (the node's one session,
-    announcing to the byte listener's tracker, seeding what it holds) and `manage.py fetch` through it."""
-
-    def __init__(self, hosts, work: Path, bytes_url: str, redis_url: str, tokens: dict[str, str], connections: int):
-        self.hosts, self.work, self.bytes_url = hosts, work, bytes_url
-        self.connections = connections
-        self.redis_url, self.tokens = redis_url, tokens
-        self.sessions: list[subprocess.Popen] = []
-
-    def env(self, index: int, host) -> dict:
-        cache = self.work / "agents" / f"n{index}"
-        return {
-            "PATH": os.environ["PATH"],
-            "HOME": os.environ.get("HOME", "/root"),
-            "PYTHONUNBUFFERED": "1",
-            "LLMGW_NODE_NAME": f"n{index}",
-            "LLMGW_NODE_TOKEN": self.tokens[f"n{index}"],
-            "REDIS_URL": self.redis_url,
-            "LLMGW_BYTES_URL": self.bytes_url,
-            "LLMGW_VAR": str(self.work / "agents" / f"var-n{index}"),
-            "LLMGW_AGENT_CACHE": str(cache),
-            "LLMGW_ENGINE_ADVERTISE": host.address,
-            "LLMGW_PEER_PORT": str(PEER_PORT),
-            "LLMGW_FETCH_CONNECTIONS": str(self.connections),
-        }
-
-    def run(self, count: int, bridge: str) -> dict:
-        hosts = self.hosts[:count]
-        shutil.rmtree(self.work / "agents", ignore_errors=True)
-        logs = []
-        try:
-            for index, host in enumerate(hosts, 1):
-                env = self.env(index, host)
-                log = open(self.work / f"agent-n{index}.log", "ab")
-                logs.append(log)
-                argv = [sys.executable, "-m", "agent.peers", "--cache", env["LLMGW_AGENT_CACHE"]]
-                self.sessions.append(
-                    subprocess.Popen(host.argv(argv), env=env, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
-                )
-            for index, _ in enumerate(hosts, 1):
-                sock = self.work / "agents" / f"n{index}"
-                until = time.monotonic() + 60
-                while not list(sock.rglob("session.sock")):
-                    if time.monotonic() > until:
-                        raise SystemExit(f"node n{index}'s session did not start; see agent-n{index}.log")
-                    time.sleep(0.2)
-            sent_before = tx_bytes(bridge)
-            started = time.monotonic()
-            fetches = [
-                subprocess.Popen(
-                    host.argv([sys.executable, "manage.py", "fetch", "--quiet", f"{self.bytes_url}bench/v1/"]),
-                    env=self.env(index, host),
-                    cwd=ROOT,
-                    stdout=subprocess.PIPE,
-                    stderr=logs[index - 1],
-                    text=True,
-                )
-                for index, host in enumerate(hosts, 1)
-            ]
-            times = []
-            for index, fetch in enumerate(fetches, 1):
-                out, _ = fetch.communicate(timeout=3600)
-                times.append(time.monotonic() - started)
-                if fetch.returncode != 0 or not (Path(out.strip()) / ".complete").exists():
-                    raise SystemExit(f"node n{index}'s fetch failed; see agent-n{index}.log")
-            seconds = max(times)
-            sent = tx_bytes(bridge) - sent_before
-        finally:
-            for session in self.sessions:
-                os.killpg(session.pid, signal.SIGTERM)
-                try:
-                    session.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(session.pid, signal.SIGKILL)
-                    session.wait()
-            self.sessions = []
-            for log in logs:
-                log.close()
-            shutil.rmtree(self.work / "agents", ignore_errors=True)
-        return {"seconds": seconds, "mirror_sent": sent, "from_peers": None, "from_web": None}
-
+from fleet_nodes import NAMES, Agents, agent_fetch_main, get, node_main, run_nodes, tbf, write_set  # noqa: E402
 
 # --- the 50 ms case: a relay that delays and limits each connection ---------------------
 
@@ -488,11 +180,13 @@ def one_node_at_rtt(host, work: Path, mirror: Path, fleet_address: str, bytes_po
     return out
 
 
-def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup: list, args) -> Agents:
+def start_agents_side(fleet, hosts, servers: Servers, env: dict, args) -> Agents:
     """What the agent's path needs on this host: Redis (the tracker's peer lists), a byte listener that
     serves only enrolled nodes (the tracker names them), and each node enrolled."""
     import secrets
     import socket
+
+    import requests
 
     def port_on_bridge() -> int:
         with socket.socket() as s:
@@ -502,26 +196,8 @@ def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup
     redis_port, bytes_port = port_on_bridge(), port_on_bridge()
     password = secrets.token_hex(16)
     redis_url = f"redis://:{password}@{fleet.address}:{redis_port}/0"
-    cleanup.append(
-        subprocess.Popen(
-            [
-                "redis-server",
-                "--bind",
-                fleet.address,
-                "--port",
-                str(redis_port),
-                "--requirepass",
-                password,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=open(work / "redis.log", "ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    )
+    redis = ["redis-server", "--bind", fleet.address, "--port", str(redis_port), "--requirepass", password]
+    servers.spawn(redis + ["--save", "", "--appendonly", "no"], "redis")
     private = dict(
         env, LLMGW_BYTES_PUBLIC="false", REDIS_URL=redis_url, LLMGW_BYTES_ADDR=f"{fleet.address}:{bytes_port}"
     )
@@ -536,30 +212,17 @@ def start_agents_side(fleet, hosts, work: Path, mirror: Path, env: dict, cleanup
             text=True,
         )
         tokens[f"n{index}"] = made.stdout.strip().splitlines()[-1]
-    cleanup.append(
-        subprocess.Popen(
-            [sys.executable, "manage.py", "byte_listener"],
-            env=private,
-            cwd=ROOT,
-            start_new_session=True,
-            stdout=open(work / "byte-listener-private.log", "ab"),
-            stderr=subprocess.STDOUT,
-        )
-    )
+    servers.spawn([sys.executable, "manage.py", "byte_listener"], "byte-listener-private", private)
     url = f"http://{fleet.address}:{bytes_port}/"
-    until = time.monotonic() + 60
-    import requests
 
-    while True:
+    def answers() -> bool:
         try:
-            if requests.get(url, timeout=2).status_code == 401:
-                break
+            return requests.get(url, timeout=2).status_code == 401
         except requests.RequestException:
-            pass
-        if time.monotonic() > until:
-            raise SystemExit("the byte listener for the agents did not start; see byte-listener-private.log")
-        time.sleep(0.3)
-    return Agents(hosts, work, url, redis_url, tokens, args.connections)
+            return False
+
+    until(answers, 60, "the byte listener for the agents (see byte-listener-private.log)", 0.3)
+    return Agents(hosts, servers.work, url, redis_url, tokens, args.connections)
 
 
 def main() -> None:
@@ -589,118 +252,132 @@ def main() -> None:
         return agent_fetch_main(args)
     if os.geteuid() != 0 or shutil.which("tc") is None:
         raise SystemExit("bench/fleet_fetch.py needs root and tc (iproute2): nodes are namespaces, links are shaped")
-    skip = set(filter(None, args.skip.split(",")))
 
     from tests.netns import Fleet
 
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-fleet-fetch-"))
-    os.chmod(work, 0o755)
+    fleet = Fleet()
+    try:
+        with Servers("llmgw-bench-fleet-fetch-") as servers:
+            os.chmod(servers.work, 0o755)
+            run_all(args, fleet, servers)
+    finally:
+        fleet.remove()
+
+
+def serve_the_set(args, fleet, servers: Servers, total: int) -> tuple[dict, int, Path]:
+    """The byte listener on the bridge, public, the set hashed and its torrent made: (its environment,
+    its port, the torrent)."""
+    import socket
+
+    work = servers.work
+    with socket.socket() as s:
+        s.bind((fleet.address, 0))
+        bytes_port = s.getsockname()[1]
+    env = dict(
+        os.environ,
+        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
+        LLMGW_MIRROR_ROOT=str(work / "mirror"),
+        LLMGW_BYTES_ADDR=f"{fleet.address}:{bytes_port}",
+        LLMGW_VAR=str(work / "var"),
+        DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
+        LLMGW_BYTES_PUBLIC="true",
+        LLMGW_MIRROR_HASH_INLINE_BYTES=str(max(args.size_mib, args.rtt_size_mib) << 21),
+    )
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
+    servers.spawn([sys.executable, "manage.py", "byte_listener"], "byte-listener", env)
+    base = f"http://{fleet.address}:{bytes_port}/"
+    print(f"hashing {total / (1 << 30):.2f} GiB and making its torrent …", flush=True)
+    get(f"{base}bench/v1/")
+    torrent = work / "v1.torrent"
+    torrent.write_bytes(get(f"{base}bench/v1/?torrent"))
+    return env, bytes_port, torrent
+
+
+def run_all(args, fleet, servers: Servers) -> None:
+    """The set served on the bridge and hashed, every link shaped, then each run the options leave in."""
+    skip = set(filter(None, args.skip.split(",")))
+    work = servers.work
     mirror = work / "mirror"
     total = write_set(mirror / "bench" / "v1", NAMES, args.size_mib)
     if "rtt" not in skip:
         write_set(mirror / "bench" / "one", ["one.bin"], args.rtt_size_mib)
-    fleet = Fleet()
-    listener = None
-    cleanup: list[subprocess.Popen] = []
-    try:
-        hosts = [fleet.add_host(f"n{i}") for i in range(1, args.nodes + 1)]
-        with __import__("socket").socket() as s:
-            s.bind((fleet.address, 0))
-            bytes_port = s.getsockname()[1]
-        env = dict(
-            os.environ,
-            DJANGO_SETTINGS_MODULE="llmgw_site.settings",
-            LLMGW_MIRROR_ROOT=str(mirror),
-            LLMGW_BYTES_ADDR=f"{fleet.address}:{bytes_port}",
-            LLMGW_VAR=str(work / "var"),
-            DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
-            LLMGW_BYTES_PUBLIC="true",
-            LLMGW_MIRROR_HASH_INLINE_BYTES=str(max(args.size_mib, args.rtt_size_mib) << 21),
-        )
-        subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
-        listener = subprocess.Popen(
-            [sys.executable, "manage.py", "byte_listener"],
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-            stdout=open(work / "byte-listener.log", "ab"),
-            stderr=subprocess.STDOUT,
-        )
-        base = f"http://{fleet.address}:{bytes_port}/"
-        print(f"hashing {total / (1 << 30):.2f} GiB and making its torrent …", flush=True)
-        get(f"{base}bench/v1/")
-        torrent = work / "v1.torrent"
-        torrent.write_bytes(get(f"{base}bench/v1/?torrent"))
+    hosts = [fleet.add_host(f"n{i}") for i in range(1, args.nodes + 1)]
+    env, bytes_port, torrent = serve_the_set(args, fleet, servers, total)
+    base = f"http://{fleet.address}:{bytes_port}/"
 
-        # Every link at the same rate: the mirror host's uplink, each node's down- and uplink.
-        tbf(fleet.bridge, args.rate_mbit)
-        for index, host in enumerate(hosts, 1):
-            tbf(host.veth, args.rate_mbit)
-            tbf(f"lg{fleet.tag}n{index}", args.rate_mbit, namespace=host.name)  # the node's end (tests/netns.py)
-        seed = f"{base}bench/"  # a folder torrent: libtorrent adds v1/<file>
-        rows = {}
-        if "t1" not in skip:
-            rows["one node alone (T1)"] = run_nodes(hosts[:1], work, torrent, seed, False, fleet.bridge)
-            print("T1", rows["one node alone (T1)"], flush=True)
-        if "mirror" not in skip:
-            rows[f"{args.nodes} nodes, mirror only"] = run_nodes(hosts, work, torrent, seed, False, fleet.bridge)
-            print("mirror only", rows[f"{args.nodes} nodes, mirror only"], flush=True)
-        if "peers" not in skip:
-            rows[f"{args.nodes} nodes, with peers"] = run_nodes(hosts, work, torrent, seed, True, fleet.bridge)
-            print("with peers", rows[f"{args.nodes} nodes, with peers"], flush=True)
-        if "agents" not in skip:
-            agents = start_agents_side(fleet, hosts, work, mirror, env, cleanup, args)
-            rows["one node alone, the agent's path (T1 agent)"] = agents.run(1, fleet.bridge)
-            print("agent T1", rows["one node alone, the agent's path (T1 agent)"], flush=True)
-            rows[f"{args.nodes} nodes, the agent's path (peers from the tracker)"] = agents.run(
-                len(hosts), fleet.bridge
-            )
-            print("agents", rows[f"{args.nodes} nodes, the agent's path (peers from the tracker)"], flush=True)
-        rtt = None
-        if "rtt" not in skip:
-            rtt = one_node_at_rtt(hosts[0], work, mirror, fleet.address, bytes_port, args)
-            print("rtt", rtt, flush=True)
+    # Every link at the same rate: the mirror host's uplink, each node's down- and uplink.
+    tbf(fleet.bridge, args.rate_mbit)
+    for index, host in enumerate(hosts, 1):
+        tbf(host.veth, args.rate_mbit)
+        tbf(f"lg{fleet.tag}n{index}", args.rate_mbit, namespace=host.name)  # the node's end (tests/netns.py)
+    seed = f"{base}bench/"  # a folder torrent: libtorrent adds v1/<file>
+    runs = {
+        "t1": ("one node alone (T1)", lambda: run_nodes(hosts[:1], work, torrent, seed, False, fleet.bridge)),
+        "mirror": (
+            f"{args.nodes} nodes, mirror only",
+            lambda: run_nodes(hosts, work, torrent, seed, False, fleet.bridge),
+        ),
+        "peers": (f"{args.nodes} nodes, with peers", lambda: run_nodes(hosts, work, torrent, seed, True, fleet.bridge)),
+    }
+    rows = {}
+    for key, (name, run) in runs.items():
+        if key not in skip:
+            rows[name] = run()
+            print(name, rows[name], flush=True)
+    if "agents" not in skip:
+        agents = start_agents_side(fleet, hosts, servers, env, args)
+        for count, name in (
+            (1, AGENT_T1),
+            (len(hosts), f"{args.nodes} nodes, the agent's path (peers from the tracker)"),
+        ):
+            rows[name] = agents.run(count, fleet.bridge)
+            print(name, rows[name], flush=True)
+    rtt = None
+    if "rtt" not in skip:
+        rtt = one_node_at_rtt(hosts[0], work, mirror, fleet.address, bytes_port, args)
+        print("rtt", rtt, flush=True)
+    print_tables(args, total, rows, rtt)
 
+
+AGENT_T1 = "one node alone, the agent's path (T1 agent)"
+
+
+def print_tables(args, total: int, rows: dict, rtt: dict | None) -> None:
+    print(
+        f"\n{len(NAMES)} files, {total / (1 << 30):.2f} GiB; every link {args.rate_mbit} Mbit/s "
+        f"({args.rate_mbit / 8:.0f} MB/s); {args.nodes} nodes\n"
+    )
+    t1 = rows.get("one node alone (T1)", {}).get("seconds")
+    t1_agent = rows.get(AGENT_T1, {}).get("seconds")
+
+    def gib(value) -> str:
+        return "—" if value is None else f"{value / (1 << 30):.2f} GiB"
+
+    def against(name: str, row: dict) -> str:
+        reference, label = (t1_agent, "T1 agent") if "agent's path" in name else (t1, "T1")
+        return f"{row['seconds'] / reference:.2f} × {label}" if reference else "—"
+
+    table(
+        ["run", "time", "vs T1", "the byte listener's host sent", "vs the set", "from peers", "from the mirror"],
+        [
+            (name, f"{row['seconds']:.1f} s", against(name, row), gib(row["mirror_sent"]))
+            + (f"{row['mirror_sent'] / total:.2f} ×", gib(row["from_peers"]), gib(row["from_web"]))
+            for name, row in rows.items()
+        ],
+    )
+    if rtt:
         print(
-            f"\n{len(NAMES)} files, {total / (1 << 30):.2f} GiB; every link {args.rate_mbit} Mbit/s "
-            f"({args.rate_mbit / 8:.0f} MB/s); {args.nodes} nodes\n"
+            f"\none node, one file of {args.rtt_size_mib} MiB, {args.rtt_ms} ms round trip, "
+            f"{args.conn_mbit} Mbit/s a connection\n"
         )
-        t1 = rows.get("one node alone (T1)", {}).get("seconds")
-        t1_agent = rows.get("one node alone, the agent's path (T1 agent)", {}).get("seconds")
-
-        def gib(value) -> str:
-            return "—" if value is None else f"{value / (1 << 30):.2f} GiB"
-
-        print("| run | time | vs T1 | the byte listener's host sent | vs the set | from peers | from the mirror |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
-        for name, row in rows.items():
-            agent_row = "agent's path" in name
-            reference, label = (t1_agent, "T1 agent") if agent_row else (t1, "T1")
-            ratio = f"{row['seconds'] / reference:.2f} × {label}" if reference else "—"
-            print(
-                f"| {name} | {row['seconds']:.1f} s | {ratio} | {gib(row['mirror_sent'])} | "
-                f"{row['mirror_sent'] / total:.2f} × | {gib(row['from_peers'])} | {gib(row['from_web'])} |"
-            )
-        if rtt:
-            print(
-                f"\none node, one file of {args.rtt_size_mib} MiB, {args.rtt_ms} ms round trip, "
-                f"{args.conn_mbit} Mbit/s a connection\n"
-            )
-            print("| how | time | throughput | vs curl |")
-            print("| --- | --- | --- | --- |")
-            size = args.rtt_size_mib << 20
-            for name in rtt:  # curl first
-                print(
-                    f"| {name} | {rtt[name]:.1f} s | {size / rtt[name] / 1e6:.1f} MB/s | "
-                    f"{rtt['curl'] / rtt[name]:.2f} × |"
-                )
-    finally:
-        for process in [listener, *cleanup]:
-            if process is not None:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=30)
-        fleet.remove()
-        shutil.rmtree(work, ignore_errors=True)
+        size = args.rtt_size_mib << 20
+        table(
+            ["how", "time", "throughput", "vs curl"],
+            [  # curl first
+                (name, f"{rtt[name]:.1f} s", f"{size / rtt[name] / 1e6:.1f} MB/s", f"{rtt['curl'] / rtt[name]:.2f} ×")
+                for name in rtt
+            ],
+        )
 
 
 if __name__ == "__main__":

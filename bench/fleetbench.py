@@ -12,53 +12,35 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import free_port, start_byte_listener  # noqa: E402
+from harness import ROOT, Servers, free_port, until  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+
+__all__ = ["MODEL", "LocalFleet", "until"]
 
 MODEL = "smollm2-135m"
 
 
-def until(condition, timeout: float, what: str, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(interval)
-    raise SystemExit(f"timed out waiting for {what}")
-
-
 class LocalFleet:
-    """Start with `with LocalFleet(prefix) as fleet:`; Django is set up on its database inside."""
+    """Start with `with LocalFleet(prefix) as fleet:`; Django is set up on its database inside.
+    Its work directory, with every process's log, is kept."""
 
     def __init__(self, prefix: str, beat: bool = True) -> None:
-        self.work = Path(tempfile.mkdtemp(prefix=prefix))
+        self.servers = Servers(prefix, keep=True)
+        self.work = self.servers.work
         self.cache = self.work / "cache"
-        self.processes: list[subprocess.Popen] = []
         self.beat = beat
 
-    def spawn(self, argv: list[str], name: str, **env) -> subprocess.Popen:
-        log = open(self.work / f"{name}.log", "ab")
-        process = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            env=dict(os.environ, **{k: str(v) for k, v in env.items()}),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.processes.append(process)
-        return process
+    def spawn(self, argv: list[str], name: str, **env):
+        return self.servers.spawn(argv, name, dict(os.environ, **{k: str(v) for k, v in env.items()}))
 
     def __enter__(self) -> LocalFleet:
+        self.servers.__enter__()
         try:
             self._start()
         except BaseException:
@@ -67,8 +49,7 @@ class LocalFleet:
         return self
 
     def _start(self) -> None:
-        redis_port = free_port()
-        self.spawn(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"], "redis")
+        _, redis_port = self.servers.redis()
         os.environ.update(
             REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
             LLMGW_VAR=str(self.work / "var"),
@@ -91,8 +72,7 @@ class LocalFleet:
         version = self.work / "mirror" / MODEL / "instruct-q4_1"
         version.mkdir(parents=True)
         shutil.copyfile(self.weights, version / self.weights.name)
-        byte_listener, self.bytes_url = start_byte_listener(self.work / "mirror", self.work)
-        self.processes.append(byte_listener)
+        self.bytes_url = self.servers.byte_listener(self.work / "mirror", redis_url=os.environ["REDIS_URL"])[1]
         self.source = f"{self.bytes_url}{MODEL}/instruct-q4_1/{self.weights.name}"
         python = sys.executable
         self.spawn([python, "-m", "celery", "-A", "llmgw_site", "worker", "-Q", "control", "-c", "2"], "control")
@@ -143,12 +123,4 @@ class LocalFleet:
             for entry in engine_state.read_state(self.cache)["replicas"].values():
                 if entry.get("pid") and engines.group_alive(entry["pid"]):
                     engines.stop_group(entry["pid"], grace=3)
-        for process in reversed(self.processes):
-            try:
-                os.killpg(process.pid, 15)
-                process.wait(timeout=15)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(process.pid, 9)
-                except ProcessLookupError:
-                    pass
+        self.servers.__exit__()

@@ -37,26 +37,29 @@ is pinned. Only loopback is used.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import resource
-import secrets
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvloop
-from benchlib import ROOT, free_port
-from httpload import Connection, Sequential, Target, concurrent, open_streams, pct, sequential
-
-LITELLM_VERSION = "1.110.2"
-LITELLM_VENV = ROOT / "var" / "bench" / "litellm-venv"
+from harness import Goal, Servers, Site, best, free_port, report, side_by_side_async, stub_site, table
+from harness.litellm import ensure_litellm, start_litellm
+from httpload import (
+    Concurrent,
+    OpenStreams,
+    Sequential,
+    Target,
+    answers,
+    concurrent,
+    open_streams,
+    pct,
+    release_held,
+    sequential,
+)
 
 # The issue's goals.
 ADDED_P50_MS = 2.0
@@ -71,213 +74,41 @@ LIMITS_ADDED_P50_MS = 0.6
 TEAM_ADDED_P50_MS = 0.1
 TEAM_TIMES_RPS = 0.9
 
-
-def quiet_popen(argv: list[str], env: dict, log: Path, cwd: Path = ROOT) -> subprocess.Popen:
-    return subprocess.Popen(
-        argv, env=env, cwd=cwd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-async def answers(target: Target, timeout: float = 60) -> bool:
-    """Until a chat completion through `target` comes back 200 (routes and workers take a moment)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            connection = await Connection.open(target.port)
-            response = await asyncio.wait_for(connection.send(target.request()), 10)
-            connection.close()
-            if response.ok:
-                return True
-        except (TimeoutError, OSError, ConnectionError):
-            pass
-        await asyncio.sleep(0.3)
-    return False
-
-
-# --- LiteLLM --------------------------------------------------------------------------------
-
-
-def ensure_litellm() -> Path | None:
-    """LiteLLM's proxy in its own venv, installed once; None, and why, if it cannot be had."""
-    litellm = LITELLM_VENV / "bin" / "litellm"
-    installed = LITELLM_VENV / f".installed-{LITELLM_VERSION}"  # not just bin/litellm: a half install has that
-    if installed.exists():
-        return litellm
-    print(f"Installing litellm[proxy]=={LITELLM_VERSION} into {LITELLM_VENV} (once)...", flush=True)
-    subprocess.run(["python3", "-m", "venv", str(LITELLM_VENV)], check=True)
-    pip = [str(LITELLM_VENV / "bin" / "pip"), "install", "-q"]
-    if subprocess.run(pip + [f"litellm[proxy]=={LITELLM_VERSION}"], capture_output=True).returncode != 0:
-        # The proxy extra pins `litellm-proxy`, a package the registry here does not have, and two
-        # helper packages at versions it does not have; the proxy's code ships in `litellm` itself.
-        # So: litellm, then the extra's other requirements, the unavailable pins relaxed.
-        if subprocess.run(pip + [f"litellm=={LITELLM_VERSION}"], capture_output=True).returncode != 0:
-            print(f"LiteLLM {LITELLM_VERSION} could not be installed: it is left out of this run.")
-            return None
-        script = (
-            "from importlib.metadata import requires\n"
-            "from packaging.requirements import Requirement\n"
-            "for r in requires('litellm'):\n"
-            "    q = Requirement(r)\n"
-            "    if q.marker and q.marker.evaluate({'extra': 'proxy'}) and not q.marker.evaluate({'extra': ''}):\n"
-            "        if q.name == 'litellm-proxy': continue\n"
-            "        print(q.name if q.name.startswith('litellm-') else str(q).split(';')[0])\n"
-        )
-        python = str(LITELLM_VENV / "bin" / "python")
-        requirements = subprocess.run([python, "-c", script], capture_output=True, text=True).stdout.splitlines()
-        if subprocess.run(pip + requirements, capture_output=True).returncode != 0:
-            print("LiteLLM's proxy requirements could not be installed: it is left out of this run.")
-            return None
-    installed.touch()
-    return litellm
-
-
-def start_litellm(litellm: Path, stub_port: int, work: Path) -> tuple[subprocess.Popen, Target]:
-    port = free_port()
-    config = work / "litellm.yaml"
-    models = "".join(
-        f"""  - model_name: {name}
-    litellm_params:
-      model: openai/{name}
-      api_base: http://127.0.0.1:{stub_port}/v1
-      api_key: x
-"""
-        for name in ("stub", "stub-hold")
-    )
-    config.write_text(f"model_list:\n{models}litellm_settings:\n  telemetry: false\n")
-    key = "sk-" + secrets.token_hex(32)
-    env = dict(
-        os.environ,
-        LITELLM_MASTER_KEY=key,  # it refuses to start without one; llmgw checks a key too
-        LITELLM_LOCAL_MODEL_COST_MAP="True",  # no fetch of the price list from the internet
-        LITELLM_LOG="ERROR",
-        LITELLM_TELEMETRY="False",
-        DISABLE_ADMIN_UI="True",
-    )
-    for name in ("DATABASE_URL", "REDIS_URL", "REDIS_HOST"):
-        env.pop(name, None)
-    argv = [str(litellm), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    process = quiet_popen(argv + ["--num_workers", "1", "--telemetry", "False"], env, work / "litellm.log", work)
-    return process, Target("LiteLLM", port, key=key, pid=process.pid)
-
+# Each goal's test reads the run's Figures; one whose contender this run left out is not printed.
+GOALS = [
+    Goal(f"added p50 one at a time ≤ {ADDED_P50_MS:g} ms", lambda f: f.added50["llmgw"] <= ADDED_P50_MS),
+    Goal(
+        f"first streamed chunk ≤ {FIRST_CHUNK_ADDED_MS:g} ms later than direct",
+        lambda f: f.first_added["llmgw"] <= FIRST_CHUNK_ADDED_MS,
+    ),
+    Goal(f"{OPEN_STREAMS:,} open streams held on one process", lambda f: f.held["llmgw"].held >= OPEN_STREAMS),
+    Goal(
+        f"requests/s ≥ {TIMES_LITELLM_RPS} × LiteLLM's",
+        lambda f: f.rps["llmgw"] >= TIMES_LITELLM_RPS * f.rps["LiteLLM"],
+    ),
+    Goal(
+        f"added p50 with limits ≤ {LIMITS_ADDED_P50_MS:g} ms",
+        lambda f: f.added50["llmgw+limits"] <= LIMITS_ADDED_P50_MS,
+    ),
+    Goal(
+        f"requests/s with limits ≥ {LIMITS_TIMES_RPS:g} × without",
+        lambda f: f.rps["llmgw+limits"] >= LIMITS_TIMES_RPS * f.rps["llmgw"],
+    ),
+    Goal(
+        f"added p50 of a team's key within {TEAM_ADDED_P50_MS:g} ms of a key's own limits",
+        lambda f: f.added50["llmgw+team"] - f.added50["llmgw+limits"] <= TEAM_ADDED_P50_MS,
+    ),
+    Goal(
+        f"requests/s of a team's key ≥ {TEAM_TIMES_RPS:g} × a key's own limits",
+        lambda f: f.rps["llmgw+team"] >= TEAM_TIMES_RPS * f.rps["llmgw+limits"],
+    ),
+]
 
 # --- llmgw ----------------------------------------------------------------------------------
 
-SEED = """
-from catalog.models import Model, Profile
-from fleet.models import Node, Replica
-node, _ = Node.objects.get_or_create(name="bench")
-for name in ("stub", "stub-hold"):
-    model, _ = Model.objects.get_or_create(
-        name=name, defaults=dict(source=f"http://127.0.0.1:1/{name}/v1/stub.gguf", context_length=100000, max_output=0)
-    )
-    Profile.objects.get_or_create(model=model, name="cpu", defaults=dict(engine="llamacpp"))
-    Replica.objects.update_or_create(
-        model_name=name, profile_name="cpu", node=node,
-        defaults=dict(state="ready", endpoint="http://127.0.0.1:{stub_port}/v1"),
-    )
-"""
-
-
-def start_redis(work: Path) -> tuple[subprocess.Popen, int]:
-    """A Redis of the run's own, for per-key limits (which count in Redis)."""
-    port = free_port()
-    argv = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(work)]
-    return quiet_popen(argv, dict(os.environ), work / "redis.log"), port
-
-
-def start_llmgw(
-    stub_port: int,
-    work: Path,
-    name: str = "llmgw",
-    redis_port: int | None = None,
-    root: Path = ROOT,
-    limited: bool = True,
-    admin_load: AdminLoad | None = None,
-    **settings: str,
-) -> tuple[subprocess.Popen, list[Target]] | None:
-    port = free_port()
-    work = work / name
-    work.mkdir()
-    env = dict(
-        os.environ,
-        # A tree with `manage.py gateway` serves /v1/ there; an older one (say, main) in its admin server.
-        LLMGW_GATEWAY_ADDR=f"127.0.0.1:{port}",
-        LLMGW_ADMIN_ADDR=f"127.0.0.1:{port}",
-        LLMGW_VAR=str(work / "var"),
-        DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
-        # Without --limits nothing listens there, and it must not matter: a key without limits never asks Redis.
-        REDIS_URL=f"redis://127.0.0.1:{redis_port or free_port()}/0",
-        **settings,
-    )
-    manage = [sys.executable, str(root / "manage.py")]
-    commands = subprocess.run(manage + ["help", "--commands"], env=env, cwd=root, capture_output=True, text=True)
-    known = commands.stdout.split()
-    server = "gateway" if "gateway" in known else "admin_server"
-    if server not in known:
-        print("llmgw: this tree has no `manage.py gateway` nor `admin_server`: it is left out of this run.")
-        return None
-    subprocess.run(manage + ["migrate", "-v", "0"], env=env, cwd=root, check=True)
-    # Quietly: without Redis the catalog's signal warns that it could not queue a reconcile,
-    # which does not matter here (the replicas are written ready).
-    seeded = subprocess.run(
-        manage + ["shell", "-c", SEED.replace("{stub_port}", str(stub_port))], env=env, cwd=root, capture_output=True
-    )
-    if seeded.returncode:
-        raise SystemExit(f"llmgw: the routes could not be written:\n{seeded.stderr.decode()[-2000:]}")
-    created = subprocess.run(
-        manage + ["api_key", "create", "bench"], env=env, cwd=root, check=True, capture_output=True, text=True
-    )
-    key = created.stdout.strip().splitlines()[-1].strip()
-    process = quiet_popen(manage + [server], env, work / "llmgw.log", cwd=root)
-    targets = [Target(name, port, key=key, pid=process.pid)]
-    if admin_load is not None:
-        # The admin's heaviest page in a loop, on the admin server: its own process when the
-        # gateway has one, the gateway's own process when it does not (an older tree).
-        admin_url = f"http://127.0.0.1:{port}"
-        if server == "gateway":
-            admin_port = free_port()
-            admin_env = dict(env, LLMGW_ADMIN_ADDR=f"127.0.0.1:{admin_port}")
-            admin_load.processes.append(quiet_popen(manage + ["admin_server"], admin_env, work / "admin.log", cwd=root))
-            admin_url = f"http://127.0.0.1:{admin_port}"
-        made = f"from django.contrib.auth.models import User; User.objects.create_superuser('{ADMIN_USER}', '', 'x')"
-        subprocess.run(manage + ["shell", "-c", made], env=env, cwd=root, check=True, capture_output=True)
-        token = subprocess.run(
-            manage + ["api_token", ADMIN_USER], env=env, cwd=root, check=True, capture_output=True, text=True
-        ).stdout.strip()
-        admin_load.add(admin_url, token)
-    if redis_port and limited:
-        # Limits set on every window and never reached: the request pays the check, not a refusal.
-        limited = subprocess.run(
-            manage
-            + ["api_key", "create", "bench-limited", "--rpm", "1000000000", "--tpm", "1000000000"]
-            + ["--tpd", "1000000000", "--tokens-per-month", "1000000000", "--in-flight", "100000"],
-            env=env,
-            cwd=root,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        secret = limited.stdout.strip().splitlines()[-1].strip()
-        targets.append(Target(f"{name}+limits", port, key=secret, pid=process.pid))
-        # Issue 35: a key of a team with every budget on too (and prices, so spend is counted), never reached.
-        team = subprocess.run(
-            manage
-            + ["api_key", "create", "bench-team", "--rpm", "1000000000", "--tpm", "1000000000"]
-            + ["--tpd", "1000000000", "--tokens-per-month", "1000000000", "--in-flight", "100000"],
-            env=env,
-            cwd=root,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        team_secret = team.stdout.strip().splitlines()[-1].strip()
-        made = subprocess.run(manage + ["shell", "-c", TEAM_SEED], env=env, cwd=root, capture_output=True)
-        if made.returncode == 0:
-            targets.append(Target(f"{name}+team", port, key=team_secret, pid=process.pid))
-        else:
-            print(f"{name}: this tree has no teams' budgets: its +team key is left out of this run.")
-    return process, targets
-
+# Set on every window and never reached: the request pays the check, not a refusal.
+EVERY_LIMIT = ["--rpm", "1000000000", "--tpm", "1000000000", "--tpd", "1000000000"]
+EVERY_LIMIT += ["--tokens-per-month", "1000000000", "--in-flight", "100000"]
 
 # A team with every budget set and never reached, the bench-team key in it, and prices on every model.
 TEAM_SEED = """
@@ -293,6 +124,27 @@ Model.objects.update(price_input=Decimal("0.5"), price_cached_input=Decimal("0.2
 """
 
 
+def llmgw_targets(site: Site | None, limited: bool, admin_load: AdminLoad | None = None) -> list[Target]:
+    """A stub-routed llmgw started, and its targets: a key without limits, and with `limited` (a Redis)
+    a key with every limit (+limits) and a team's key with every budget (+team)."""
+    if site is None:
+        return []
+    key = site.create_key("bench")
+    process = site.start()
+    targets = [Target(site.name, site.port, key=key, pid=process.pid)]
+    if admin_load is not None:
+        admin_load.attach(site)
+    if limited:
+        limits_key = site.create_key("bench-limited", *EVERY_LIMIT)
+        targets.append(Target(f"{site.name}+limits", site.port, limits_key, pid=process.pid))
+        team_key = site.create_key("bench-team", *EVERY_LIMIT)
+        if site.shell(TEAM_SEED).returncode == 0:
+            targets.append(Target(f"{site.name}+team", site.port, key=team_key, pid=process.pid))
+        else:
+            print(f"{site.name}: this tree has no teams' budgets: its +team key is left out of this run.")
+    return targets
+
+
 ADMIN_USER = "bench-staff"
 # The API's OpenAPI schema: drf-spectacular walks every view and serializer, about a
 # hundred milliseconds of Python a request, the heaviest thing a staff member can ask for.
@@ -303,14 +155,23 @@ class AdminLoad:
     """One client per admin server asking for ADMIN_PAGE in a loop, for the whole run."""
 
     def __init__(self) -> None:
-        self.processes: list[subprocess.Popen] = []
         self.servers: list[tuple[str, str]] = []
         self.pages = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def add(self, url: str, token: str) -> None:
-        self.servers.append((url, token))
+    def attach(self, site) -> None:
+        """The admin server of `site`: its own process when the gateway has one, the gateway's
+        own process when it does not (an older tree)."""
+        url = f"http://127.0.0.1:{site.port}"
+        if site.server == "gateway":
+            admin_port = free_port()
+            site.start("admin_server", LLMGW_ADMIN_ADDR=f"127.0.0.1:{admin_port}")
+            url = f"http://127.0.0.1:{admin_port}"
+        made = f"from django.contrib.auth.models import User; User.objects.create_superuser('{ADMIN_USER}', '', 'x')"
+        if site.shell(made).returncode:
+            raise SystemExit(f"{site.name}: the admin's user could not be made")
+        self.servers.append((url, site.manage("api_token", ADMIN_USER).strip()))
 
     def start(self) -> None:
         for url, token in self.servers:
@@ -343,18 +204,42 @@ def ms(seconds: float) -> float:
     return seconds * 1000
 
 
-async def release_held(stub_port: int) -> None:
-    connection = await Connection.open(stub_port)
-    raw = b"POST /release HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n"
-    await connection.send(raw)
-    connection.close()
+@dataclass
+class Figures:
+    """What the run measured, by target name; the direct columns of one at a time are the first pair's."""
+
+    names: list[str]
+    plain: dict[str, Sequential]
+    streamed: dict[str, Sequential]
+    loaded: dict[str, Concurrent]
+    held: dict[str, OpenStreams]
+
+    def one(self, n: str) -> Sequential:
+        return self.plain[n if n != "direct" else self.names[1]]
+
+    def one_stream(self, n: str) -> Sequential:
+        return self.streamed[n if n != "direct" else self.names[1]]
+
+    def __post_init__(self) -> None:
+        def added(of, n: str, p: float) -> float:
+            return ms(pct(of(n).seconds[n], p) - pct(of(n).seconds["direct"], p))
+
+        self.added50 = {n: added(self.one, n, 50) for n in self.names}
+        self.added99 = {n: added(self.one, n, 99) for n in self.names}
+        self.first_added = {
+            n: ms(pct(self.one_stream(n).first_event[n], 50) - pct(self.one_stream(n).first_event["direct"], 50))
+            for n in self.names
+        }
+        self.rps = {n: self.loaded[n].requests_per_second for n in self.names}
+
+    def loaded_added(self, n: str, p: float) -> float:
+        return ms(pct(self.loaded[n].seconds, p) - pct(self.loaded["direct"].seconds, p))
+
+    def cpu_per_request(self, n: str, of: str = "cpu_seconds") -> float:
+        return ms(getattr(self.loaded[n], of) / max(1, len(self.loaded[n].seconds)))
 
 
-async def measure(
-    direct: Target, proxies: list[Target], args: argparse.Namespace, redis_pid: int | None = None
-) -> None:
-    targets = [direct] + proxies
-    names = [t.name for t in targets]
+async def measure(direct: Target, proxies: list[Target], args: argparse.Namespace, redis_pid: int | None) -> Figures:
     print(f"\none at a time: {args.rounds} requests each, direct and one proxy taking turns", flush=True)
     # Each proxy is measured against direct requests interleaved with its own, so that
     # one proxy's after-work (LiteLLM logs and prices each answer) never lands on another's turn.
@@ -364,178 +249,161 @@ async def measure(
         streamed[proxy.name] = await sequential([direct, proxy], args.rounds, stream=True)
 
     print(f"{args.clients} concurrent: {args.duration:g} s each, best of {args.repeat}", flush=True)
-    loaded = {}
-    # Round by round, every target in turn: on a shared machine the load from elsewhere
-    # changes over a minute, and a target measured all at once would take it all.
-    for round_ in range(args.repeat):
-        # Proxies in turn, and in reverse order every other round: none is always the one after direct.
-        for t in [direct] + (proxies if round_ % 2 == 0 else proxies[::-1]):
-            run = await concurrent(t, args.clients, args.duration, also=redis_pid)
-            if t.name not in loaded or run.requests_per_second > loaded[t.name].requests_per_second:
-                loaded[t.name] = run
+    targets = [direct] + proxies
+    runs = await side_by_side_async(
+        {t.name: (lambda t=t: concurrent(t, args.clients, args.duration, also=redis_pid)) for t in targets},
+        args.repeat,
+    )
+    loaded = best(runs, key=lambda run: run.requests_per_second)
 
     print(f"open streams: up to {args.streams} each", flush=True)
-    held = {}
-    for t in targets:
-        held[t.name] = await open_streams(t, args.streams, lambda: release_held(direct.port))
+    held = {t.name: await open_streams(t, args.streams, lambda: release_held(direct.port)) for t in targets}
+    return Figures([t.name for t in targets], plain, streamed, loaded, held)
 
-    # --- the table ---
-    d_load = loaded["direct"].seconds
 
-    def one(n: str) -> Sequential:  # the direct column shows the first pair's direct requests
-        return plain[n if n != "direct" else proxies[0].name]
+def rows(f: Figures, args: argparse.Namespace, with_redis: bool) -> list[tuple[str, list[str]]]:
+    """The table's rows: a label and the cell of each target."""
+    proxied = [n for n in f.names if n != "direct"]
+    cells = [
+        ("one at a time, p50", lambda n: f"{ms(pct(f.one(n).seconds[n], 50)):.2f} ms"),
+        ("one at a time, p99", lambda n: f"{ms(pct(f.one(n).seconds[n], 99)):.2f} ms"),
+        ("  added p50", lambda n: f"{f.added50[n]:.2f} ms" if n in proxied else ""),
+        ("  added p99", lambda n: f"{f.added99[n]:.2f} ms" if n in proxied else ""),
+        (
+            "  Server-Timing gateway, p50",
+            lambda n: f"{statistics.median(f.one(n).gateway_ms[n]):.2f} ms" if f.one(n).gateway_ms[n] else "",
+        ),
+        ("first streamed chunk, p50", lambda n: f"{ms(pct(f.one_stream(n).first_event[n], 50)):.2f} ms"),
+        ("  added", lambda n: f"{f.first_added[n]:.2f} ms" if n in proxied else ""),
+        ("whole stream, p50", lambda n: f"{ms(pct(f.one_stream(n).seconds[n], 50)):.2f} ms"),
+        (f"{args.clients} concurrent, requests/s", lambda n: f"{f.rps[n]:,.0f}"),
+        ("  p50", lambda n: f"{ms(pct(f.loaded[n].seconds, 50)):.1f} ms"),
+        ("  p99", lambda n: f"{ms(pct(f.loaded[n].seconds, 99)):.1f} ms"),
+        ("  added p50", lambda n: f"{f.loaded_added(n, 50):.1f} ms" if n in proxied else ""),
+        ("  added p99", lambda n: f"{f.loaded_added(n, 99):.1f} ms" if n in proxied else ""),
+        ("  server CPU per request", lambda n: f"{f.cpu_per_request(n):.2f} ms"),
+    ]
+    if with_redis:
+        cells.append(("  Redis CPU per request", lambda n: f"{f.cpu_per_request(n, 'also_cpu_seconds'):.3f} ms"))
+    cells += [
+        ("open streams held", lambda n: f"{f.held[n].held:,} / {f.held[n].asked:,}"),
+        ("  completed when let go", lambda n: f"{f.held[n].completed:,}"),
+        (
+            "  a plain request meanwhile",
+            lambda n: f"{f.held[n].answer_ms:.2f} ms" if f.held[n].answer_ms is not None else "none in 10 s",
+        ),
+        ("  server memory (RSS)", lambda n: f"{f.held[n].rss_bytes / (1 << 20):.0f} MiB"),
+        (
+            "errors (not open streams)",
+            lambda n: str(f.one(n).errors[n] + f.one_stream(n).errors[n] + f.loaded[n].errors),
+        ),
+    ]
+    return [(label, [cell(n) for n in f.names]) for label, cell in cells]
 
-    def one_stream(n: str) -> Sequential:
-        return streamed[n if n != "direct" else proxies[0].name]
 
-    rows: list[tuple[str, list[str]]] = []
+def _both(a: str, b: str):
+    return lambda f: a in f.names and b in f.names
 
-    def row(label: str, value) -> None:
-        rows.append((label, [value(n) for n in names]))
 
-    row("one at a time, p50", lambda n: f"{ms(pct(one(n).seconds[n], 50)):.2f} ms")
-    row("one at a time, p99", lambda n: f"{ms(pct(one(n).seconds[n], 99)):.2f} ms")
-    added50 = {n: ms(pct(one(n).seconds[n], 50) - pct(one(n).seconds["direct"], 50)) for n in names}
-    added99 = {n: ms(pct(one(n).seconds[n], 99) - pct(one(n).seconds["direct"], 99)) for n in names}
-    row("  added p50", lambda n: f"{added50[n]:.2f} ms" if n != "direct" else "")
-    row("  added p99", lambda n: f"{added99[n]:.2f} ms" if n != "direct" else "")
-    gateway_ms = {n: statistics.median(one(n).gateway_ms[n]) if one(n).gateway_ms[n] else None for n in names}
-    row("  Server-Timing gateway, p50", lambda n: f"{gateway_ms[n]:.2f} ms" if gateway_ms[n] is not None else "")
-    first_added = {
-        n: ms(pct(one_stream(n).first_event[n], 50) - pct(one_stream(n).first_event["direct"], 50)) for n in names
-    }
-    row("first streamed chunk, p50", lambda n: f"{ms(pct(one_stream(n).first_event[n], 50)):.2f} ms")
-    row("  added", lambda n: f"{first_added[n]:.2f} ms" if n != "direct" else "")
-    row("whole stream, p50", lambda n: f"{ms(pct(one_stream(n).seconds[n], 50)):.2f} ms")
-    rps = {n: loaded[n].requests_per_second for n in names}
-    row(f"{args.clients} concurrent, requests/s", lambda n: f"{rps[n]:,.0f}")
-    row("  p50", lambda n: f"{ms(pct(loaded[n].seconds, 50)):.1f} ms")
-    row("  p99", lambda n: f"{ms(pct(loaded[n].seconds, 99)):.1f} ms")
-    row("  added p50", lambda n: f"{ms(pct(loaded[n].seconds, 50) - pct(d_load, 50)):.1f} ms" if n != "direct" else "")
-    row("  added p99", lambda n: f"{ms(pct(loaded[n].seconds, 99) - pct(d_load, 99)):.1f} ms" if n != "direct" else "")
-    row(
-        "  server CPU per request",
-        lambda n: f"{ms(loaded[n].cpu_seconds / max(1, len(loaded[n].seconds))):.2f} ms",
-    )
-    if redis_pid is not None:
-        row(
-            "  Redis CPU per request",
-            lambda n: f"{ms(loaded[n].also_cpu_seconds / max(1, len(loaded[n].seconds))):.3f} ms",
+# The lines under the table, each printed where the contenders it sets side by side ran: BESIDE
+# before the goals' lines, AFTER them.
+BESIDE = [
+    (
+        _both("llmgw", "LiteLLM"),
+        lambda f, a: f"llmgw / LiteLLM: added p50 {f.added50['llmgw'] / f.added50['LiteLLM']:.2f} ×, "
+        f"first chunk added {f.first_added['llmgw'] / f.first_added['LiteLLM']:.2f} ×, "
+        f"requests/s {f.rps['llmgw'] / f.rps['LiteLLM']:.1f} ×, "
+        f"open streams {f.held['llmgw'].held} vs {f.held['LiteLLM'].held}",
+    ),
+    (
+        _both("llmgw", "llmgw+limits"),
+        lambda f, a: f"per-key limits: added p50 {f.added50['llmgw+limits']:.2f} ms, "
+        f"{f.added50['llmgw+limits'] - f.added50['llmgw']:+.2f} ms over a key without",
+    ),
+    (
+        _both("llmgw+limits", "llmgw+team"),
+        lambda f, a: f"teams' budgets: added p50 {f.added50['llmgw+team']:.2f} ms, "
+        f"{f.added50['llmgw+team'] - f.added50['llmgw+limits']:+.3f} ms over a key with its own "
+        f"limits only; requests/s {f.rps['llmgw+team']:,.0f} against {f.rps['llmgw+limits']:,.0f} "
+        f"({f.rps['llmgw+team'] / f.rps['llmgw+limits']:.2f} ×)",
+    ),
+]
+AFTER = [
+    (
+        _both("llmgw", "baseline"),
+        lambda f, a: f"gateway process vs baseline: {a.clients} concurrent, requests/s {f.rps['llmgw']:,.0f} "
+        f"against {f.rps['baseline']:,.0f} ({f.rps['llmgw'] / f.rps['baseline']:.2f} ×); added p50 one at a "
+        f"time {f.added50['llmgw']:.2f} against {f.added50['baseline']:.2f} ms",
+    ),
+    *(
+        (
+            _both(name, f"{name}+limits"),
+            lambda f, a, n=name: f"{n} with every limit on: requests/s {f.rps[n + '+limits']:,.0f} against "
+            f"{f.rps[n]:,.0f} ({f.rps[n + '+limits'] / f.rps[n]:.2f} ×), added p50 {f.added50[n + '+limits']:.2f} ms",
         )
-    row("open streams held", lambda n: f"{held[n].held:,} / {held[n].asked:,}")
-    row("  completed when let go", lambda n: f"{held[n].completed:,}")
-    row(
-        "  a plain request meanwhile",
-        lambda n: f"{held[n].answer_ms:.2f} ms" if held[n].answer_ms is not None else "none in 10 s",
-    )
-    row("  server memory (RSS)", lambda n: f"{held[n].rss_bytes / (1 << 20):.0f} MiB")
-    errors = {n: one(n).errors[n] + one_stream(n).errors[n] + loaded[n].errors for n in names}
-    row("errors (not open streams)", lambda n: str(errors[n]))
-
-    width = max(len(label) for label, _ in rows) + 2
-    print()
-    print(f"{'':{width}}" + "".join(f"{n:>16}" for n in names))
-    for label, values in rows:
-        print(f"{label:{width}}" + "".join(f"{v:>16}" for v in values))
-
-    llmgw = "llmgw" if "llmgw" in names else None
-    litellm = "LiteLLM" if "LiteLLM" in names else None
-    print()
-    if llmgw and litellm:
-        print(
-            f"llmgw / LiteLLM: added p50 {added50[llmgw] / added50[litellm]:.2f} ×, "
-            f"first chunk added {first_added[llmgw] / first_added[litellm]:.2f} ×, "
-            f"requests/s {rps[llmgw] / rps[litellm]:.1f} ×, open streams {held[llmgw].held} vs {held[litellm].held}"
-        )
-    if llmgw:
-        goals = [
-            (f"added p50 one at a time ≤ {ADDED_P50_MS:g} ms", added50[llmgw] <= ADDED_P50_MS),
-            (
-                f"first streamed chunk ≤ {FIRST_CHUNK_ADDED_MS:g} ms later than direct",
-                first_added[llmgw] <= FIRST_CHUNK_ADDED_MS,
-            ),
-            (f"{OPEN_STREAMS:,} open streams held on one process", held[llmgw].held >= OPEN_STREAMS),
-        ]
-        if litellm:
-            goals.append(
-                (f"requests/s ≥ {TIMES_LITELLM_RPS} × LiteLLM's", rps[llmgw] >= TIMES_LITELLM_RPS * rps[litellm])
-            )
-        if "llmgw+limits" in names:
-            by_limits = added50["llmgw+limits"] - added50[llmgw]
-            print(f"per-key limits: added p50 {added50['llmgw+limits']:.2f} ms, {by_limits:+.2f} ms over a key without")
-            goals.append(
-                (f"added p50 with limits ≤ {LIMITS_ADDED_P50_MS:g} ms", added50["llmgw+limits"] <= LIMITS_ADDED_P50_MS)
-            )
-            goals.append(
-                (
-                    f"requests/s with limits ≥ {LIMITS_TIMES_RPS:g} × without",
-                    rps["llmgw+limits"] >= LIMITS_TIMES_RPS * rps[llmgw],
-                )
-            )
-        if "llmgw+limits" in names and "llmgw+team" in names:
-            by_team = added50["llmgw+team"] - added50["llmgw+limits"]
-            print(
-                f"teams' budgets: added p50 {added50['llmgw+team']:.2f} ms, {by_team:+.3f} ms over a key with its own "
-                f"limits only; requests/s {rps['llmgw+team']:,.0f} against {rps['llmgw+limits']:,.0f} "
-                f"({rps['llmgw+team'] / rps['llmgw+limits']:.2f} ×)"
-            )
-            goals.append(
-                (
-                    f"added p50 of a team's key within {TEAM_ADDED_P50_MS:g} ms of a key's own limits",
-                    by_team <= TEAM_ADDED_P50_MS,
-                )
-            )
-            goals.append(
-                (
-                    f"requests/s of a team's key ≥ {TEAM_TIMES_RPS:g} × a key's own limits",
-                    rps["llmgw+team"] >= TEAM_TIMES_RPS * rps["llmgw+limits"],
-                )
-            )
-        for goal, met in goals:
-            print(f"{'met    ' if met else 'NOT met'}  {goal}")
-    if "llmgw" in names and "baseline" in names:
-        print(
-            f"gateway process vs baseline: {args.clients} concurrent, requests/s {rps['llmgw']:,.0f} against "
-            f"{rps['baseline']:,.0f} ({rps['llmgw'] / rps['baseline']:.2f} ×); added p50 one at a time "
-            f"{added50['llmgw']:.2f} against {added50['baseline']:.2f} ms"
-        )
-    for name in ("llmgw", "baseline"):
-        if name in names and f"{name}+limits" in names:
-            print(
-                f"{name} with every limit on: requests/s {rps[name + '+limits']:,.0f} against {rps[name]:,.0f} "
-                f"({rps[name + '+limits'] / rps[name]:.2f} ×), added p50 {added50[name + '+limits']:.2f} ms"
-            )
-    if "llmgw" in names and "llmgw-2w" in names:
-        print(
-            f"gateway --workers: {args.clients} concurrent, requests/s {rps['llmgw']:,.0f} with 1, "
-            f"{rps['llmgw-2w']:,.0f} with 2 ({rps['llmgw-2w'] / rps['llmgw']:.2f} ×); server CPU per request "
-            f"{ms(loaded['llmgw'].cpu_seconds / max(1, len(loaded['llmgw'].seconds))):.2f} and "
-            f"{ms(loaded['llmgw-2w'].cpu_seconds / max(1, len(loaded['llmgw-2w'].seconds))):.2f} ms"
-        )
-    if "baseline" in names and llmgw:
+        for name in ("llmgw", "baseline")
+    ),
+    (
+        _both("llmgw", "llmgw-2w"),
+        lambda f, a: f"gateway --workers: {a.clients} concurrent, requests/s {f.rps['llmgw']:,.0f} with 1, "
+        f"{f.rps['llmgw-2w']:,.0f} with 2 ({f.rps['llmgw-2w'] / f.rps['llmgw']:.2f} ×); server CPU per request "
+        f"{f.cpu_per_request('llmgw'):.2f} and {f.cpu_per_request('llmgw-2w'):.2f} ms",
+    ),
+    (
         # Issue 14: this tree's gateway against another's, in one run, taking turns.
-        p50 = ms(pct(loaded[llmgw].seconds, 50) - pct(d_load, 50)) / ms(
-            pct(loaded["baseline"].seconds, 50) - pct(d_load, 50)
-        )
-        print(
-            f"llmgw / baseline: one at a time added p50 {added50[llmgw] - added50['baseline']:+.3f} ms; "
-            f"{args.clients} concurrent added p50 {p50:.3f} ×, requests/s {rps[llmgw] / rps['baseline']:.3f} ×, "
-            f"server CPU a request {loaded[llmgw].cpu_seconds / max(1, len(loaded[llmgw].seconds)) * 1e6:.0f} µs vs "
-            f"{loaded['baseline'].cpu_seconds / max(1, len(loaded['baseline'].seconds)) * 1e6:.0f} µs"
-        )
-    for variant in (n for n in names if n.startswith("llmgw+")):
-        # Issue 16: metrics (and the access log) within 5 % of the gateway without them.
-        base = "llmgw"
-        p50 = ms(pct(loaded[variant].seconds, 50) - pct(d_load, 50)) / ms(
-            pct(loaded[base].seconds, 50) - pct(d_load, 50)
-        )
-        print(
-            f"{variant} / {base}: one at a time added p50 {added50[variant] - added50[base]:+.3f} ms; "
-            f"{args.clients} concurrent added p50 {p50:.3f} ×, requests/s {rps[variant] / rps[base]:.3f} ×"
-        )
+        _both("llmgw", "baseline"),
+        lambda f, a: f"llmgw / baseline: one at a time added p50 {f.added50['llmgw'] - f.added50['baseline']:+.3f} "
+        f"ms; {a.clients} concurrent added p50 {f.loaded_added('llmgw', 50) / f.loaded_added('baseline', 50):.3f} ×, "
+        f"requests/s {f.rps['llmgw'] / f.rps['baseline']:.3f} ×, server CPU a request "
+        f"{f.cpu_per_request('llmgw') * 1000:.0f} µs vs {f.cpu_per_request('baseline') * 1000:.0f} µs",
+    ),
+]
 
 
-def main() -> None:
+def variant_lines(f: Figures, args: argparse.Namespace) -> list[str]:
+    """Issue 16: each llmgw+ variant (metrics, the access log, limits) against llmgw without it."""
+    return [
+        f"{variant} / llmgw: one at a time added p50 {f.added50[variant] - f.added50['llmgw']:+.3f} ms; "
+        f"{args.clients} concurrent added p50 {f.loaded_added(variant, 50) / f.loaded_added('llmgw', 50):.3f} ×, "
+        f"requests/s {f.rps[variant] / f.rps['llmgw']:.3f} ×"
+        for variant in f.names
+        if variant.startswith("llmgw+")
+    ]
+
+
+def print_figures(f: Figures, args: argparse.Namespace, with_redis: bool) -> None:
+    print()
+    table(["what", *f.names], [(label, *cells) for label, cells in rows(f, args, with_redis)])
+    print()
+    for ran, line in BESIDE:
+        if ran(f):
+            print(line(f, args))
+    report(GOALS, f)
+    for ran, line in AFTER:
+        if ran(f):
+            print(line(f, args))
+    for line in variant_lines(f, args):
+        print(line)
+
+
+def variants(args: argparse.Namespace, work) -> dict[str, dict[str, str]]:
+    """This tree's llmgw contenders and their settings."""
+    found = {"llmgw": {}}
+    if args.observability:
+        # As `make run` runs it: counters in a multiprocess directory, /metrics adding them up.
+        metrics = {"LLMGW_GATEWAY_METRICS": "true", "PROMETHEUS_MULTIPROC_DIR": str(work / "metrics")}
+        (work / "metrics").mkdir()
+        found = {
+            "llmgw": {"LLMGW_GATEWAY_METRICS": "false"},
+            "llmgw+metrics": metrics,
+            "llmgw+log": {**metrics, "LLMGW_GATEWAY_ACCESS_LOG": str(work / "access.jsonl")},
+        }
+    if args.workers:
+        found["llmgw-2w"] = {**found["llmgw"], "LLMGW_GATEWAY_WORKERS": "2", "LLMGW_ADMIN_WORKERS": "2"}
+    return found
+
+
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--quick", action="store_true", help="a short run: fewer requests, shorter loads")
     parser.add_argument("--rounds", type=int, default=2000, help="requests one at a time, each target")
@@ -574,104 +442,53 @@ def main() -> None:
         args.rounds, args.duration = 300, 3
     if args.repeat is None:
         args.repeat = 1 if args.quick else 2
-    # Stopped from outside (kill PID): the servers it started are stopped too, in `finally` below.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return args
 
+
+def main() -> None:
+    args = arguments()
     # 1,000 streams through a proxy are 2,000 sockets in it; the children inherit this.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
-
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
-    processes: list[subprocess.Popen] = []
     admin_load = AdminLoad() if args.admin_load else None
-    try:
-        stub_port = free_port()
-        stub = quiet_popen(
-            [sys.executable, str(ROOT / "bench" / "stub_upstream.py"), "--port", str(stub_port)],
-            dict(os.environ),
-            work / "stub.log",
-        )
-        processes.append(stub)
+    with Servers(keep=args.keep) as servers:
+        stub, stub_port = servers.stub()
         direct = Target("direct", stub_port, pid=stub.pid)
-        proxies = []
         redis_port = redis_pid = None
         if args.limits or args.baseline:
             # --baseline: both gateways with a Redis, as they run: the new one writes its load there.
-            redis_process, redis_port = start_redis(work)
+            redis_process, redis_port = servers.redis()
             redis_pid = redis_process.pid
-            processes.append(redis_process)
-        variants = {"llmgw": {}}
-        if args.observability:
-            # As `make run` runs it: counters in a multiprocess directory, /metrics adding them up.
-            metrics = {"LLMGW_GATEWAY_METRICS": "true", "PROMETHEUS_MULTIPROC_DIR": str(work / "metrics")}
-            (work / "metrics").mkdir()
-            variants = {
-                "llmgw": {"LLMGW_GATEWAY_METRICS": "false"},
-                "llmgw+metrics": metrics,
-                "llmgw+log": {**metrics, "LLMGW_GATEWAY_ACCESS_LOG": str(work / "access.jsonl")},
-            }
-        if args.workers:
-            variants["llmgw-2w"] = {**variants["llmgw"], "LLMGW_GATEWAY_WORKERS": "2", "LLMGW_ADMIN_WORKERS": "2"}
-        for name, settings in variants.items():
-            started = start_llmgw(
-                stub_port,
-                work,
-                name,
-                redis_port if name == "llmgw" else None,
-                limited=args.limits,
-                admin_load=admin_load if name == "llmgw" else None,
-                **settings,
-            )
-            if started:
-                processes.append(started[0])
-                proxies.extend(started[1])
+        proxies = []
+        for name, settings in variants(args, servers.work).items():
+            first = name == "llmgw"
+            site = stub_site(servers, stub_port, name, None, redis_port if first else None, **settings)
+            proxies += llmgw_targets(site, args.limits and first, admin_load if first else None)
         if args.baseline:
-            started = start_llmgw(
-                stub_port,
-                work,
-                "baseline",
-                redis_port,
-                root=Path(args.baseline).resolve(),
-                limited=args.limits,
-                admin_load=admin_load,
-            )
-            if started:
-                processes.append(started[0])
-                proxies.extend(started[1])
+            site = stub_site(servers, stub_port, "baseline", Path(args.baseline).resolve(), redis_port)
+            proxies += llmgw_targets(site, args.limits, admin_load)
         litellm = None if args.no_litellm else ensure_litellm()
         if litellm:
-            process, target = start_litellm(litellm, stub_port, work)
-            processes.append(process)
-            proxies.append(target)
+            process, port, key = start_litellm(servers, litellm, stub_port)
+            proxies.append(Target("LiteLLM", port, key=key, pid=process.pid))
 
-        async def run() -> None:
+        async def run() -> Figures:
             for target in [direct] + proxies:
                 if not await answers(target):
-                    log = work / f"{target.name.lower()}.log"
-                    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                    tail = servers.log_tail(target.name.lower())
                     raise SystemExit(f"{target.name} did not answer a chat completion within 60 s\n{tail}")
             if admin_load is not None:
                 admin_load.start()
-            await measure(direct, proxies, args, redis_pid)
+            figures = await measure(direct, proxies, args, redis_pid)
             if admin_load is not None:
                 admin_load.stop()
-                print(f"\nadmin load: {admin_load.pages} {ADMIN_PAGE} pages answered 200 during the run")
+            return figures
 
+        figures = uvloop.run(run())
+        print_figures(figures, args, redis_pid is not None)
         if admin_load is not None:
-            processes.extend(admin_load.processes)
-        uvloop.run(run())
+            print(f"\nadmin load: {admin_load.pages} {ADMIN_PAGE} pages answered 200 during the run")
         print(f"\n{os.cpu_count()} cores; load average before the end: {os.getloadavg()[0]:.2f}")
-    finally:
-        for process in processes:
-            try:
-                os.killpg(process.pid, 15)
-                process.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(process.pid, 9)
-        if args.keep:
-            print(f"work directory kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

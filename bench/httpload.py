@@ -14,6 +14,21 @@ import time
 from dataclasses import dataclass, field
 
 import httptools
+from harness import pct, rotation
+
+__all__ = [
+    "Concurrent",
+    "Connection",
+    "OpenStreams",
+    "Sequential",
+    "Target",
+    "answers",
+    "concurrent",
+    "open_streams",
+    "pct",
+    "release_held",
+    "sequential",
+]
 
 
 @dataclass
@@ -26,7 +41,8 @@ class Target:
     path: str = "/v1/chat/completions"
     pid: int | None = None  # the server's process group, for its CPU time and memory
 
-    def request(self, stream: bool = False, hold: bool = False) -> bytes:
+    def payload(self, stream: bool, hold: bool) -> dict:
+        """The request's JSON: a chat completion; a target of another endpoint overrides this alone."""
         payload = {
             "model": self.hold_model if hold else self.model,
             "messages": [{"role": "user", "content": "Say hello."}],
@@ -35,7 +51,10 @@ class Target:
         if stream:
             payload["stream"] = True
             payload["stream_options"] = {"include_usage": True}
-        body = json.dumps(payload).encode()
+        return payload
+
+    def request(self, stream: bool = False, hold: bool = False) -> bytes:
+        body = json.dumps(self.payload(stream, hold)).encode()
         head = (
             f"POST {self.path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
             f"Authorization: Bearer {self.key}\r\nContent-Type: application/json\r\n"
@@ -136,13 +155,6 @@ class Connection(asyncio.Protocol):
         self.transport.close()
 
 
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * p / 100))]
-
-
 def cpu_and_rss(pgid: int | None) -> tuple[float, int]:
     """CPU seconds and resident bytes of every process in a process group (a server and its workers)."""
     if pgid is None:
@@ -166,6 +178,31 @@ def cpu_and_rss(pgid: int | None) -> tuple[float, int]:
     return cpu, rss
 
 
+async def answers(target: Target, timeout: float = 60) -> bool:
+    """Until a chat completion through `target` comes back 200 (routes and workers take a moment)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        try:
+            connection = await Connection.open(target.port)
+            response = await asyncio.wait_for(connection.send(target.request()), 10)
+            connection.close()
+            if response.ok:
+                return True
+        except (TimeoutError, OSError, ConnectionError):
+            pass
+        await asyncio.sleep(0.3)
+    return False
+
+
+async def release_held(stub_port: int) -> None:
+    """bench/stub_upstream.py lets every stream it holds go."""
+    connection = await Connection.open(stub_port)
+    raw = b"POST /release HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n"
+    await connection.send(raw)
+    connection.close()
+
+
 # --- the measures ---------------------------------------------------------------------------
 
 
@@ -187,9 +224,7 @@ async def sequential(targets: list[Target], rounds: int, stream: bool, warmup: i
         result.seconds[t.name], result.first_event[t.name], result.gateway_ms[t.name] = [], [], []
         result.errors[t.name] = 0
     for index in range(warmup + rounds):
-        # Rotate who goes first, so that no target always follows the same one.
-        order = targets[index % len(targets) :] + targets[: index % len(targets)]
-        for t in order:
+        for t in rotation(targets, index):
             connection = connections[t.name]
             if connection.lost:
                 connection = connections[t.name] = await Connection.open(t.port)

@@ -20,14 +20,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import requests
+from harness import ROOT, Goal, Servers, report, table
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
 
@@ -51,6 +50,8 @@ SHAPES = {
     "3b-q4_k": (36, 2048, 16, 2, 11008, 151936, 32768, "Q4_K"),
 }
 SPECIALS = ["<unk>", "<s>", "</s>"]
+
+GOALS = [Goal("the estimate within 10% of the measured RSS in every case", lambda worst: worst <= 0.10)]
 
 
 def _blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
@@ -135,12 +136,14 @@ def seed_rule_bytes(size: int) -> int:
     return (int(size / GB * 1.5) + 2) * GB
 
 
-def run_case(weights: Path, pool: int, work: Path) -> dict:
+def run_case(weights: Path, pool: int, servers: Servers) -> dict:
     """Start the engine on `weights` with this pool, send one request, and read what it holds."""
+    work = servers.work
     port = engines.free_port()
     args = ["--ctx-size", str(pool)]
     argv = engines.command("llamacpp", weights, port, args, model="bench")
-    process = engines.spawn(argv, work / f"{weights.stem}-{pool}.log", env=engines.engine_env("llamacpp"))
+    log = work / f"{weights.stem}-{pool}.log"
+    process = servers.adopt(engines.spawn(argv, log, env=engines.engine_env("llamacpp")))
     try:
         if not engines.wait_until_answers(process, port, timeout=600):
             raise SystemExit(f"the engine did not answer: {engines.last_lines(work / f'{weights.stem}-{pool}.log')}")
@@ -159,7 +162,7 @@ def run_case(weights: Path, pool: int, work: Path) -> dict:
         measured = measuring.process_tree_memory(process.pid) or {}
         usage = response.json().get("usage", {})
     finally:
-        engines.stop_group(process.pid, grace=5)
+        servers.stop(process, grace=5)
     return {"measured": measured, "seconds": seconds, "prompt_tokens": usage.get("prompt_tokens")}
 
 
@@ -170,47 +173,63 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=str(Path.home() / ".cache" / "llmgw" / "bench-memory"))
     parser.add_argument("--json", default="")
     options = parser.parse_args(argv)
-    from mirror.headers import read_version
 
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-memory-"))
-    rows = []
-    for name in options.models.split(","):
-        started = time.monotonic()
-        path = write_shaped_gguf(Path(options.dir) / f"{name}.gguf", SHAPES[name])
-        print(
-            f"{name}: {path.stat().st_size / MB:,.0f} MB on disk (written or found in {time.monotonic() - started:.0f} s)"
-        )
-        header = read_version({path.name: path})
-        for pool in (int(p) for p in options.pools.split(",")):
-            guess = estimate(header, "llamacpp", ["--ctx-size", str(pool)])
-            seed = seed_rule_bytes(path.stat().st_size)
-            case = run_case(path, pool, work)
-            rss = case["measured"].get("rss", 0)
-            row = {
-                "model": name,
-                "pool": pool,
-                "estimate": guess.as_dict(),
-                "seed_rule": seed,
-                "measured": case["measured"],
-                "estimate_over_measured": guess.total / rss if rss else None,
-                "seed_over_measured": seed / rss if rss else None,
-                "request_s": case["seconds"],
-                "prompt_tokens": case["prompt_tokens"],
-            }
-            rows.append(row)
-            print(
-                f"  pool {pool:>6}: estimate {guess.total / MB:7.0f} MB (weights {guess.weights / MB:.0f}, "
-                f"KV {guess.kv_cache / MB:.0f}, overhead {guess.overhead / MB:.0f}) | seed rule {seed / MB:6.0f} MB | "
-                f"measured RSS {rss / MB:6.0f} MB, PSS {case['measured'].get('pss', 0) / MB:6.0f} MB | "
-                f"estimate/measured {row['estimate_over_measured']:.2f}, seed/measured {row['seed_over_measured']:.2f} "
-                f"({case['prompt_tokens']} prompt tokens in {case['seconds']:.0f} s)",
-                flush=True,
-            )
+    with Servers("llmgw-bench-memory-") as servers:
+        rows = [row for name in options.models.split(",") for row in model_cases(name, options, servers)]
     if options.json:
         Path(options.json).write_text(json.dumps(rows, indent=1))
+    table(
+        ["model", "pool", "estimate", "seed rule", "measured RSS", "PSS", "estimate / measured", "seed / measured"],
+        [
+            (r["model"], r["pool"], f"{r['estimate']['total'] / MB:.0f} MB", f"{r['seed_rule'] / MB:.0f} MB")
+            + (f"{r['measured'].get('rss', 0) / MB:.0f} MB", f"{r['measured'].get('pss', 0) / MB:.0f} MB")
+            + (f"{r['estimate_over_measured']:.2f}", f"{r['seed_over_measured']:.2f}")
+            for r in rows
+        ],
+    )
     worst = max(abs(r["estimate_over_measured"] - 1) for r in rows if r["estimate_over_measured"])
-    print(f"largest error of the estimate: {worst:.1%} (goal: within 10%)")
+    print(f"largest error of the estimate: {worst:.1%}")
+    report(GOALS, worst)
     return 0
+
+
+def model_cases(name: str, options, servers: Servers) -> list[dict]:
+    """One model written (or found) and measured at each pool: a row each."""
+    from mirror.headers import read_version
+
+    started = time.monotonic()
+    path = write_shaped_gguf(Path(options.dir) / f"{name}.gguf", SHAPES[name])
+    print(
+        f"{name}: {path.stat().st_size / MB:,.0f} MB on disk (written or found in {time.monotonic() - started:.0f} s)"
+    )
+    header = read_version({path.name: path})
+    rows = []
+    for pool in (int(p) for p in options.pools.split(",")):
+        guess = estimate(header, "llamacpp", ["--ctx-size", str(pool)])
+        seed = seed_rule_bytes(path.stat().st_size)
+        case = run_case(path, pool, servers)
+        rss = case["measured"].get("rss", 0)
+        row = {
+            "model": name,
+            "pool": pool,
+            "estimate": guess.as_dict(),
+            "seed_rule": seed,
+            "measured": case["measured"],
+            "estimate_over_measured": guess.total / rss if rss else None,
+            "seed_over_measured": seed / rss if rss else None,
+            "request_s": case["seconds"],
+            "prompt_tokens": case["prompt_tokens"],
+        }
+        rows.append(row)
+        print(
+            f"  pool {pool:>6}: estimate {guess.total / MB:7.0f} MB (weights {guess.weights / MB:.0f}, "
+            f"KV {guess.kv_cache / MB:.0f}, overhead {guess.overhead / MB:.0f}) | seed rule {seed / MB:6.0f} MB | "
+            f"measured RSS {rss / MB:6.0f} MB, PSS {case['measured'].get('pss', 0) / MB:6.0f} MB | "
+            f"estimate/measured {row['estimate_over_measured']:.2f}, seed/measured {row['seed_over_measured']:.2f} "
+            f"({case['prompt_tokens']} prompt tokens in {case['seconds']:.0f} s)",
+            flush=True,
+        )
+    return rows
 
 
 if __name__ == "__main__":

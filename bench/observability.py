@@ -20,24 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import Servers, django_setup, medians, side_by_side, table
 
 
 def one_variant(requests: int) -> dict:
     import asyncio
     import time
 
-    sys.path.insert(0, str(ROOT))
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
-    import django
-
-    django.setup()
+    django_setup()
     from gateway.metrics import Observer
 
     observer = Observer()
@@ -76,39 +69,41 @@ def main() -> int:
     if args.variant:
         print(json.dumps(one_variant(args.requests)))
         return 0
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-observability-"))
-    (work / "metrics").mkdir()
-    variants = {
-        "off": {"LLMGW_GATEWAY_METRICS": "false"},
-        "metrics": {"LLMGW_GATEWAY_METRICS": "true", "PROMETHEUS_MULTIPROC_DIR": str(work / "metrics")},
-        "+ log": {
-            "LLMGW_GATEWAY_METRICS": "true",
-            "PROMETHEUS_MULTIPROC_DIR": str(work / "metrics"),
-            "LLMGW_GATEWAY_ACCESS_LOG": str(work / "access.jsonl"),
-        },
-    }
-    results = {}
-    for name, settings in variants.items():
-        env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-        env.update(settings, LLMGW_VAR=str(work / "var"), REDIS_URL="redis://127.0.0.1:1/0")
-        runs = []
-        for _ in range(args.runs):
-            out = subprocess.run(
-                [sys.executable, __file__, "--variant", name, "--requests", str(args.requests)],
-                env=env,
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        results[name] = {k: statistics.median(r[k] for r in runs) for k in ("p50_us", "p99_us")}
+    with Servers("llmgw-bench-observability-") as servers:
+        work = servers.work
+        (work / "metrics").mkdir()
+        metrics = {"LLMGW_GATEWAY_METRICS": "true", "PROMETHEUS_MULTIPROC_DIR": str(work / "metrics")}
+        variants = {
+            "off": {"LLMGW_GATEWAY_METRICS": "false"},
+            "metrics": metrics,
+            "+ log": {**metrics, "LLMGW_GATEWAY_ACCESS_LOG": str(work / "access.jsonl")},
+        }
+
+        def run(name: str, settings: dict):
+            def one_run() -> dict:
+                env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+                env.update(settings, LLMGW_VAR=str(work / "var"), REDIS_URL="redis://127.0.0.1:1/0")
+                argv = [sys.executable, __file__, "--variant", name, "--requests", str(args.requests)]
+                out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+                return json.loads(out.stdout.strip().splitlines()[-1])
+
+            return one_run
+
+        results = medians(side_by_side({name: run(name, v) for name, v in variants.items()}, args.runs))
     off = results["off"]["p50_us"]
     print(f"{args.requests:,} requests through the gateway's hooks, median of {args.runs} runs each")
-    print("| what | p50 | p99 | p50 added to off |")
-    print("| --- | --- | --- | --- |")
-    for name, r in results.items():
-        added = f"{r['p50_us'] - off:+.1f} µs" if name != "off" else ""
-        print(f"| {name} | {r['p50_us']:.1f} µs | {r['p99_us']:.1f} µs | {added} |")
+    table(
+        ["what", "p50", "p99", "p50 added to off"],
+        [
+            (
+                name,
+                f"{r['p50_us']:.1f} µs",
+                f"{r['p99_us']:.1f} µs",
+                f"{r['p50_us'] - off:+.1f} µs" if name != "off" else "",
+            )
+            for name, r in results.items()
+        ],
+    )
     return 0
 
 

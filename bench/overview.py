@@ -11,14 +11,14 @@ Goal (issue 16): under 200 ms.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import Goal, Servers, django_setup, pct, report, table
+
+GOAL_MS = 200  # issue 16
+GOALS = [Goal(f"the whole page under {GOAL_MS} ms at the median", lambda f: f["page"] * 1000 < GOAL_MS)]
 
 
 def main() -> int:
@@ -26,16 +26,13 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     options = parser.parse_args()
 
-    var = tempfile.mkdtemp(prefix="llmgw-bench-overview-")
-    os.environ.update(LLMGW_VAR=var, DJANGO_SETTINGS_MODULE="llmgw_site.settings")
-    os.environ.pop("DATABASE_URL", None)
-    sys.path.insert(0, str(ROOT))
-    os.chdir(ROOT)
-    import django
+    with Servers("llmgw-bench-overview-") as servers:  # its work directory, removed at the end
+        django_setup(servers.work / "var")
+        return measure(options)
 
-    django.setup()
+
+def measure(options) -> int:
     from django.contrib.auth import get_user_model
-    from django.core.management import call_command
     from django.db import connection
     from django.test import Client
     from django.test.utils import CaptureQueriesContext, setup_test_environment
@@ -43,7 +40,6 @@ def main() -> int:
     from tests.overview_data import build_fleet_at_scale
 
     setup_test_environment()
-    call_command("migrate", verbosity=0)
     built = build_fleet_at_scale()
     client = Client()
     client.force_login(get_user_model().objects.create_superuser("bench", "", "a long password"))
@@ -63,14 +59,17 @@ def main() -> int:
     page, page_queries = timed()
     fragment, fragment_queries = timed(HX_Request="true")
     print(f"{built['nodes']} nodes, {built['models']} models, {built['usage_rows']} usage rows (30 days), SQLite")
-    print("| what | median | p90 | queries |")
-    print("| --- | --- | --- | --- |")
-    for what, times, queries in (
-        ("GET /admin/ (the whole page)", page, page_queries),
-        ("its htmx fragment", fragment, fragment_queries),
-    ):
-        p90 = sorted(times)[int(len(times) * 0.9) - 1]
-        print(f"| {what} | {statistics.median(times) * 1000:.1f} ms | {p90 * 1000:.1f} ms | {queries} |")
+    table(
+        ["what", "median", "p90", "queries"],
+        [
+            (what, f"{statistics.median(times) * 1000:.1f} ms", f"{pct(times, 90) * 1000:.1f} ms", queries)
+            for what, times, queries in (
+                ("GET /admin/ (the whole page)", page, page_queries),
+                ("its htmx fragment", fragment, fragment_queries),
+            )
+        ],
+    )
+    report(GOALS, {"page": statistics.median(page)})
     return 0
 
 

@@ -22,13 +22,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import Goal, Servers, django_setup, report, table, timed
 
 
 def fleet_and_catalog(n_nodes: int, n_models: int, seed: int = 7):
@@ -73,13 +70,8 @@ def fleet_and_catalog(n_nodes: int, n_models: int, seed: int = 7):
     return nodes, models
 
 
-def timed(fn, runs: int) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(runs):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+GOAL_S = 1.0  # issue 5
+GOALS = [Goal(f"one pass (the first, the heaviest) under {GOAL_S:g} s", lambda f: f["pass, first"] < GOAL_S)]
 
 
 def main() -> int:
@@ -88,16 +80,14 @@ def main() -> int:
     parser.add_argument("--models", type=int, default=500)
     parser.add_argument("--runs", type=int, default=5)
     options = parser.parse_args()
+    with Servers("llmgw-bench-placement-") as servers:
+        _, redis_port = servers.redis()  # the gateway's load, for the scaled pass
+        os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
+        django_setup(servers.work / "var")
+        return measure(options)
 
-    var = tempfile.mkdtemp(prefix="llmgw-bench-placement-")
-    os.environ.update(LLMGW_VAR=var, DJANGO_SETTINGS_MODULE="llmgw_site.settings")
-    os.environ.pop("DATABASE_URL", None)
-    sys.path.insert(0, str(ROOT))
-    os.chdir(ROOT)
-    import django
 
-    django.setup()
-    from django.core.management import call_command
+def measure(options) -> int:
     from django.db import transaction
     from django.utils import timezone
 
@@ -107,16 +97,17 @@ def main() -> int:
 
     nodes, models = fleet_and_catalog(options.nodes, options.models)
     wanted = sum(m.replicas for m in models)
+    figures, notes = {}, {}
 
-    first_s, plan = timed(lambda: place(nodes, models, []), options.runs)
+    figures["place, empty fleet"], plan = timed(lambda: place(nodes, models, []), options.runs)
+    notes["place, empty fleet"] = f"{len(plan.assign)} placed, {len(plan.unplaced)} unplaceable"
     placed = [
         ReplicaView(i, a.model, a.profile.name, a.node, "ready", a.profile.min_memory_gb, a.profile.gpus, a.source)
         for i, a in enumerate(plan.assign)
     ]
-    steady_s, steady = timed(lambda: place(nodes, models, placed), options.runs)
+    figures["place, steady"], steady = timed(lambda: place(nodes, models, placed), options.runs)
     assert not steady.assign and not steady.stop, "a steady fleet should need nothing done"
 
-    call_command("migrate", verbosity=0)
     now = timezone.now()
     Node.objects.bulk_create(
         Node(
@@ -138,14 +129,25 @@ def main() -> int:
         with transaction.atomic():
             return reconcile.reconcile_unlocked(timezone.now(), models)
 
-    pass_first_s, pass_plan = timed(first_pass, options.runs)
+    figures["pass, first"], pass_plan = timed(first_pass, options.runs)
+    notes["pass, first"] = f"{len(pass_plan.assign)} replicas written"
     sent.clear()
-    pass_steady_s, _ = timed(lambda: reconcile.reconcile_unlocked(timezone.now(), models), options.runs)
+    figures["pass, steady"], _ = timed(lambda: reconcile.reconcile_unlocked(timezone.now(), models), options.runs)
+    figures["pass, steady, scaled"] = scaled_pass(reconcile, models, options.runs, sent)
+    notes["pass, steady, scaled"] = f"{len(sent)} messages to agents"
 
-    # The same, with every model between fewest and most and the gateway's load in Redis
-    # (issue 14): one HGETALL, one read of the counts, a decision per model.
+    print(f"{len(nodes)} nodes, {len(models)} models, {wanted} replicas wanted; median of {options.runs} runs")
+    table(["what", "median", ""], [(what, f"{s * 1000:.1f} ms", notes.get(what, "")) for what, s in figures.items()])
+    report(GOALS, figures)
+    return 0
+
+
+def scaled_pass(reconcile, models, runs: int, sent: list) -> float:
+    """The steady pass with every model between fewest and most and the gateway's load in Redis
+    (issue 14): one HGETALL, one read of the counts, a decision per model."""
     import dataclasses
-    import time
+
+    from django.utils import timezone
 
     from contracts import demand
     from fleet.live import redis_client
@@ -156,18 +158,9 @@ def main() -> int:
     redis_client().hset(demand.LOAD_KEY, "bench", demand.encode({"at": time.time(), "models": load, "replicas": {}}))
     reconcile.reconcile_unlocked(timezone.now(), scaled)
     sent.clear()
-    pass_scaled_s, _ = timed(lambda: reconcile.reconcile_unlocked(timezone.now(), scaled), options.runs)
+    seconds, _ = timed(lambda: reconcile.reconcile_unlocked(timezone.now(), scaled), runs)
     redis_client().hdel(demand.LOAD_KEY, "bench")
-
-    print(f"{len(nodes)} nodes, {len(models)} models, {wanted} replicas wanted; median of {options.runs} runs")
-    print(
-        f"  place, empty fleet   {first_s * 1000:8.1f} ms  ({len(plan.assign)} placed, {len(plan.unplaced)} unplaceable)"
-    )
-    print(f"  place, steady        {steady_s * 1000:8.1f} ms")
-    print(f"  pass, first          {pass_first_s * 1000:8.1f} ms  ({len(pass_plan.assign)} replicas written)")
-    print(f"  pass, steady         {pass_steady_s * 1000:8.1f} ms")
-    print(f"  pass, steady, scaled {pass_scaled_s * 1000:8.1f} ms  ({len(sent)} messages to agents)")
-    return 0
+    return seconds
 
 
 if __name__ == "__main__":

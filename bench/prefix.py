@@ -55,14 +55,13 @@ import queue
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import requests
+from harness import ROOT, Goal, Servers, Site, free_port, report, table, until
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
 
@@ -100,41 +99,16 @@ def system_prompt(n: int, words: int) -> str:
     return " ".join(out)
 
 
-SEED = """
-from catalog.models import Model, Profile
-from fleet.models import Node, Replica
-node, _ = Node.objects.get_or_create(name="bench")
-model = Model.objects.create(name="{model}", source="http://127.0.0.1:1/m/v1/", context_length={ctx},
-    routing_profile="{routing}")
-Profile.objects.create(model=model, name="cpu", engine="llamacpp", parallel={slots})
-for port in {ports}:
-    Replica.objects.create(model_name="{model}", profile_name="cpu", node=node, state="ready",
-        endpoint=f"http://127.0.0.1:{{port}}/v1")
-"""
-
-
 class Run:
     """The gateway, its database and Redis, and the replicas of the mode being measured."""
 
-    def __init__(self, work: Path, options) -> None:
-        self.work = work
-        self.options = options
-        self.processes: list[subprocess.Popen] = []
-        redis_port = engines.free_port()
-        self.redis = subprocess.Popen(
-            ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.processes.append(self.redis)
-        self.port = engines.free_port()
-        self.env = dict(
-            os.environ,
-            LLMGW_GATEWAY_ADDR=f"127.0.0.1:{self.port}",
-            LLMGW_VAR=str(work / "var"),
-            DATABASE_URL=f"sqlite:///{work / 'bench.sqlite3'}",
-            REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
+    def __init__(self, servers: Servers, options) -> None:
+        self.servers, self.options, self.work = servers, options, servers.work
+        _, redis_port = servers.redis()
+        self.site = Site(
+            servers,
+            "gateway",
+            redis_port=redis_port,
             LLMGW_GATEWAY_REFRESH_MS="200",
             LLMGW_PREFIX_LOAD_BOUND=str(options.bound),
             LLMGW_PREFIX_SLOT_MARGIN=str(options.margin),
@@ -142,13 +116,7 @@ class Run:
             # the operator shows it (docs/gateway.md, "What clients see of the prompt cache").
             LLMGW_GATEWAY_SHOW_CACHED_TOKENS="true",
         )
-        self.manage = [sys.executable, str(ROOT / "manage.py")]
-        subprocess.run(self.manage + ["migrate", "-v", "0"], env=self.env, cwd=ROOT, check=True)
-        created = subprocess.run(
-            self.manage + ["api_key", "create", "bench"], env=self.env, cwd=ROOT, check=True, capture_output=True,
-            text=True,
-        )  # fmt: skip
-        self.key = created.stdout.strip().splitlines()[-1].strip()
+        self.key = self.site.create_key("bench")
         self.gateway: subprocess.Popen | None = None
         self.engines: list[subprocess.Popen] = []
 
@@ -161,10 +129,11 @@ class Run:
             args += prompt_cache_args("llamacpp", read_version({smollm2.FILE: smollm2.gguf_path()}), args)
         ports, started = [], []
         for n in range(o.replicas):
-            port = engines.free_port()
+            port = free_port()
             argv = engines.command("llamacpp", smollm2.gguf_path(), port, args, model=smollm2.MODEL)
             log = self.work / f"{name}-engine{n}.log"
-            started.append((engines.spawn(argv, log, engines.engine_env("llamacpp", "")), port, log))
+            process = self.servers.adopt(engines.spawn(argv, log, engines.engine_env("llamacpp", "")))
+            started.append((process, port, log))
             ports.append(port)
         for process, port, log in started:
             if not engines.wait_until_answers(process, port, timeout=300):
@@ -175,48 +144,36 @@ class Run:
 
     def stop_engines(self) -> None:
         for process in self.engines:
-            engines.stop_group(process.pid, grace=5)
+            self.servers.stop(process, grace=5)
         self.engines = []
 
     def serve(self, model: str, routing: str, ports: list[int]) -> None:
-        seed = SEED.format(model=model, ctx=2048, slots=self.options.slots, routing=routing, ports=ports)
-        subprocess.run(self.manage + ["shell", "-c", seed], env=self.env, cwd=ROOT, check=True, capture_output=True)
+        model_fields = dict(source="http://127.0.0.1:1/m/v1/", context_length=2048, routing_profile=routing)
+        endpoints = [f"http://127.0.0.1:{port}/v1" for port in ports]
+        profile_fields = dict(parallel=self.options.slots)
+        self.site.route(
+            [dict(model=model, endpoints=endpoints, model_fields=model_fields, profile_fields=profile_fields)]
+        )
 
     def start_gateway(self, log: Path, **more: str) -> str:
         if self.gateway is not None:
-            engines.stop_group(self.gateway.pid, grace=5)
-        env = dict(self.env, LLMGW_GATEWAY_ACCESS_LOG=str(log), **more)
-        self.gateway = subprocess.Popen(
-            self.manage + ["gateway"],
-            env=env,
-            cwd=ROOT,
-            stdout=(self.work / "gateway.log").open("ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        return f"http://127.0.0.1:{self.port}/v1"
+            self.servers.stop(self.gateway, grace=5)
+        self.gateway = self.site.start(LLMGW_GATEWAY_ACCESS_LOG=str(log), **more)
+        return self.site.url
 
     def wait_routed(self, url: str, model: str) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def routed() -> bool:
             try:
                 listed = requests.get(url + "/models", headers=self.headers, timeout=2)
-                if listed.status_code == 200 and any(m["id"] == model and m["ready"] for m in listed.json()["data"]):
-                    return
+                return listed.status_code == 200 and any(m["id"] == model and m["ready"] for m in listed.json()["data"])
             except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        raise SystemExit(f"the gateway did not route {model} within 60 s; {self.work}/gateway.log says why")
+                return False
+
+        until(routed, 60, f"the gateway to route {model} ({self.work}/gateway.log says why if it does not)", 0.3)
 
     @property
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.key}"}
-
-    def close(self) -> None:
-        self.stop_engines()
-        for process in [self.gateway, *self.processes]:
-            if process is not None:
-                engines.stop_group(process.pid, grace=5)
 
 
 def stream(url: str, headers: dict, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -400,92 +357,114 @@ def main() -> int:
     if not 2 <= options.replicas:
         raise SystemExit("--replicas must be at least 2: routing among one replica is no choice")
 
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-prefix-"))
-    run = Run(work, options)
-    rows = []
-    try:
-        modes = [m.strip() for m in options.modes.split(",")]
-        contenders = (
-            ("prefix", "chat", f"prefix, slots × {options.margin:g} or mean × {options.bound:g}", {}),
-            ("mean", "chat", f"prefix, mean × {options.bound:g} alone", {"LLMGW_PREFIX_SLOT_MARGIN": "0"}),
-            ("load", "load", "least in flight", {}),
-        )
-        for mode, routing, label, more in contenders:
-            if mode not in modes:
-                continue
-            model = f"smollm2-{mode}"
-            ports = run.start_engines(mode)
-            run.serve(model, routing, ports)
-            url = run.start_gateway(work / f"access-{mode}.log", **more)
-            run.wait_routed(url, model)
-            before = load_average()
-            played = play(url, run.headers, model, options)
-            row = summary(label, played)
-            row["load"] = f"{before} → {load_average()}"
-            rows.append(row)
-            print(f"{label}: {json.dumps(row)}", flush=True)
-            if played["errors"]:
-                print(f"  errors, the first: {played['errors'][0]}", flush=True)
-            run.stop_engines()
-        prompt_mean = rows[0]["prompt_mean"]
-        print(
-            f"\n{options.replicas} replicas of {smollm2.MODEL} (one thread, {options.slots} slots each"
-            f", --cache-ram {options.cache_ram if options.cache_ram is not None else 'as the control plane bounds it'}), "
-            f"{options.conversations} conversations × {options.turns} turns, {options.clients} clients, "
-            f"answers of {options.max_tokens} tokens, prompts of {prompt_mean:.0f} tokens on average\n"
-        )
-        print("| routing | requests | first token p50 | p95 | later turns' p50 | tokens/s (prompt + completion) "
-              "| completion tokens/s | cache hit rate | requests per replica | wall | load average (before → after) |")  # fmt: skip
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for r in rows:
-            errors = f" ({r['errors']} errors)" if r["errors"] else ""
-            print(
-                f"| {r['label']} | {r['requests']}{errors} | {r['p50']:.0f} ms | {r['p95']:.0f} ms "
-                f"| {r['p50_later']:.0f} ms | {r['tokens_s']:.0f} "
-                f"| {r['completion_s']:.1f} | {r['hit']:.0f}% | {' / '.join(str(v) for v in r['by_replica'].values())} "
-                f"| {r['seconds']:.0f} s | {r['load']} |",
-                flush=True,
-            )
-        load = next((r for r in rows if r["label"] == "least in flight"), None)
-        for r in rows:
-            if load is None or r is load or not load["p50"]:
-                continue
-            lower = load["p50"] / max(r["p50"], 1e-9)
-            throughput = r["tokens_s"] / max(load["tokens_s"], 1e-9)
-            met = "met" if lower >= 3 and throughput >= 1 else "NOT met"
-            print(
-                f"\n{r['label']}: first token p50 {lower:.1f}× lower than least in flight, tokens/s {throughput:.2f}×"
-                f" (goal: ≥ 3× lower, not lower): {met}; the later turns' p50 "
-                f"{load['p50_later'] / max(r['p50_later'], 1e-9):.1f}× lower",
-                flush=True,
-            )
-
+    with Servers("llmgw-bench-prefix-", keep=True) as servers:
+        run = Run(servers, options)
+        rows = contend(run, options)
+        print_rows(rows, options)
         if not options.skip_hot:
-            ports = run.start_engines("hot")
-            run.serve("smollm2-hot", "chat", ports)
-            log = work / "access-hot.log"
-            url = run.start_gateway(log)
-            run.wait_routed(url, "smollm2-hot")
-            before = load_average()
-            played = play(url, run.headers, "smollm2-hot", options, hot_share=0.5)
-            row = summary("hot prefix", played)
-            checked, over, most, routes = over_the_bound(log, "smollm2-hot", options)
-            hot = [r for r in played["results"] if r["conversation"] == "hot"]
-            hot_by_replica: dict[int, int] = {}
-            for r in hot:
-                hot_by_replica[r["replica"]] = hot_by_replica.get(r["replica"], 0) + 1
-            print(
-                f"\nhot prefix: {len(hot)} of {row['requests']} requests one opening; its requests per replica "
-                f"{dict(sorted(hot_by_replica.items()))}; routes {routes}; first token p50 {row['p50']:.0f} ms, "
-                f"p95 {row['p95']:.0f} ms; cache hit rate {row['hit']:.0f}%; at {checked} request starts, "
-                f"{over} found their replica over the bound (most in flight on one replica: {most}); "
-                f"load average {before} → {load_average()}",
-                flush=True,
-            )
-    finally:
-        run.close()
-    print(f"\nlogs under {work}")
+            hot_prefix(run, options)
     return 0
+
+
+def contend(run: Run, options) -> list[dict]:
+    """Each mode on fresh replicas behind the gateway, one after the other: a row each."""
+    modes = [m.strip() for m in options.modes.split(",")]
+    contenders = (
+        ("prefix", "chat", f"prefix, slots × {options.margin:g} or mean × {options.bound:g}", {}),
+        ("mean", "chat", f"prefix, mean × {options.bound:g} alone", {"LLMGW_PREFIX_SLOT_MARGIN": "0"}),
+        ("load", "load", "least in flight", {}),
+    )
+    rows = []
+    for mode, routing, label, more in contenders:
+        if mode not in modes:
+            continue
+        model = f"smollm2-{mode}"
+        ports = run.start_engines(mode)
+        run.serve(model, routing, ports)
+        url = run.start_gateway(run.work / f"access-{mode}.log", **more)
+        run.wait_routed(url, model)
+        before = load_average()
+        played = play(url, run.headers, model, options)
+        row = summary(label, played)
+        row["load"] = f"{before} → {load_average()}"
+        rows.append(row)
+        print(f"{label}: {json.dumps(row)}", flush=True)
+        if played["errors"]:
+            print(f"  errors, the first: {played['errors'][0]}", flush=True)
+        run.stop_engines()
+    return rows
+
+
+def print_rows(rows: list[dict], options) -> None:
+    cache_ram = options.cache_ram if options.cache_ram is not None else "as the control plane bounds it"
+    print(
+        f"\n{options.replicas} replicas of {smollm2.MODEL} (one thread, {options.slots} slots each"
+        f", --cache-ram {cache_ram}), {options.conversations} conversations × {options.turns} turns, "
+        f"{options.clients} clients, answers of {options.max_tokens} tokens, prompts of "
+        f"{rows[0]['prompt_mean']:.0f} tokens on average\n"
+    )
+    table(
+        ["routing", "requests", "first token p50", "p95", "later turns' p50", "tokens/s (prompt + completion)"]
+        + ["completion tokens/s", "cache hit rate", "requests per replica", "wall", "load average (before → after)"],
+        [
+            (r["label"], f"{r['requests']}" + (f" ({r['errors']} errors)" if r["errors"] else ""))
+            + (f"{r['p50']:.0f} ms", f"{r['p95']:.0f} ms", f"{r['p50_later']:.0f} ms", f"{r['tokens_s']:.0f}")
+            + (f"{r['completion_s']:.1f}", f"{r['hit']:.0f}%", " / ".join(str(v) for v in r["by_replica"].values()))
+            + (f"{r['seconds']:.0f} s", r["load"])
+            for r in rows
+        ],
+    )
+    load = next((r for r in rows if r["label"] == "least in flight"), None)
+    if load is None or not load["p50"]:
+        return
+    figures = {r["label"]: r for r in rows}
+    for r in rows:
+        if r is load:
+            continue
+        lower = load["p50"] / max(r["p50"], 1e-9)
+        print(
+            f"\n{r['label']}: first token p50 {lower:.1f}× lower than least in flight, tokens/s "
+            f"{r['tokens_s'] / max(load['tokens_s'], 1e-9):.2f}×; the later turns' p50 "
+            f"{load['p50_later'] / max(r['p50_later'], 1e-9):.1f}× lower",
+            flush=True,
+        )
+        report(goals(r["label"]), figures)
+
+
+def goals(label: str) -> list[Goal]:
+    """Issue 39's goals for a prefix contender, against least in flight in the same run."""
+    return [
+        Goal(
+            f"{label}: first token p50 ≥ 3× lower than least in flight, tokens/s not lower",
+            lambda f: f["least in flight"]["p50"] / max(f[label]["p50"], 1e-9) >= 3
+            and f[label]["tokens_s"] >= f["least in flight"]["tokens_s"],
+        )
+    ]
+
+
+def hot_prefix(run: Run, options) -> None:
+    """Half the requests one opening, routed by prefix: no replica chosen over the bound."""
+    ports = run.start_engines("hot")
+    run.serve("smollm2-hot", "chat", ports)
+    log = run.work / "access-hot.log"
+    url = run.start_gateway(log)
+    run.wait_routed(url, "smollm2-hot")
+    before = load_average()
+    played = play(url, run.headers, "smollm2-hot", options, hot_share=0.5)
+    row = summary("hot prefix", played)
+    checked, over, most, routes = over_the_bound(log, "smollm2-hot", options)
+    hot = [r for r in played["results"] if r["conversation"] == "hot"]
+    hot_by_replica: dict[int, int] = {}
+    for r in hot:
+        hot_by_replica[r["replica"]] = hot_by_replica.get(r["replica"], 0) + 1
+    print(
+        f"\nhot prefix: {len(hot)} of {row['requests']} requests one opening; its requests per replica "
+        f"{dict(sorted(hot_by_replica.items()))}; routes {routes}; first token p50 {row['p50']:.0f} ms, "
+        f"p95 {row['p95']:.0f} ms; cache hit rate {row['hit']:.0f}%; at {checked} request starts, "
+        f"{over} found their replica over the bound (most in flight on one replica: {most}); "
+        f"load average {before} → {load_average()}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

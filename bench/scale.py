@@ -34,11 +34,14 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import ROOT, Servers, django_setup, timed  # noqa: E402
+from scale_gateway_load import bench_gateway_load, gateway_load_child  # noqa: E402
+from scale_old import old_heartbeat, old_load_table, old_replica_report, old_scan_mirror, old_tree  # noqa: E402
 
 MIRROR_SIZES = {"1x": (1_000, 3), "10x": (10_000, 3)}  # versions, files each
 GATEWAY_SIZES = {"1x": (1_000, 100), "10x": (10_000, 1_000), "100x": (100_000, 1_000)}  # keys, models
@@ -50,18 +53,11 @@ REPORTS_SPREAD = REPORT_EVERY_S // HEARTBEAT_EVERY_S  # a node in this many repo
 
 
 def cpu(fn) -> float:
-    start = time.process_time()
-    fn()
-    return time.process_time() - start
+    return timed(fn, 1, time.process_time)[0]
 
 
 def median_cpu(fn, runs: int, before=None) -> float:
-    times = []
-    for _ in range(runs):
-        if before is not None:
-            before()
-        times.append(cpu(fn))
-    return statistics.median(times)
+    return timed(fn, runs, time.process_time, before)[0]
 
 
 def line(job: str, size: str, case: str, old: float, new: float, every_s: float) -> None:
@@ -71,152 +67,6 @@ def line(job: str, size: str, case: str, old: float, new: float, every_s: float)
         f"({old / new if new else float('inf'):,.0f}x)",
         flush=True,
     )
-
-
-# --- the old code, as it was before issue 17 ------------------------------------------------
-
-
-def old_scan_mirror():
-    """mirror.scan.scan_mirror before issue 17: a query or more per version, a write per version."""
-    from django.db import transaction
-    from django.utils import timezone
-
-    from mirror import disk
-    from mirror.models import MirrorFile, MirrorVersion
-    from mirror.scan import ScanReport
-
-    def skipped_names(directory, where):
-        sentences = []
-        try:
-            entries = sorted(os.listdir(directory))
-        except OSError:
-            return sentences
-        for name in entries:
-            problem = disk.name_problem(name)
-            if problem is None or name.startswith(".") or name.endswith(".part"):
-                continue
-            sentences.append(f"{where}{name!r} is not indexed: {problem}")
-        return sentences
-
-    @transaction.atomic
-    def reconcile_version(model, version, files, now, report):
-        row, created = MirrorVersion.objects.get_or_create(model=model, version=version, defaults={"scanned_at": now})
-        if created:
-            report.added.append(str(row))
-        else:
-            row.scanned_at = now
-            row.save(update_fields=["scanned_at"])
-        indexed = {f.name: f for f in row.files.all()}
-        on_disk = {f.name for f in files}
-        for gone in set(indexed) - on_disk:
-            indexed[gone].delete()
-            report.changed.append(f"{row}/{gone} removed")
-        for f in files:
-            existing = indexed.get(f.name)
-            if existing is None:
-                new = MirrorFile.objects.create(version=row, name=f.name, bytes=f.bytes, mtime_ns=f.mtime_ns)
-                report.to_hash.append(new.pk)
-                if not created:
-                    report.changed.append(f"{row}/{f.name} added")
-            elif existing.bytes != f.bytes or existing.mtime_ns != f.mtime_ns:
-                existing.bytes, existing.mtime_ns = f.bytes, f.mtime_ns
-                existing.sha256, existing.hashed_at = "", None
-                existing.save()
-                report.to_hash.append(existing.pk)
-                report.changed.append(f"{row}/{f.name} changed")
-            elif not existing.sha256:
-                report.to_hash.append(existing.pk)
-
-    report = ScanReport()
-    now = timezone.now()
-    root = disk.root()
-    report.skipped += skipped_names(root, "")
-    seen = set()
-    for model in disk.model_names():
-        report.skipped += skipped_names(root / model, f"{model}/")
-        for version in disk.version_names(model):
-            report.skipped += skipped_names(root / model / version, f"{model}/{version}/")
-            files = disk.version_files(model, version)
-            if files is None:
-                continue
-            seen.add((model, version))
-            reconcile_version(model, version, files, now, report)
-    for row in MirrorVersion.objects.all():
-        if (row.model, row.version) not in seen:
-            report.removed.append(str(row))
-            row.delete()
-    return report
-
-
-def old_load_table():
-    """gateway.routes.load before issue 17: every model, profile, ready replica and key, every second."""
-    from catalog.models import Model, Profile
-    from fleet.models import Replica
-    from gateway.models import ApiKey
-    from gateway.routes import Key, Route, Table, Upstream
-
-    weights = {(p.model_id, p.name): max(p.weight, 0) for p in Profile.objects.all()}
-    ready = {}
-    for replica in Replica.objects.filter(state=Replica.State.READY).exclude(endpoint=""):
-        ready.setdefault(replica.model_name, []).append(replica)
-    table = Table()
-    for model in Model.objects.all():
-        upstreams = tuple(
-            Upstream(r.pk, r.endpoint.rstrip("/"), weights.get((model.pk, r.profile_name), 1))
-            for r in ready.get(model.name, [])
-        )
-        aliases = tuple(a for a in (model.aliases or []) if isinstance(a, str))
-        route = Route(
-            model.name, aliases, model.context_length, model.max_output, int(model.added_at.timestamp()), upstreams
-        )
-        table.models.append(route)
-        for alias in aliases:
-            table.routes.setdefault(alias, route)
-        table.routes[model.name] = route
-    for key in ApiKey.objects.filter(active=True):
-        allowed = frozenset(key.model_names) if key.model_names else None
-        table.keys[key.key_hash] = Key(key.pk, key.name, allowed)
-    return table
-
-
-def old_heartbeat(token: str, facts: dict) -> None:
-    """fleet.tasks.heartbeat's body before issue 17: every field saved on every beat."""
-    from django.utils import timezone
-
-    from fleet.enrolment import node_for_token
-
-    node = node_for_token(token, claimed_name=facts.get("node"))
-    if node is None:
-        return
-    node.engines = [str(e) for e in facts.get("engines") or []]
-    node.gpus = list(facts.get("gpus") or [])
-    node.memory_gb = max(0, int(facts.get("memory_gb") or 0))
-    node.disk_free_bytes = max(0, int(facts.get("disk_free_bytes") or 0))
-    node.agent_version = str(facts.get("agent_version") or "")[:50]
-    if isinstance(facts.get("labels"), dict):
-        node.labels = {str(k): str(v) for k, v in facts["labels"].items()}
-    node.last_heartbeat = timezone.now()
-    node.save()
-
-
-def old_replica_report(token: str, replica_id: int, state: str, endpoint: str = "", reason: str = "") -> None:
-    """fleet.tasks.replica_report's body before issue 17: a locked read and a full save on every report."""
-    from django.db import transaction
-
-    from fleet.enrolment import node_for_token
-    from fleet.models import Replica
-
-    node = node_for_token(token)
-    if node is None:
-        return
-    with transaction.atomic():
-        replica = Replica.objects.select_for_update().filter(pk=replica_id).first()
-        if replica is None or replica.node_id != node.pk or replica.state == Replica.State.STOPPING:
-            return
-        if state == "ready":
-            replica.attempts = 0
-        replica.enter(state, reason[:4000], endpoint if state == "ready" else "")
-        replica.save()
 
 
 # --- the mirror scan --------------------------------------------------------------------------
@@ -478,15 +328,6 @@ def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
     )
 
 
-def old_tree(ref: str, var: Path) -> Path:
-    """The code at `ref`, unpacked with git archive (nothing of the repository changes)."""
-    where = var / f"old-{ref.replace('/', '_').replace('~', '_')}"
-    where.mkdir()
-    archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
-    return where
-
-
 def bench_worker(var: Path, old_ref: str | None, rounds: int, n_nodes: int = 1000, per_node: int = 3) -> None:
     """A real control worker (Celery, prefork, 2 processes, INFO logs, as `manage.py up` runs it) taking
     15 s cycles of heartbeats and reports from the broker: its CPU, Celery's own work included."""
@@ -599,49 +440,6 @@ def run_worker_cycles(
         log.close()
 
 
-# --- the gateway under load, with few keys and with many ------------------------------------
-
-SEED_KEYS = """
-from gateway.keys import hash_key
-from gateway.models import ApiKey, TableChange
-ApiKey.objects.bulk_create(
-    (ApiKey(name=f"many-{i:06}", prefix="llmgw-many", key_hash=hash_key(f"many-{i}")) for i in range({n})),
-    batch_size=2000,
-)
-TableChange.objects.all().delete()
-"""
-
-
-def gateway_load_child(keys: int, gateway_args: list[str]) -> None:
-    """bench/gateway.py as it is, with `keys` more API keys written before llmgw's server starts."""
-    import importlib.util
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_gateway", ROOT / "bench" / "gateway.py")
-    bench_gateway = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_gateway)
-    popen = bench_gateway.quiet_popen
-
-    def quiet_popen(argv, env, log, cwd=ROOT):
-        if ("gateway" in argv or "admin_server" in argv) and keys:
-            seed = SEED_KEYS.replace("{n}", str(keys))
-            subprocess.run(
-                [sys.executable, str(ROOT / "manage.py"), "shell", "-c", seed], env=env, cwd=ROOT, check=True
-            )
-        return popen(argv, env, log, cwd)
-
-    bench_gateway.quiet_popen = quiet_popen
-    sys.argv = ["gateway.py", "--no-litellm", *gateway_args]
-    bench_gateway.main()
-
-
-def bench_gateway_load(key_counts: list[int], gateway_args: list[str]) -> None:
-    for keys in key_counts:
-        print(f"\nbench/gateway.py, llmgw alone, with {keys:,} API keys in the database", flush=True)
-        argv = [sys.executable, __file__, "--gateway-load-child", str(keys - 1), "--", *gateway_args]
-        subprocess.run(argv, check=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument(
@@ -663,35 +461,26 @@ def main() -> int:
         bench_gateway_load([int(n) for n in options.load_keys.split(",")], options.gateway_args)
         return 0
 
-    var = Path(tempfile.mkdtemp(prefix="llmgw-bench-scale-"))
+    # The work directory is kept: its database is what the figures were measured on.
+    with Servers("llmgw-bench-scale-", keep=True) as servers:
+        if "worker" in jobs:
+            os.environ["REDIS_URL"] = f"redis://127.0.0.1:{servers.redis()[1]}/0"
+        run_jobs(jobs, sizes, options, servers.work)
+    return 0
+
+
+def run_jobs(jobs: list[str], sizes: list[str], options, var: Path) -> None:
     mirror_root = var / "mirror"
     mirror_root.mkdir()
-    redis_server = None
-    if "worker" in jobs:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from benchlib import free_port
-
-        redis_port = free_port()
-        redis_server = subprocess.Popen(
-            ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(var)],
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        os.environ["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     os.environ.update(
         LLMGW_VAR=str(var),
         LLMGW_MIRROR_ROOT=str(mirror_root),
         DATABASE_URL=options.database_url or f"sqlite:///{var / 'bench.sqlite3'}",
-        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
     )
     os.environ.pop("DJANGO_DEBUG", None)
-    sys.path.insert(0, str(ROOT))
-    os.chdir(ROOT)
     import logging
 
-    import django
-
-    django.setup()
+    django_setup()
     logging.disable(logging.WARNING)  # a refused report or skipped name is not what is measured
     from django.core.management import call_command
 
@@ -703,13 +492,8 @@ def main() -> int:
         bench_gateway(sizes, options.runs)
     if "heartbeats" in jobs:
         bench_heartbeats(options.runs)
-    try:
-        if "worker" in jobs:
-            bench_worker(var, options.worker_old_ref, options.runs)
-    finally:
-        if redis_server is not None:
-            redis_server.terminate()
-    return 0
+    if "worker" in jobs:
+        bench_worker(var, options.worker_old_ref, options.runs)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 
 import requests
+from harness import ROOT, table
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
 
@@ -259,21 +259,22 @@ def megabytes(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def report(rows: list[dict], options) -> None:
+def print_rows(rows: list[dict], options) -> None:
     print(
         f"\n{rows[0]['label']} vs across nodes: llama-server --parallel {options.slots} --threads 1 on the head, "
         f"rpc-server on each worker; {options.rounds} answers of {options.max_tokens} tokens per client\n"
     )
-    print("| replica | load | load at restart | sent to workers | at restart | tokens/s, 1 client | first token p50 "
-          "| tokens/s, 4 clients | first token p50 | same tokens as one node | load average (before → after) |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(
-            f"| {r['label']} | {r['load_s']:.1f} s | {r['reload_s']:.1f} s | {megabytes(r['sent'])} "
-            f"| {megabytes(r['resent'])} | {r['tps1']:.1f} | {r['ttft1']:.0f} ms | {r['tps4']:.1f} "
-            f"| {r['ttft4']:.0f} ms | {r['same']} | {r['before']} → {r['after']} |",
-            flush=True,
-        )
+    table(
+        ["replica", "load", "load at restart", "sent to workers", "at restart", "tokens/s, 1 client"]
+        + ["first token p50", "tokens/s, 4 clients", "first token p50", "same tokens as one node"]
+        + ["load average (before → after)"],
+        [
+            (r["label"], f"{r['load_s']:.1f} s", f"{r['reload_s']:.1f} s", megabytes(r["sent"]), megabytes(r["resent"]))
+            + (f"{r['tps1']:.1f}", f"{r['ttft1']:.0f} ms", f"{r['tps4']:.1f}", f"{r['ttft4']:.0f} ms", r["same"])
+            + (f"{r['before']} → {r['after']}",)
+            for r in rows
+        ],
+    )
     peer = rows[0]
     print()
     for r in rows[1:]:
@@ -319,7 +320,7 @@ def main() -> int:
         rows.append(measure(run, "three nodes", THREE, 1 / 3, [(w1, 0.5), (w2, 0.5)], alone_ids))
         label = f"too big for one node: two, {head_share:.0%} on the head"
         rows.append(measure(run, label, TOO_BIG, head_share, [(w1, share)], alone_ids))
-        report(rows, options)
+        print_rows(rows, options)
     finally:
         if run is not None:
             run.close()

@@ -45,6 +45,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fleetbench import MODEL, LocalFleet, until  # noqa: E402
+from harness import Goal, report, side_by_side  # noqa: E402
 
 ASK = {
     "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -71,7 +72,8 @@ def summary(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f})"
 
 
-GOAL_S = 0.5  # issue 39: a wake costs at most half a second over the engine's own start, to the first token
+GOAL_S = 0.5  # issue 39
+GOALS = [Goal(f"a wake costs at most {GOAL_S} s over the engine's own start to the first token", lambda c: c <= GOAL_S)]
 STEPS = (
     ("placed", "request -> replica placed (its row)"),
     ("spawned", "placed -> engine process started"),
@@ -130,107 +132,117 @@ def engine_pids() -> set[int]:
     return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"}
 
 
+class Wake:
+    """The model at zero on the fleet, and the two ways of bringing it up that are compared."""
+
+    def __init__(self, fleet: LocalFleet, origin: str) -> None:
+        from catalog.models import Model, Profile
+        from gateway.keys import create_key
+
+        self.fleet, self.origin = fleet, origin
+        self.gateway = fleet.gateway() + "/v1"
+        _, secret = create_key("bench")
+        self.headers = {"Authorization": f"Bearer {secret}"}
+        model = Model.objects.create(
+            name=MODEL, source=fleet.source, context_length=2048, scaling_min=0, scaling_max=1, idle_s=2
+        )
+        Profile.objects.create(model=model, name="cpu", engine="llamacpp", args=["--ctx-size", "2048"])
+        self.steps: list[dict[str, float]] = []
+        # Once to fetch the weights into the node's cache, then back to zero.
+        first_token(self.gateway, self.headers)
+        self.to_zero()
+        self.cached = next(p for p in fleet.cache.rglob(fleet.weights.name))
+
+    @staticmethod
+    def ready_replica():
+        from fleet.models import Replica
+
+        return until(
+            lambda: Replica.objects.filter(model_name=MODEL, state="ready").select_related("node").first(), 300, "ready"
+        )
+
+    def to_zero(self) -> None:
+        from agent import engine_state
+        from fleet import reconcile
+        from fleet.models import Replica
+
+        # Its idle time (2 s here) does it, in passes as the beat runs them, once the gateway's
+        # load (written once a second) says the last request is done.
+        until(lambda: reconcile.reconcile() and not Replica.objects.exists(), 90, "the replica to stop", 0.5)
+        until(lambda: not engine_state.running_engines(self.fleet.cache), 60, "the engine to stop")
+        time.sleep(2)  # the gateway's table (re-read every second) has no replica either
+
+    def llmgw(self) -> tuple[float, float]:
+        """(reported ready, first token) from the wake's start; then back to zero."""
+        ready_and_token = (self.through_the_gateway if self.origin == "request" else self.by_task)()
+        self.to_zero()
+        return ready_and_token
+
+    def through_the_gateway(self) -> tuple[float, float]:
+        """(reported ready, first token) after a request for the model at zero, from its sending."""
+        from fleet.models import Replica
+
+        watch = Steps(MODEL, set(Replica.objects.values_list("pk", flat=True)), engine_pids())
+        watch.start()
+        wall = time.time()
+        started = time.monotonic()
+        box = {}
+        client = threading.Thread(target=lambda: box.setdefault("token", first_token(self.gateway, self.headers)))
+        client.start()
+        self.ready_replica()
+        ready = time.monotonic()
+        client.join(400)
+        watch.done.set()
+        watch.join(5)
+        if "token" not in box:
+            raise SystemExit("the request through the gateway was not answered")
+        watch.at["token"] = wall + box["token"] - started
+        at, before = {}, wall
+        for name, _ in STEPS:
+            if name in watch.at:
+                at[name] = watch.at[name] - before
+                before = watch.at[name]
+        self.steps.append(at)
+        return ready - started, box["token"] - started
+
+    def by_task(self) -> tuple[float, float]:
+        from celery import current_app
+
+        from contracts import credentials, demand, tasks
+
+        started = time.monotonic()
+        current_app.send_task(demand.WAKE, args=[MODEL], queue=tasks.CONTROL_QUEUE)
+        replica = self.ready_replica()
+        ready = time.monotonic()
+        nonce = credentials.replica_nonce(replica.created)
+        own = credentials.bearer(credentials.replica_secret(replica.node.token_hash, replica.pk, nonce))
+        return ready - started, first_token(replica.endpoint, own) - started
+
+    def engine(self) -> tuple[float, float]:
+        """The same engine started by hand on the cached file: (answers, first token) from its start."""
+        from agent import engines
+
+        port = engines.free_port()
+        argv = engines.command("llamacpp", self.cached, port, ["--ctx-size", "2048"], model=MODEL)
+        started = time.monotonic()
+        process = self.fleet.servers.adopt(engines.spawn(argv, self.fleet.work / "engine.log"))
+        until(lambda: engines.answers(port, timeout=0.5), 180, "the engine", 0.02)
+        ready = time.monotonic()
+        token_at = first_token(f"http://127.0.0.1:{port}/v1")
+        self.fleet.servers.stop(process, grace=5)
+        return ready - started, token_at - started
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--from", dest="origin", choices=("request", "task"), default="request")
     options = parser.parse_args()
-
     with LocalFleet("llmgw-bench-wake-", beat=False) as fleet:
-        from celery import current_app
-
-        from agent import engine_state, engines
-        from catalog.models import Model, Profile
-        from contracts import credentials, demand, tasks
-        from fleet import reconcile
-        from fleet.models import Replica
-        from gateway.keys import create_key
-
-        gateway = fleet.gateway() + "/v1"
-        _, secret = create_key("bench")
-        through_gateway = {"Authorization": f"Bearer {secret}"}
-        model = Model.objects.create(
-            name=MODEL, source=fleet.source, context_length=2048, scaling_min=0, scaling_max=1, idle_s=2
-        )
-        Profile.objects.create(model=model, name="cpu", engine="llamacpp", args=["--ctx-size", "2048"])
-
-        def ready_replica() -> Replica:
-            return until(
-                lambda: Replica.objects.filter(model_name=MODEL, state="ready").select_related("node").first(),
-                300,
-                "ready",
-            )
-
-        def to_zero() -> None:
-            # Its idle time (2 s here) does it, in passes as the beat runs them, once the gateway's
-            # load (written once a second) says the last request is done.
-            until(lambda: reconcile.reconcile() and not Replica.objects.exists(), 90, "the replica to stop", 0.5)
-            until(lambda: not engine_state.running_engines(fleet.cache), 60, "the engine to stop")
-            time.sleep(2)  # the gateway's table (re-read every second) has no replica either
-
-        steps: list[dict[str, float]] = []
-
-        def through_the_gateway() -> tuple[float, float]:
-            """(reported ready, first token) after a request for the model at zero, from its sending."""
-            watch = Steps(MODEL, set(Replica.objects.values_list("pk", flat=True)), engine_pids())
-            watch.start()
-            wall = time.time()
-            started = time.monotonic()
-            box = {}
-            client = threading.Thread(target=lambda: box.setdefault("token", first_token(gateway, through_gateway)))
-            client.start()
-            ready_replica()
-            ready = time.monotonic()
-            client.join(400)
-            watch.done.set()
-            watch.join(5)
-            if "token" not in box:
-                raise SystemExit("the request through the gateway was not answered")
-            watch.at["token"] = wall + box["token"] - started
-            at, before = {}, wall
-            for name, _ in STEPS:
-                if name in watch.at:
-                    at[name] = watch.at[name] - before
-                    before = watch.at[name]
-            steps.append(at)
-            return ready - started, box["token"] - started
-
-        def by_task() -> tuple[float, float]:
-            started = time.monotonic()
-            current_app.send_task(demand.WAKE, args=[MODEL], queue=tasks.CONTROL_QUEUE)
-            replica = ready_replica()
-            ready = time.monotonic()
-            key = replica.node.token_hash
-            own = credentials.bearer(
-                credentials.replica_secret(key, replica.pk, credentials.replica_nonce(replica.created))
-            )
-            return ready - started, first_token(replica.endpoint, own) - started
-
-        # Once to fetch the weights into the node's cache, then back to zero.
-        first_token(gateway, through_gateway)
-        to_zero()
-        cached = next(p for p in fleet.cache.rglob(fleet.weights.name))
-
-        llmgw_ready, llmgw_token = [], []
-        for _ in range(options.runs):
-            ready, token = (through_the_gateway if options.origin == "request" else by_task)()
-            llmgw_ready.append(ready)
-            llmgw_token.append(token)
-            to_zero()
-
-        engine_ready, engine_token = [], []
-        for _ in range(options.runs):
-            port = engines.free_port()
-            argv = engines.command("llamacpp", cached, port, ["--ctx-size", "2048"], model=MODEL)
-            started = time.monotonic()
-            process = engines.spawn(argv, fleet.work / "engine.log")
-            until(lambda port=port: engines.answers(port, timeout=0.5), 180, "the engine", 0.02)
-            ready = time.monotonic()
-            token_at = first_token(f"http://127.0.0.1:{port}/v1")
-            engine_ready.append(ready - started)
-            engine_token.append(token_at - started)
-            engines.stop_group(process.pid, grace=5)
-            process.wait(timeout=10)
+        wake = Wake(fleet, options.origin)
+        runs = side_by_side({"llmgw": wake.llmgw, "engine": wake.engine}, options.runs)
+    llmgw_ready, llmgw_token = [r for r, _ in runs["llmgw"]], [t for _, t in runs["llmgw"]]
+    engine_ready, engine_token = [r for r, _ in runs["engine"]], [t for _, t in runs["engine"]]
 
     start = "a request through the gateway" if options.origin == "request" else "fleet.wake sent"
     cost = statistics.median(llmgw_token) - statistics.median(engine_token)
@@ -243,16 +255,13 @@ def main() -> int:
     print(f"  engine  start -> answers                   {summary(engine_ready)}")
     print(f"  engine  start -> first token               {summary(engine_token)}")
     print(f"  llmgw's cost of waking (medians, to first token): {cost:.2f} s")
-    if steps:
+    if wake.steps:
         print("  each step of llmgw's wake (medians of the runs; each from the step before):")
         for name, said in STEPS:
-            values = [at[name] for at in steps if name in at]
+            values = [at[name] for at in wake.steps if name in at]
             if values:
                 print(f"    {said:<46} {summary(values)}")
-    verdict = "met" if cost <= GOAL_S else "NOT met"
-    print(
-        f"goal: a wake costs at most {GOAL_S} s over the engine's own start to the first token: {verdict} ({cost:.2f} s)"
-    )
+    report(GOALS, cost)
     return 0
 
 
