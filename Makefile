@@ -53,10 +53,11 @@ lint: $(DEV)
 
 # The suite runs on a private PostgreSQL server (what a fleet runs); then the tests of what
 # differs on SQLite (what `make run` uses: its triggers, its one-writer transactions) again on it.
-# Each in a pytest process of its own, after the rest: each passes alone, and each failed in
-# two whole runs of 2026-12-04 in an xdist worker after some other module (a session lost mid-test,
-# a pull never taken by the pulls unit): an order dependency not yet found (docs/testing.md).
-ALONE_TESTS := tests/test_oidc_sign_in.py tests/test_deploy_as_operator.py
+# The OIDC sign-in module in a pytest process of its own, after the rest: it passes alone, and it
+# failed in two whole runs of 2026-12-04 in an xdist worker after some other module (a session lost
+# mid-test), an order dependency not yet found (docs/testing.md). The deploy test, which failed
+# the same way, is back in the run: its cause was found (test_remote_control.py's Celery app).
+ALONE_TESTS := tests/test_oidc_sign_in.py
 SQLITE_TESTS := tests/test_postgres.py tests/test_settings.py tests/test_gateway_table.py \
 	tests/test_reconcile.py tests/test_replica_reports.py tests/test_gateway_keys.py
 

@@ -522,3 +522,22 @@ def _no_swarm_outlives_its_test():
         swarm, peers._local = peers._local, None
     if swarm is not None:
         swarm.close()
+
+
+@pytest.fixture(autouse=True)
+def _llmgws_celery_app_stays_current():
+    """llmgw's Celery app is the current one again after each test.
+
+    A Celery() made with its defaults becomes the process's current app, and every
+    `shared_task` (the mirror's pull among them) is then sent through it: to its default
+    queue "celery", with none of llmgw's routes. test_remote_control.py's attacker app did
+    that, and the deploy test's pull, later in the same worker, waited on a queue no worker
+    takes (2026-12-04).
+    """
+    yield
+    from celery import current_app
+
+    from llmgw_site.celery import app
+
+    if current_app._get_current_object() is not app:
+        app.set_current()

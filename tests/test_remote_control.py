@@ -32,7 +32,9 @@ def test_shutdown_cancel_consumer_and_add_consumer_reach_neither_the_control_wor
     redis_client.delete("node.n1", "node.n2")
     agent = start_agent(name, token, agent_cache, tmp_path, LLMGW_BYTES_URL=byte_listener)
     try:
-        attacker = Celery("attacker", broker=settings.REDIS_URL)
+        # Not made the current app: else every shared task this process sends afterwards (a later test's
+        # pull, say) goes through it, to its default queue "celery", which no llmgw worker takes.
+        attacker = Celery("attacker", broker=settings.REDIS_URL, set_as_current=False)
         attacker.control.add_consumer("node.n2", destination=[f"agent@{name}"])
         attacker.control.cancel_consumer("control")
         attacker.control.cancel_consumer("node.n1")
