@@ -69,6 +69,7 @@ def test_servers_stop_every_process_group_even_one_that_ignores_sigterm_and_remo
     assert [state for state in members.split() if not state.startswith("Z")] == []
 
 
+@pytest.mark.processes  # it starts `sleep` and `sh` and stops them
 def test_servers_leave_on_an_exception_with_nothing_running_and_give_back_the_sigterm_handler():
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(RuntimeError), Servers("llmgw-test-harness-") as servers:
