@@ -89,8 +89,13 @@ def test_a_streamed_request_for_a_model_at_zero_wakes_it_and_waits_while_its_rep
 def test_requests_waiting_for_a_model_are_answered_by_the_real_engine_in_the_order_they_came(
     tmp_path, gateway, redis_client
 ):
-    """PyPI's llama.cpp server answers one request at a time, in the order they reach it."""
-    process, endpoint, _ = real_model.start_engine(real_model.gguf(), tmp_path)
+    """Held requests are sent on to the real engine in the order they came, and each is answered."""
+    process, engine_endpoint, _ = real_model.start_engine(real_model.gguf(), tmp_path)
+    # The order the gateway sends them on is what it controls: seen by a recorder in front of the engine.
+    # (The order its answers reach the client's threads is the engine's: llama-server takes connections
+    # with a small HTTP thread pool, so under load it read them two places apart, CI 2026-12-04.)
+    recorder = OrderRecorder(engine_endpoint)
+    endpoint = recorder.url
     try:
         model = Model.objects.create(name=MODEL, source="http://127.0.0.1:1/smollm2/", context_length=2048)
         Model.objects.filter(pk=model.pk).update(scaling_min=0, scaling_max=1)
@@ -120,14 +125,74 @@ def test_requests_waiting_for_a_model_are_answered_by_the_real_engine_in_the_ord
         )
         for thread in threads:
             thread.join(120)
-        assert statuses == dict.fromkeys(range(6), 200)
-        # In the order they came. They are let go 10 ms apart; on this machine under heavy load two
-        # neighbours were once in five runs answered the other way round, so a swap of neighbours is
-        # allowed here; anything further out of order (all let go at once, say) fails.
-        assert finished[0] == 0 and all(abs(at - n) <= 1 for at, n in enumerate(finished)), finished
+        assert statuses == dict.fromkeys(range(6), 200) and sorted(finished) == list(range(6))
+        # Sent on in the order they came. They are let go 10 ms apart; under heavy load two neighbours
+        # may reach the recorder's threads the other way round, so a swap of neighbours is allowed;
+        # anything further out of order (all let go at once, say) fails.
+        sent = recorder.numbers
+        assert sorted(sent) == list(range(6)), sent
+        assert sent[0] == 0 and all(abs(at - n) <= 1 for at, n in enumerate(sent)), sent
     finally:
+        recorder.stop()
         engines.stop_group(process.pid, grace=3)
         process.wait(timeout=10)
+
+
+class OrderRecorder:
+    """A loopback HTTP relay in front of an engine that notes the number each chat request asks to say, as it arrives."""
+
+    def __init__(self, endpoint: str):
+        import http.client
+        import http.server
+        import re
+        from urllib.parse import urlsplit
+
+        upstream = urlsplit(endpoint)
+        recorder = self
+        self.numbers: list[int] = []
+        self._lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _relay(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if method == "POST" and (said := re.search(rb"Say the number (\d+)", body)):
+                    with recorder._lock:
+                        recorder.numbers.append(int(said.group(1)))
+                conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=120)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                    conn.request(method, self.path, body=body or None, headers=headers)
+                    answer = conn.getresponse()
+                    data = answer.read()
+                    self.send_response(answer.status)
+                    for name, value in answer.getheaders():
+                        if name.lower() not in ("connection", "transfer-encoding", "content-length", "keep-alive"):
+                            self.send_header(name, value)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                finally:
+                    conn.close()
+
+            def do_GET(self):
+                self._relay("GET")
+
+            def do_POST(self):
+                self._relay("POST")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}{upstream.path}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def waiting(redis_client) -> int:
