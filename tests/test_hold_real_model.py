@@ -71,9 +71,20 @@ def test_a_streamed_request_for_a_model_at_zero_wakes_it_and_waits_while_its_rep
             for line in response.iter_lines(decode_unicode=True):
                 lines.append(line)
 
-    thread = threading.Thread(target=client, daemon=True)
-    thread.start()
-    wait_until(lambda: any(line.startswith(": waiting") for line in lines), timeout=10, what="a waiting comment")
+    # The agent is held (SIGSTOP) until the request has said that it waits: on a quiet machine the
+    # whole wake (placed, fetched, started) took less than the gateway's first comment (FIRST_COMMENT_S),
+    # and the request was answered without one, CI 2026-12-05.
+    os.killpg(agent_n1[0].popen.pid, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+        wait_until(
+            lambda: any(line.startswith(": waiting") for line in lines),
+            timeout=10,
+            what=lambda: f"a waiting comment; status {box.get('status')}, lines {lines[:10]}",
+        )
+    finally:
+        os.killpg(agent_n1[0].popen.pid, signal.SIGCONT)
     # The request asked for the wake (fleet.wake, on the control worker): the autoscaler places a
     # replica, the agent fetches the weights and starts the engine, and the request goes to it.
     thread.join(300)
