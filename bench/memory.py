@@ -68,11 +68,30 @@ def _blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
     return data.reshape(rows, cols // block * size)
 
 
+def add_byte_vocabulary(writer, vocab: int) -> None:
+    """A llama tokenizer of `vocab` tokens: the specials, the 256 bytes, and made-up words."""
+    from gguf import TokenType
+
+    writer.add_tokenizer_model("llama")
+    bytes_tokens = [f"<0x{b:02X}>".encode() for b in range(256)]
+    rest = [f"t{i}".encode() for i in range(vocab - len(SPECIALS) - 256)]
+    writer.add_token_list([s.encode() for s in SPECIALS] + bytes_tokens + rest)
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types(
+        [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+        + [TokenType.BYTE] * 256
+        + [TokenType.NORMAL] * len(rest)
+    )
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def write_shaped_gguf(path: Path, shape: tuple) -> Path:
     """A llama-architecture GGUF of these dimensions, its matrices of the given type; written once."""
     if path.exists():
         return path
-    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+    from gguf import GGMLQuantizationType, GGUFWriter
 
     layers, width, heads, kv_heads, ff, vocab, context, type_name = shape
     qtype = GGMLQuantizationType[type_name]
@@ -92,19 +111,7 @@ def write_shaped_gguf(path: Path, shape: tuple) -> Path:
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(vocab)
     writer.add_file_type(7 if type_name == "Q8_0" else 15)
-    writer.add_tokenizer_model("llama")
-    bytes_tokens = [f"<0x{b:02X}>".encode() for b in range(256)]
-    rest = [f"t{i}".encode() for i in range(vocab - len(SPECIALS) - 256)]
-    writer.add_token_list([s.encode() for s in SPECIALS] + bytes_tokens + rest)
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_types(
-        [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
-        + [TokenType.BYTE] * 256
-        + [TokenType.NORMAL] * len(rest)
-    )
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_byte_vocabulary(writer, vocab)
 
     def matrix(name: str, rows: int, cols: int) -> None:
         writer.add_tensor(name, _blocks(rng, rows, cols, qtype), raw_dtype=qtype)

@@ -216,6 +216,20 @@ def stream(url: str, headers: dict, model: str, messages: list[dict], max_tokens
     }
 
 
+def streamed(url: str, headers: dict, model: str, messages: list, max_tokens: int, kept: tuple, **where) -> str:
+    """One streamed request: its figures kept with `where` in `kept`'s results, or its error; its text ('' if none)."""
+    lock, results, errors = kept
+    try:
+        r = stream(url, headers, model, messages, max_tokens)
+    except Exception as error:
+        with lock:
+            errors.append(str(error))
+        return ""
+    with lock:
+        results.append(dict(r, **where))
+    return r["text"]
+
+
 def play(url: str, headers: dict, model: str, options, hot_share: float = 0.0) -> dict:
     """The clients playing the conversations; with hot_share, that share of requests is one hot opening instead."""
     prompts = [system_prompt(n, options.system_words) for n in range(options.conversations)]
@@ -228,6 +242,7 @@ def play(url: str, headers: dict, model: str, options, hot_share: float = 0.0) -
     hot_target = int(requests * hot_share / (1 - hot_share)) if hot_share else 0
     results, errors = [], []
     lock = threading.Lock()
+    kept = (lock, results, errors)
     hot_messages = [
         {"role": "system", "content": system_prompt(999, options.system_words)},
         {"role": "user", "content": "Say hello to the many."},
@@ -244,13 +259,7 @@ def play(url: str, headers: dict, model: str, options, hot_share: float = 0.0) -
                 else:
                     return
             if want_hot:
-                try:
-                    r = stream(url, headers, model, hot_messages, options.max_tokens)
-                    with lock:
-                        results.append(dict(r, conversation="hot", turn=0))
-                except Exception as error:
-                    with lock:
-                        errors.append(str(error))
+                streamed(url, headers, model, hot_messages, options.max_tokens, kept, conversation="hot", turn=0)
                 continue
             n, messages, first = waiting.get()
             # One turn, and the conversation goes to the back of the queue for whichever client is free
@@ -258,16 +267,8 @@ def play(url: str, headers: dict, model: str, options, hot_share: float = 0.0) -
             last = options.turns if options.sticky_clients else first + 1
             for turn in range(first, last):
                 messages = [*messages, {"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]}]
-                try:
-                    r = stream(url, headers, model, messages, options.max_tokens)
-                except Exception as error:
-                    with lock:
-                        errors.append(str(error))
-                    r = {"text": ""}
-                else:
-                    with lock:
-                        results.append(dict(r, conversation=n, turn=turn))
-                messages = [*messages, {"role": "assistant", "content": r["text"]}]
+                text = streamed(url, headers, model, messages, options.max_tokens, kept, conversation=n, turn=turn)
+                messages = [*messages, {"role": "assistant", "content": text}]
             if last < options.turns:
                 waiting.put((n, messages, last))
 

@@ -28,11 +28,9 @@ number of API keys in the database, to show a request costs the same with 100,00
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,14 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import ROOT, Servers, django_setup, timed  # noqa: E402
 from scale_gateway_load import bench_gateway_load, gateway_load_child  # noqa: E402
 from scale_old import old_heartbeat, old_load_table, old_replica_report, old_scan_mirror, old_tree  # noqa: E402
+from scale_worker import HEARTBEAT_EVERY_S, REPORTS_SPREAD, run_worker_cycles, signed  # noqa: E402
 
 MIRROR_SIZES = {"1x": (1_000, 3), "10x": (10_000, 3)}  # versions, files each
 GATEWAY_SIZES = {"1x": (1_000, 100), "10x": (10_000, 1_000), "100x": (100_000, 1_000)}  # keys, models
-SCAN_EVERY_S, REFRESH_EVERY_S, HEARTBEAT_EVERY_S = 20, 1, 15
-# An agent reports each replica on every change and again every 60 s (agent/supervisor.py REREPORT_S),
-# so a 15 s cycle of a steady fleet holds a heartbeat from every node and a quarter of the reports.
-REPORT_EVERY_S = 60
-REPORTS_SPREAD = REPORT_EVERY_S // HEARTBEAT_EVERY_S  # a node in this many reports in a given cycle
+SCAN_EVERY_S, REFRESH_EVERY_S = 20, 1
 
 
 def cpu(fn) -> float:
@@ -130,17 +125,15 @@ def bench_gateway(sizes: list[str], runs: int) -> None:
             bench_gateway_size(size, runs)
 
 
-def bench_gateway_size(size: str, runs: int) -> None:
+def build_gateway_table(n_keys: int, n_models: int) -> tuple[list[int], list[int]]:
+    """`n_keys` keys and `n_models` models with a ready replica each, written in bulk; their ids."""
     from django.utils import timezone
 
     from catalog.models import Model, Profile
     from fleet.models import Node, Replica
-    from gateway import routes
     from gateway.keys import hash_key
     from gateway.models import ApiKey, TableChange
 
-    rng = random.Random(17)
-    n_keys, n_models = GATEWAY_SIZES[size]
     ApiKey.objects.all().delete()
     Replica.objects.all().delete()
     Model.objects.all().delete()
@@ -169,8 +162,17 @@ def bench_gateway_size(size: str, runs: int) -> None:
         for i, m in enumerate(models)
     )
     TableChange.objects.all().delete()  # the building's marks, long past
-    key_ids = list(ApiKey.objects.values_list("pk", flat=True))
-    replica_ids = list(Replica.objects.values_list("pk", flat=True))
+    return list(ApiKey.objects.values_list("pk", flat=True)), list(Replica.objects.values_list("pk", flat=True))
+
+
+def bench_gateway_size(size: str, runs: int) -> None:
+    from fleet.models import Replica
+    from gateway import routes
+    from gateway.models import ApiKey
+
+    rng = random.Random(17)
+    n_keys, n_models = GATEWAY_SIZES[size]
+    key_ids, replica_ids = build_gateway_table(n_keys, n_models)
     print(f"gateway: {n_keys:,} keys, {n_models:,} models, {len(replica_ids):,} ready replicas", flush=True)
 
     reader = routes.TableReader()
@@ -272,13 +274,6 @@ def build_fleet(n_nodes: int = 1000, per_node: int = 3):
     return nodes, replicas, endpoints, facts
 
 
-def signed(i: int, name: str, kind: str, body: dict) -> dict:
-    """A message of node `name` (token-i) as its agent signs it."""
-    from contracts import signing
-
-    return signing.sign_message(signing.token_hash(f"token-{i}"), kind, name, body)
-
-
 def bench_heartbeats(runs: int, n_nodes: int = 1000, per_node: int = 3) -> None:
     from contracts import tasks as contract
     from fleet import tasks
@@ -342,102 +337,6 @@ def bench_worker(var: Path, old_ref: str | None, rounds: int, n_nodes: int = 100
         # The old code's agents sent a Celery message for each heartbeat and report.
         posted = label == "new" and os.environ.get("BENCH_WORKER_MESSAGES") is None
         run_worker_cycles(var, label, tree, nodes, replicas, endpoints, facts, rounds, posted)
-
-
-def run_worker_cycles(
-    var: Path, label: str, tree: Path, nodes, replicas, endpoints, facts, rounds: int, posted: bool
-) -> None:
-    import psutil
-    from celery import current_app
-    from django.utils import timezone
-
-    from contracts import keys, tasks
-    from fleet.models import Node
-
-    rng = random.Random(17)
-    argv = [sys.executable, "-m", "celery", "-A", "llmgw_site", "worker", "-Q", "control", "-n", "bench@%h"]
-    if profile := os.environ.get("BENCH_WORKER_PROFILE"):  # a file for cProfile's figures (use --pool solo)
-        argv[1:1] = ["-m", "cProfile", "-o", profile]
-    argv += ["--concurrency", "2", "--loglevel", "INFO", "--without-gossip", "--without-mingle"]
-    argv += os.environ.get("BENCH_WORKER_ARGS", "").split()  # later options win: to see what costs what
-    log_path = var / "worker.log"
-    log = open(log_path, "wb")
-    worker = subprocess.Popen(argv, cwd=tree, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while b"[queues]" not in log_path.read_bytes():  # the banner, at any log level
-            if time.monotonic() > deadline or worker.poll() is not None:
-                raise SystemExit(f"the control worker did not start:\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.2)
-        time.sleep(5)  # the pool's processes up, the consumer connected
-
-        def worker_cpu() -> float:
-            parent = psutil.Process(worker.pid)
-            total = 0.0
-            for p in [parent, *parent.children(recursive=True)]:
-                t = p.cpu_times()
-                total += t.user + t.system
-            return total
-
-        with current_app.connection_for_read() as connection:
-            broker = connection.default_channel.client
-            for case in ("facts the same", "disk free moves"):
-                used = []
-                for _ in range(rounds):
-                    started = timezone.now()
-                    before = worker_cpu()
-                    for i, node in enumerate(nodes):
-                        beat = facts[node.pk]
-                        if case == "disk free moves":
-                            beat = dict(beat, disk_free_bytes=beat["disk_free_bytes"] - rng.randrange(1 << 20))
-                        reports = [
-                            [f"token-{i}", replica_id, "ready", endpoints[replica_id], ""]
-                            for replica_id in (replicas[node.pk] if i % REPORTS_SPREAD == 0 else ())
-                        ]
-                        if posted:
-                            # As the agent sends them now: a heartbeat and a repeated report are posted, signed.
-                            value = json.dumps(signed(i, node.name, tasks.HEARTBEAT, beat))
-                            tasks.post_heartbeat(broker, current_app.send_task, node.name, value)
-                            for report in reports:
-                                body = dict(zip(("replica", "state", "endpoint", "reason"), report[1:], strict=True))
-                                value = json.dumps(signed(i, node.name, tasks.REPLICA_REPORT, body))
-                                tasks.post_report(broker, current_app.send_task, node.name, report[1], value)
-                            continue
-                        if label == "new":
-                            # As messages of their own (BENCH_WORKER_MESSAGES), in the signed form.
-                            beat_args = [signed(i, node.name, tasks.HEARTBEAT, beat)]
-                            fields = ("replica", "state", "endpoint", "reason")
-                            reports = [
-                                [signed(i, node.name, tasks.REPLICA_REPORT, dict(zip(fields, r[1:], strict=True)))]
-                                for r in reports
-                            ]
-                        else:
-                            beat_args = [f"token-{i}", beat]  # the old code's agents: the token first
-                        current_app.send_task(tasks.HEARTBEAT, args=beat_args, queue=tasks.CONTROL_QUEUE)
-                        for report in reports:
-                            current_app.send_task(tasks.REPLICA_REPORT, args=report, queue=tasks.CONTROL_QUEUE)
-                    deadline = time.monotonic() + 300
-                    while (
-                        broker.llen(tasks.CONTROL_QUEUE)
-                        or any(broker.exists(keys.heartbeat_key(n.name), keys.reports_key(n.name)) for n in nodes)
-                        or Node.objects.filter(last_heartbeat__lt=started).exists()
-                    ):
-                        if time.monotonic() > deadline:
-                            raise SystemExit("the control worker did not take the cycle within 5 minutes")
-                        time.sleep(0.5)
-                    time.sleep(2)  # the last reports, after the last heartbeat
-                    used.append(worker_cpu() - before)
-                cycle = statistics.median(used)
-                print(
-                    f"  control worker {label:<14} {case:<16} {cycle * 1000:8.0f} ms CPU a {HEARTBEAT_EVERY_S} s "
-                    f"cycle: {cycle / HEARTBEAT_EVERY_S * 100:5.1f}% of a core  (median of {rounds}; "
-                    f"{', '.join(f'{u:.1f}' for u in used)} s)",
-                    flush=True,
-                )
-    finally:
-        os.killpg(worker.pid, 15)
-        worker.wait(timeout=30)
-        log.close()
 
 
 def main() -> int:

@@ -12,72 +12,79 @@ from harness import ROOT
 __all__ = ["old_heartbeat", "old_load_table", "old_replica_report", "old_scan_mirror", "old_tree"]
 
 
+def _old_skipped_names(directory, where):
+    """mirror.scan._skipped_names before issue 17."""
+    from contracts.names import plain_name_problem
+
+    sentences = []
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError:
+        return sentences
+    for name in entries:
+        problem = plain_name_problem(name)
+        if problem is None or name.startswith(".") or name.endswith(".part"):
+            continue
+        sentences.append(f"{where}{name!r} is not indexed: {problem}")
+    return sentences
+
+
+def _old_reconcile_version(model, version, files, now, report):
+    """mirror.scan._reconcile_version before issue 17 (atomic: `old_scan_mirror` wraps it)."""
+    from mirror.models import MirrorFile, MirrorVersion
+
+    row, created = MirrorVersion.objects.get_or_create(model=model, version=version, defaults={"scanned_at": now})
+    if created:
+        report.added.append(str(row))
+    else:
+        row.scanned_at = now
+        row.save(update_fields=["scanned_at"])
+    indexed = {f.name: f for f in row.files.all()}
+    on_disk = {f.name for f in files}
+    for gone in set(indexed) - on_disk:
+        indexed[gone].delete()
+        report.changed.append(f"{row}/{gone} removed")
+    for f in files:
+        existing = indexed.get(f.name)
+        if existing is None:
+            new = MirrorFile.objects.create(version=row, name=f.name, bytes=f.bytes, mtime_ns=f.mtime_ns)
+            report.to_hash.append(new.pk)
+            if not created:
+                report.changed.append(f"{row}/{f.name} added")
+        elif existing.bytes != f.bytes or existing.mtime_ns != f.mtime_ns:
+            existing.bytes, existing.mtime_ns = f.bytes, f.mtime_ns
+            existing.sha256, existing.hashed_at = "", None
+            existing.save()
+            report.to_hash.append(existing.pk)
+            report.changed.append(f"{row}/{f.name} changed")
+        elif not existing.sha256:
+            report.to_hash.append(existing.pk)
+
+
 def old_scan_mirror():
     """mirror.scan.scan_mirror before issue 17: a query or more per version, a write per version."""
     from django.db import transaction
     from django.utils import timezone
 
-    from contracts.names import plain_name_problem
     from mirror import disk
-    from mirror.models import MirrorFile, MirrorVersion
+    from mirror.models import MirrorVersion
     from mirror.scan import ScanReport
-
-    def skipped_names(directory, where):
-        sentences = []
-        try:
-            entries = sorted(os.listdir(directory))
-        except OSError:
-            return sentences
-        for name in entries:
-            problem = plain_name_problem(name)
-            if problem is None or name.startswith(".") or name.endswith(".part"):
-                continue
-            sentences.append(f"{where}{name!r} is not indexed: {problem}")
-        return sentences
-
-    @transaction.atomic
-    def reconcile_version(model, version, files, now, report):
-        row, created = MirrorVersion.objects.get_or_create(model=model, version=version, defaults={"scanned_at": now})
-        if created:
-            report.added.append(str(row))
-        else:
-            row.scanned_at = now
-            row.save(update_fields=["scanned_at"])
-        indexed = {f.name: f for f in row.files.all()}
-        on_disk = {f.name for f in files}
-        for gone in set(indexed) - on_disk:
-            indexed[gone].delete()
-            report.changed.append(f"{row}/{gone} removed")
-        for f in files:
-            existing = indexed.get(f.name)
-            if existing is None:
-                new = MirrorFile.objects.create(version=row, name=f.name, bytes=f.bytes, mtime_ns=f.mtime_ns)
-                report.to_hash.append(new.pk)
-                if not created:
-                    report.changed.append(f"{row}/{f.name} added")
-            elif existing.bytes != f.bytes or existing.mtime_ns != f.mtime_ns:
-                existing.bytes, existing.mtime_ns = f.bytes, f.mtime_ns
-                existing.sha256, existing.hashed_at = "", None
-                existing.save()
-                report.to_hash.append(existing.pk)
-                report.changed.append(f"{row}/{f.name} changed")
-            elif not existing.sha256:
-                report.to_hash.append(existing.pk)
 
     report = ScanReport()
     now = timezone.now()
     root = disk.root()
-    report.skipped += skipped_names(root, "")
+    report.skipped += _old_skipped_names(root, "")
     seen = set()
     for model in disk.model_names():
-        report.skipped += skipped_names(root / model, f"{model}/")
+        report.skipped += _old_skipped_names(root / model, f"{model}/")
         for version in disk.version_names(model):
-            report.skipped += skipped_names(root / model / version, f"{model}/{version}/")
+            report.skipped += _old_skipped_names(root / model / version, f"{model}/{version}/")
             files = disk.version_files(model, version)
             if files is None:
                 continue
             seen.add((model, version))
-            reconcile_version(model, version, files, now, report)
+            with transaction.atomic():
+                _old_reconcile_version(model, version, files, now, report)
     for row in MirrorVersion.objects.all():
         if (row.model, row.version) not in seen:
             report.removed.append(str(row))
