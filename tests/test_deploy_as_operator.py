@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-import redis
 import requests
 import yaml
 
@@ -71,52 +71,12 @@ METRICS_TOKEN = secrets.token_urlsafe(32)
 AGENT_METRICS_TOKEN = secrets.token_urlsafe(32)
 
 
-def _at_redis(shipped: str, deployed: Deployed) -> str:
-    """A Redis URL of the shipped env files with this fleet's Redis address in it: the operator's one edit."""
-    return shipped.replace("10.0.0.10:6379", deployed.redis_address)
-
-
-def _install_redis(deployed: Deployed) -> None:
-    """Step 1's Redis with a user per principal, as the guide says (docs/fleet.md, "Redis users").
-
-    The lab's differences: the port is a free one on the fleet's network (the control host
-    shares this machine's), given on redis-server's command line after the guide's config
-    file, and nothing is saved but the users file.
-    """
-    control = deployed.control
-    urls = {
-        user: control.run(deploy.doc_line(f"llmgw-manage redis_acl --url {user}")).strip()
-        for user in ("llmgw-control", "llmgw-bytes", "gateway-gw1")
-    }
-    control.run("mkdir -p /etc/redis/conf.d")  # what Debian's redis-server package leaves
-    control.run(deploy.doc_line("(umask 077; llmgw-manage redis_acl --gateway gw1"))
-    control.run(deploy.doc_line("chown redis:redis /etc/redis/users.acl"))
-    control.run(deploy.doc_line("install -m 0644 deploy/redis/llmgw.conf"))
-    mode = control.run("stat -c %a /etc/redis/users.acl").strip()
-    assert mode == "600", f"the users file holds every principal's password hash and is {mode}"
-    address, port = deployed.redis_address.split(":")
-    # What Debian's redis-server.service runs (User=redis), the guide's file in it.
-    argv = [
-        "setpriv",
-        "--reuid=redis",
-        "--regid=redis",
-        "--init-groups",
-        "redis-server",
-        "/etc/redis/conf.d/llmgw.conf",
-    ]
-    argv += ["--bind", address, "--port", port, "--save", "", "--dir", "/var/lib/redis"]
-    redis_process = control.start("redis", argv)
-
-    def ready() -> bool:
-        assert redis_process.alive(), redis_process.output()[-3000:]
-        try:
-            return redis.Redis.from_url(urls["llmgw-control"], socket_timeout=2).ping()
-        except redis.RedisError:
-            return False
-
-    wait_until(ready, timeout=30, what="Redis to answer llmgw-control")
-    deployed.redis_url = urls["llmgw-control"]
-    deployed.redis_urls = urls
+def _redis_on(address: str, work: Path) -> tuple[subprocess.Popen, str]:
+    """Redis on the fleet's network with a password (not the guide's users: tests/test_redis_acl.py runs those)."""
+    port, password = free_port_on(address), secrets.token_hex(16)
+    argv = ["redis-server", "--bind", address, "--port", str(port), "--requirepass", password, "--save", ""]
+    redis = subprocess.Popen([*argv, "--dir", str(work)], stdout=subprocess.DEVNULL, start_new_session=True)
+    return redis, f"redis://:{password}@{address}:{port}/0"
 
 
 class Deployed:
@@ -130,10 +90,7 @@ class Deployed:
         node_ns = fleet.add_host("node-1")
         self.node = deploy.DeployedHost("node-1", work, node_ns.name, node_ns.address)
         self.hosts = [self.control, self.node]
-        # Redis on the fleet's network (step 1, `_install_redis`): its users' URLs once it runs.
-        self.redis_address = f"{fleet.address}:{free_port_on(fleet.address)}"
-        self.redis_url = ""
-        self.redis_urls: dict[str, str] = {}
+        self.redis, self.redis_url = _redis_on(fleet.address, work)
         self.admin_url = f"http://127.0.0.1:{free_port()}"
         self.bytes_url = f"http://{fleet.address}:{free_port_on(fleet.address)}/"
         self.gateway_url = f"http://{fleet.address}:{free_port_on(fleet.address)}"
@@ -141,6 +98,8 @@ class Deployed:
     def remove(self) -> None:
         for host in self.hosts:
             host.remove()
+        self.redis.kill()
+        self.redis.wait()
         deploy.remove_namespaces_dir(self.work)
 
 
@@ -153,16 +112,15 @@ def _install_control(deployed: Deployed) -> None:
     control.run(deploy.doc_line("install -m 0640 -g llmgw deploy/env/control.env"))
     admin_port = deployed.admin_url.rsplit(":", 1)[1]
     bytes_address = deployed.bytes_url.removeprefix("http://").rstrip("/")
-    shipped = deploy.read_env_file_on(control, "/etc/llmgw/control.env")
     deploy.edit_env_file(
         control,
         "/etc/llmgw/control.env",
         {
             "DJANGO_SECRET_KEY": SECRET,
             "DATABASE_URL": database_url(),  # the suite's PostgreSQL (createuser/createdb: tests/test_postgres.py)
-            # Redis's address; the users' passwords come from `redis_acl --url` below, once the secret is set.
-            "REDIS_URL": _at_redis(shipped["REDIS_URL"], deployed),
-            "LLMGW_BYTES_REDIS_URL": _at_redis(shipped["LLMGW_BYTES_REDIS_URL"], deployed),
+            "REDIS_URL": deployed.redis_url,
+            "LLMGW_REDIS_ACL": "false",
+            "LLMGW_BYTES_REDIS_URL": deployed.redis_url,
             "LLMGW_ADMIN_ADDR": f"127.0.0.1:{admin_port}",
             "LLMGW_BYTES_ADDR": bytes_address,
             "LLMGW_BYTES_URL": deployed.bytes_url,
@@ -182,13 +140,6 @@ def _install_control(deployed: Deployed) -> None:
     control.run(deploy.doc_line("install -m 0755 deploy/llmgw-manage"))
     # The first llmgw-manage, before any unit ran (issue 41 item 4).
     control.run(deploy.doc_line("llmgw-manage check --deploy"))
-    _install_redis(deployed)
-    urls = deployed.redis_urls
-    deploy.edit_env_file(
-        control,
-        "/etc/llmgw/control.env",
-        {"REDIS_URL": urls["llmgw-control"], "LLMGW_BYTES_REDIS_URL": urls["llmgw-bytes"]},
-    )
     # The units the guide enables, as it lists them (the scheduler, llmgw-beat, among them).
     for unit in deploy.doc_line("systemctl enable --now llmgw-admin").split()[3:]:
         control.start_unit(unit)
@@ -203,7 +154,7 @@ def _install_gateway(deployed: Deployed) -> None:
         "/etc/llmgw/gateway.env",
         {
             "DATABASE_URL": database_url(),
-            "REDIS_URL": deployed.redis_urls["gateway-gw1"],
+            "REDIS_URL": deployed.redis_url,
             "DJANGO_SECRET_KEY": SECRET,
             "LLMGW_GATEWAY_ADDR": deployed.gateway_url.removeprefix("http://"),
             "LLMGW_GATEWAY_URL": deployed.gateway_url + "/",
@@ -217,7 +168,6 @@ def _install_gateway(deployed: Deployed) -> None:
 def _install_node(deployed: Deployed) -> None:
     """Steps 2 and 3: the node's token on control, then the node's own install."""
     node = deployed.node
-    # With LLMGW_REDIS_ACL=true in control.env this also makes the node's Redis user and saves the users file.
     token = deployed.control.run(f"llmgw-manage node_token {node.name} --address {node.address}").strip()
     node.run(deploy.doc_line("useradd --system --home-dir /var/lib/llmgw"))
     node.clone()
@@ -225,14 +175,13 @@ def _install_node(deployed: Deployed) -> None:
     node.run(deploy.doc_line("sh scripts/build-engine.sh"))
     node.run(deploy.doc_line("useradd --system --gid llmgw --no-create-home"))
     node.run(deploy.doc_line("mkdir -p /etc/llmgw && install -m 0600 -o root -g root deploy/env/node.env"))
-    shipped = deploy.read_env_file_on(node, "/etc/llmgw/node.env")
     deploy.edit_env_file(
         node,
         "/etc/llmgw/node.env",
         {
             "LLMGW_NODE_TOKEN": token.splitlines()[-1],
-            # Redis's address, no password: with LLMGW_REDIS_ACL=true (as shipped) the agent is node-NAME.
-            "REDIS_URL": _at_redis(shipped["REDIS_URL"], deployed),
+            "REDIS_URL": deployed.redis_url,
+            "LLMGW_REDIS_ACL": "false",
             "LLMGW_BYTES_URL": deployed.bytes_url,
             "LLMGW_ENGINE_ADVERTISE": node.address,
             "LLMGW_AGENT_METRICS_TOKEN": AGENT_METRICS_TOKEN,
@@ -273,20 +222,6 @@ def test_a_node_deployed_as_the_guide_says_enrols_with_llama_cpp(deployed):
         return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
 
     wait_until(ready, timeout=90, what="node-1 ready with llama.cpp")
-
-
-def test_the_deployed_redis_has_the_guides_users_in_force(deployed):
-    """No client without a user; enrolment made the node's; a gateway's user reaches no node's queue."""
-    base = deploy.read_env_file_on(deployed.node, "/etc/llmgw/node.env")["REDIS_URL"]
-    with pytest.raises(redis.AuthenticationError):
-        redis.Redis.from_url(base, socket_timeout=5).ping()  # `user default off`: no password, no answer
-    control = redis.Redis.from_url(deployed.redis_urls["llmgw-control"], socket_timeout=5)
-    assert control.execute_command("ACL", "GETUSER", f"node-{deployed.node.name}"), "node_token made no Redis user"
-    gateway = redis.Redis.from_url(deployed.redis_urls["gateway-gw1"], socket_timeout=5)
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        gateway.lrange(f"node.{deployed.node.name}", 0, -1)  # a node's orders are not the gateway's to read
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        gateway.lpop("control")  # nor the control plane's queue to take from
 
 
 def _staff(deployed: Deployed) -> requests.Session:
