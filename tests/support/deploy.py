@@ -249,6 +249,28 @@ def doc_line(starts: str) -> str:
     return found[0]
 
 
+class GuideReader:
+    """docs/fleet.md read top to bottom, as an operator does: each line the walk runs comes after the one before.
+
+    A step placed before one it needs (`llmgw-manage` before its `install`) fails for an operator
+    whichever order a test would run them in.
+    """
+
+    def __init__(self):
+        self.lines = FLEET_DOC.read_text().splitlines()
+        self.at, self.previous = -1, "the start"
+
+    def line(self, starts: str) -> str:
+        at = next((i for i, line in enumerate(self.lines) if line.startswith(starts)), None)
+        assert at is not None, f"docs/fleet.md has no line starting {starts!r}"
+        assert at > self.at, (
+            f"docs/fleet.md asks for {starts!r} (its line {at + 1}) before {self.previous!r} (line {self.at + 1}), "
+            "which it needs first"
+        )
+        self.at, self.previous = at, starts
+        return self.lines[at].split("  #")[0].strip()
+
+
 def edit_env_file(host: DeployedHost, path: str, filled: dict[str, str], lab: dict[str, str] | None = None) -> None:
     """The operator's edit of an env file: the values of the lines it has filled in, then the lab's own lines.
 
