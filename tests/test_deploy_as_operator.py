@@ -21,7 +21,7 @@ from .services import free_port
 from .support import deploy
 from .support.database import db_access  # noqa: F401  (a fixture)
 from .support.other_mirror import OtherMirror
-from .support.processes import BASE_DIR
+from .support.processes import BASE_DIR, Process
 from .support.processes import test_database_url as database_url
 from .support.waiting import wait_until
 
@@ -85,6 +85,7 @@ class Deployed:
         # Redis on the control host, on the fleet's address (a free port of this machine where the guide has 6379).
         self.redis_address = f"{fleet.address}:{free_port_on(fleet.address)}"
         self.gateway_redis_url = ""  # what `llmgw-manage redis_acl --url gateway-gw1` printed
+        self.redis: Process | None = None
         self.admin_url = f"http://127.0.0.1:{free_port()}"
         self.bytes_url = f"http://{fleet.address}:{free_port_on(fleet.address)}/"
         self.gateway_url = f"http://{fleet.address}:{free_port_on(fleet.address)}"
@@ -93,7 +94,7 @@ class Deployed:
         return deploy.read_env_file_on(self.control, "/etc/llmgw/control.env")["REDIS_URL"]
 
     def remove(self) -> None:
-        for host in self.hosts:
+        for host in reversed(self.hosts):  # the nodes first, then the control host's services, its Redis last
             host.remove()
         deploy.remove_namespaces_dir(self.work)
 
@@ -167,13 +168,23 @@ def _install_redis(deployed: Deployed, guide: deploy.GuideReader) -> None:
         "/etc/redis/conf.d/llmgw.conf", conf.replace("\nbind 127.0.0.1 10.0.0.10\n", f"\nbind {host}\nport {port}\n")
     )
     guide.line("systemctl restart redis-server")
-    # What Debian's redis-server.service runs (User=redis, UMask=007,
-    # RuntimeDirectory=redis; its ReadWriteDirectories=/etc/redis lets ACL SAVE write the users file).
+    _start_redis(deployed)
+
+
+def _start_redis(deployed: Deployed) -> None:
+    """`systemctl restart redis-server`: what Debian's redis-server.service runs (User=redis, UMask=007,
+    RuntimeDirectory=redis; its ReadWriteDirectories=/etc/redis lets ACL SAVE write the users file)."""
+    control, before = deployed.control, deployed.redis
+    if before is not None:
+        before.stop()
     control.run("install -d -o redis -g redis -m 2755 /run/redis")
     redis_server = "/usr/bin/redis-server /etc/redis/redis.conf --daemonize no"
-    started = control.start(
+    started = deployed.redis = control.start(
         "redis", ["sh", "-c", f"umask 007 && exec setpriv --reuid=redis --regid=redis --init-groups {redis_server}"]
     )
+    if before is not None:  # in the stopped one's place: the services that need it are stopped before it
+        control.processes.remove(started)
+        control.processes[control.processes.index(before)] = started
     control_url = deployed.control_redis_url()
 
     def answers() -> bool:
@@ -518,3 +529,20 @@ def test_prometheus_scrapes_every_target_of_the_deployed_fleet_and_no_panel_of_t
     # And the refused request is counted as what it was (in the samples of whichever gateway process took it).
     refused = _query(prometheus, 'last_over_time(llmgw_gateway_requests_total{status="401"}[5m])')
     assert refused, "the request with a wrong key is not counted"
+
+
+def test_the_users_file_printed_again_is_what_redis_serves_after_the_restart_the_guide_says(deployed):
+    """A second gateway's user, as a gateway added (or a new secret key) is loaded: not `redis-cli ACL LOAD`, refused."""
+    from contracts import credentials
+    from fleet.models import Node
+
+    control = deployed.control
+    control.run(deploy.doc_line("(umask 077; llmgw-manage redis_acl --gateway gw1 --gateway gw2"))
+    control.run(deploy.doc_line("chown redis:redis /etc/redis/users.acl"))
+    deploy.doc_line("systemctl restart redis-server   # the enrolled nodes")
+    _start_redis(deployed)
+    gw2 = control.run("llmgw-manage redis_acl --url gateway-gw2").strip().splitlines()[-1]
+    assert redis.Redis.from_url(gw2, socket_timeout=10).ping(), "the added gateway's user is not in force"
+    token_hash = Node.objects.get(name=deployed.node.name).token_hash
+    node_url = credentials.node_redis_url(f"redis://{deployed.redis_address}/0", deployed.node.name, token_hash)
+    assert redis.Redis.from_url(node_url, socket_timeout=10).ping(), "the enrolled node's user is lost"

@@ -213,7 +213,7 @@ class DeployedHost:
         self.run(f"cat > {path} <<'END'\n{text.rstrip()}\nEND")
 
     def remove(self) -> None:
-        for process in self.processes:
+        for process in reversed(self.processes):  # as systemd stops them: what started last (needing the rest) first
             process.stop()
         subprocess.run(["umount", "-l", str(self.mount_ns)], capture_output=True)
 
@@ -261,10 +261,11 @@ class GuideReader:
         self.at, self.previous = -1, "the start"
 
     def line(self, starts: str) -> str:
-        at = next((i for i, line in enumerate(self.lines) if line.startswith(starts)), None)
-        assert at is not None, f"docs/fleet.md has no line starting {starts!r}"
-        assert at > self.at, (
-            f"docs/fleet.md asks for {starts!r} (its line {at + 1}) before {self.previous!r} (line {self.at + 1}), "
+        at = next((i for i, line in enumerate(self.lines) if i > self.at and line.startswith(starts)), None)
+        first = next((i for i, line in enumerate(self.lines) if line.startswith(starts)), None)
+        assert first is not None, f"docs/fleet.md has no line starting {starts!r}"
+        assert at is not None, (
+            f"docs/fleet.md asks for {starts!r} (its line {first + 1}) before {self.previous!r} (line {self.at + 1}), "
             "which it needs first"
         )
         self.at, self.previous = at, starts
