@@ -537,6 +537,9 @@ def test_the_users_file_printed_again_is_what_redis_serves_after_the_restart_the
     from fleet.models import Node
 
     control = deployed.control
+    host, port = deployed.redis_address.split(":")
+    # What the guide said before: refused, as no user is named and `default` is off.
+    assert "NOAUTH" in control.run(f"redis-cli -h {host} -p {port} ACL LOAD 2>&1 || true")
     control.run(deploy.doc_line("(umask 077; llmgw-manage redis_acl --gateway gw1 --gateway gw2"))
     control.run(deploy.doc_line("chown redis:redis /etc/redis/users.acl"))
     deploy.doc_line("systemctl restart redis-server   # the enrolled nodes")
