@@ -161,8 +161,8 @@ def apply_node(client, name: str, token_hash: str) -> str | None:
             client.execute_command("ACL", "DELUSER", user)
     except redis.RedisError as error:
         return (
-            f"node {name}'s Redis user was not changed ({error}): run `(umask 077; manage.py redis_acl > "
-            "/etc/redis/users.acl)` and `redis-cli ACL LOAD` where Redis runs with that aclfile"
+            f"node {name}'s Redis user was not changed ({error}): run `(umask 077; manage.py redis_acl --gateway NAME "
+            "> /etc/redis/users.acl)`, naming every gateway, and restart Redis, which reads that aclfile as it starts"
         )
     try:
         client.execute_command("ACL", "SAVE")

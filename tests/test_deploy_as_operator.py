@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+import redis
 import requests
 import yaml
 
@@ -21,7 +21,7 @@ from .services import free_port
 from .support import deploy
 from .support.database import db_access  # noqa: F401  (a fixture)
 from .support.other_mirror import OtherMirror
-from .support.processes import BASE_DIR
+from .support.processes import BASE_DIR, Process
 from .support.processes import test_database_url as database_url
 from .support.waiting import wait_until
 
@@ -71,14 +71,6 @@ METRICS_TOKEN = secrets.token_urlsafe(32)
 AGENT_METRICS_TOKEN = secrets.token_urlsafe(32)
 
 
-def _redis_on(address: str, work: Path) -> tuple[subprocess.Popen, str]:
-    """Redis on the fleet's network with a password (not the guide's users: tests/test_redis_acl.py runs those)."""
-    port, password = free_port_on(address), secrets.token_hex(16)
-    argv = ["redis-server", "--bind", address, "--port", str(port), "--requirepass", password, "--save", ""]
-    redis = subprocess.Popen([*argv, "--dir", str(work)], stdout=subprocess.DEVNULL, start_new_session=True)
-    return redis, f"redis://:{password}@{address}:{port}/0"
-
-
 class Deployed:
     """What the walk below made: the hosts, their addresses, the URLs an operator would use."""
 
@@ -90,26 +82,30 @@ class Deployed:
         node_ns = fleet.add_host("node-1")
         self.node = deploy.DeployedHost("node-1", work, node_ns.name, node_ns.address)
         self.hosts = [self.control, self.node]
-        self.redis, self.redis_url = _redis_on(fleet.address, work)
+        # Redis on the control host, on the fleet's address (a free port of this machine where the guide has 6379).
+        self.redis_address = f"{fleet.address}:{free_port_on(fleet.address)}"
+        self.gateway_redis_url = ""  # what `llmgw-manage redis_acl --url gateway-gw1` printed
+        self.redis: Process | None = None
         self.admin_url = f"http://127.0.0.1:{free_port()}"
         self.bytes_url = f"http://{fleet.address}:{free_port_on(fleet.address)}/"
         self.gateway_url = f"http://{fleet.address}:{free_port_on(fleet.address)}"
 
+    def control_redis_url(self) -> str:
+        return deploy.read_env_file_on(self.control, "/etc/llmgw/control.env")["REDIS_URL"]
+
     def remove(self) -> None:
-        for host in self.hosts:
+        for host in reversed(self.hosts):  # the nodes first, then the control host's services, its Redis last
             host.remove()
-        self.redis.kill()
-        self.redis.wait()
         deploy.remove_namespaces_dir(self.work)
 
 
 def _install_control(deployed: Deployed) -> None:
-    """Step 1 of docs/fleet.md on `control`, from `useradd` to `systemctl enable --now`."""
-    control = deployed.control
-    control.run(deploy.doc_line("useradd --system --home-dir /var/lib/llmgw"))
+    """Step 1 of docs/fleet.md on `control`, from `useradd` to `systemctl enable --now`, in the guide's order."""
+    control, guide = deployed.control, deploy.GuideReader()
+    control.run(guide.line("useradd --system --home-dir /var/lib/llmgw"))
     control.clone()
-    control.run(deploy.doc_line("mkdir -p /srv/llmgw/mirror /etc/llmgw"))
-    control.run(deploy.doc_line("install -m 0640 -g llmgw deploy/env/control.env"))
+    control.run(guide.line("mkdir -p /srv/llmgw/mirror /etc/llmgw"))
+    control.run(guide.line("install -m 0640 -g llmgw deploy/env/control.env"))
     admin_port = deployed.admin_url.rsplit(":", 1)[1]
     bytes_address = deployed.bytes_url.removeprefix("http://").rstrip("/")
     deploy.edit_env_file(
@@ -118,9 +114,9 @@ def _install_control(deployed: Deployed) -> None:
         {
             "DJANGO_SECRET_KEY": SECRET,
             "DATABASE_URL": database_url(),  # the suite's PostgreSQL (createuser/createdb: tests/test_postgres.py)
-            "REDIS_URL": deployed.redis_url,
-            "LLMGW_REDIS_ACL": "false",
-            "LLMGW_BYTES_REDIS_URL": deployed.redis_url,
+            # The guide's example address replaced by this fleet's; user and password are `redis_acl`'s, below.
+            "REDIS_URL": f"redis://llmgw-control:change-me@{deployed.redis_address}/0",
+            "LLMGW_BYTES_REDIS_URL": f"redis://llmgw-bytes:change-me@{deployed.redis_address}/0",
             "LLMGW_ADMIN_ADDR": f"127.0.0.1:{admin_port}",
             "LLMGW_BYTES_ADDR": bytes_address,
             "LLMGW_BYTES_URL": deployed.bytes_url,
@@ -137,12 +133,68 @@ def _install_control(deployed: Deployed) -> None:
             "LLMGW_MIRROR_SETTLE_S": "1",
         },
     )
-    control.run(deploy.doc_line("install -m 0755 deploy/llmgw-manage"))
+    control.run(guide.line("install -m 0755 deploy/llmgw-manage"))
     # The first llmgw-manage, before any unit ran (issue 41 item 4).
-    control.run(deploy.doc_line("llmgw-manage check --deploy"))
+    control.run(guide.line("llmgw-manage check --deploy"))
+    _install_redis(deployed, guide)
     # The units the guide enables, as it lists them (the scheduler, llmgw-beat, among them).
-    for unit in deploy.doc_line("systemctl enable --now llmgw-admin").split()[3:]:
+    for unit in guide.line("systemctl enable --now llmgw-admin").split()[3:]:
         control.start_unit(unit)
+
+
+def _install_redis(deployed: Deployed, guide: deploy.GuideReader) -> None:
+    """Step 1's Redis: a user per principal, each process's URL printed by `redis_acl`, the users file loaded."""
+    control = deployed.control
+    control.run(guide.line("llmgw-manage migrate"))
+    printed = {}
+    for user in ("llmgw-control", "llmgw-bytes", "gateway-gw1"):
+        printed[user] = control.run(guide.line(f"llmgw-manage redis_acl --url {user}")).strip().splitlines()[-1]
+    deploy.edit_env_file(
+        control,
+        "/etc/llmgw/control.env",
+        {"REDIS_URL": printed["llmgw-control"], "LLMGW_BYTES_REDIS_URL": printed["llmgw-bytes"]},
+    )
+    deployed.gateway_redis_url = printed["gateway-gw1"]
+    control.run(guide.line("(umask 077; llmgw-manage redis_acl --gateway gw1"))
+    control.run(guide.line("chown redis:redis /etc/redis/users.acl"))
+    control.run(guide.line("install -m 0644 -D deploy/redis/llmgw.conf"))
+    control.run(guide.line("echo 'include /etc/redis/conf.d/llmgw.conf'"))
+    # This fleet's address where the guide has 10.0.0.10, and a free port of this machine where Redis's is 6379:
+    # on the fleet's address alone, as a port free there may be taken on this machine's loopback.
+    conf = control.read("/etc/redis/conf.d/llmgw.conf")
+    host, port = deployed.redis_address.split(":")
+    assert "\nbind 127.0.0.1 10.0.0.10\n" in conf, conf
+    control.write(
+        "/etc/redis/conf.d/llmgw.conf", conf.replace("\nbind 127.0.0.1 10.0.0.10\n", f"\nbind {host}\nport {port}\n")
+    )
+    guide.line("systemctl restart redis-server")
+    _start_redis(deployed)
+
+
+def _start_redis(deployed: Deployed) -> None:
+    """`systemctl restart redis-server`: what Debian's redis-server.service runs (User=redis, UMask=007,
+    RuntimeDirectory=redis; its ReadWriteDirectories=/etc/redis lets ACL SAVE write the users file)."""
+    control, before = deployed.control, deployed.redis
+    if before is not None:
+        before.stop()
+    control.run("install -d -o redis -g redis -m 2755 /run/redis")
+    redis_server = "/usr/bin/redis-server /etc/redis/redis.conf --daemonize no"
+    started = deployed.redis = control.start(
+        "redis", ["sh", "-c", f"umask 007 && exec setpriv --reuid=redis --regid=redis --init-groups {redis_server}"]
+    )
+    if before is not None:  # in the stopped one's place: the services that need it are stopped before it
+        control.processes.remove(started)
+        control.processes[control.processes.index(before)] = started
+    control_url = deployed.control_redis_url()
+
+    def answers() -> bool:
+        assert started.alive(), f"redis-server exited:\n{started.output()[-3000:]}"
+        try:
+            return redis.Redis.from_url(control_url, socket_timeout=5).ping()
+        except redis.ConnectionError:
+            return False
+
+    wait_until(answers, timeout=60, what="the deployed Redis to answer llmgw-control")
 
 
 def _install_gateway(deployed: Deployed) -> None:
@@ -154,7 +206,7 @@ def _install_gateway(deployed: Deployed) -> None:
         "/etc/llmgw/gateway.env",
         {
             "DATABASE_URL": database_url(),
-            "REDIS_URL": deployed.redis_url,
+            "REDIS_URL": deployed.gateway_redis_url,
             "DJANGO_SECRET_KEY": SECRET,
             "LLMGW_GATEWAY_ADDR": deployed.gateway_url.removeprefix("http://"),
             "LLMGW_GATEWAY_URL": deployed.gateway_url + "/",
@@ -180,8 +232,8 @@ def _install_node(deployed: Deployed) -> None:
         "/etc/llmgw/node.env",
         {
             "LLMGW_NODE_TOKEN": token.splitlines()[-1],
-            "REDIS_URL": deployed.redis_url,
-            "LLMGW_REDIS_ACL": "false",
+            # The guide's example address replaced by this fleet's; no password (LLMGW_REDIS_ACL=true, as shipped).
+            "REDIS_URL": f"redis://{deployed.redis_address}/0",
             "LLMGW_BYTES_URL": deployed.bytes_url,
             "LLMGW_ENGINE_ADVERTISE": node.address,
             "LLMGW_AGENT_METRICS_TOKEN": AGENT_METRICS_TOKEN,
@@ -222,6 +274,24 @@ def test_a_node_deployed_as_the_guide_says_enrols_with_llama_cpp(deployed):
         return node is not None and node.state == Node.State.READY and "llamacpp" in node.engines
 
     wait_until(ready, timeout=90, what="node-1 ready with llama.cpp")
+
+
+def test_the_deployed_redis_refuses_a_client_without_a_user_and_a_principal_outside_its_keys(deployed):
+    """The guide's users are in force: `default` is off, a node's user and a gateway's reach only their own keys."""
+    from contracts import credentials
+    from fleet.models import Node
+
+    anonymous = redis.Redis.from_url(f"redis://{deployed.redis_address}/0", socket_timeout=10)
+    with pytest.raises(redis.AuthenticationError):  # NOAUTH: `user default off`
+        anonymous.get("llmgw:limit:anything")
+    token_hash = Node.objects.get(name=deployed.node.name).token_hash
+    node_url = credentials.node_redis_url(f"redis://{deployed.redis_address}/0", deployed.node.name, token_hash)
+    as_node = redis.Redis.from_url(node_url, socket_timeout=10)
+    assert as_node.ping(), "the node's own user (made by node_token) is refused"
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        as_node.get("llmgw:limit:anything")  # a gateway's key
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        redis.Redis.from_url(deployed.gateway_redis_url, socket_timeout=10).llen(f"node.{deployed.node.name}")
 
 
 def _staff(deployed: Deployed) -> requests.Session:
@@ -299,7 +369,7 @@ def test_a_pull_from_another_mirror_lands_in_the_mirror_the_other_units_only_rea
         # the pull recorded, its id onto the broker.
         settings.PULL_ALLOW_HTTP = True
         record = pull.start(url, requested_by="operator")
-        with app.connection_for_write(deployed.redis_url) as broker:
+        with app.connection_for_write(deployed.control_redis_url()) as broker:
             pull_task.apply_async((record.pk,), connection=broker)
 
         def ended():
@@ -459,3 +529,23 @@ def test_prometheus_scrapes_every_target_of_the_deployed_fleet_and_no_panel_of_t
     # And the refused request is counted as what it was (in the samples of whichever gateway process took it).
     refused = _query(prometheus, 'last_over_time(llmgw_gateway_requests_total{status="401"}[5m])')
     assert refused, "the request with a wrong key is not counted"
+
+
+def test_the_users_file_printed_again_is_what_redis_serves_after_the_restart_the_guide_says(deployed):
+    """A second gateway's user, as a gateway added (or a new secret key) is loaded: not `redis-cli ACL LOAD`, refused."""
+    from contracts import credentials
+    from fleet.models import Node
+
+    control = deployed.control
+    host, port = deployed.redis_address.split(":")
+    # What the guide said before: refused, as no user is named and `default` is off.
+    assert "NOAUTH" in control.run(f"redis-cli -h {host} -p {port} ACL LOAD 2>&1 || true")
+    control.run(deploy.doc_line("(umask 077; llmgw-manage redis_acl --gateway gw1 --gateway gw2"))
+    control.run(deploy.doc_line("chown redis:redis /etc/redis/users.acl"))
+    deploy.doc_line("systemctl restart redis-server   # the enrolled nodes")
+    _start_redis(deployed)
+    gw2 = control.run("llmgw-manage redis_acl --url gateway-gw2").strip().splitlines()[-1]
+    assert redis.Redis.from_url(gw2, socket_timeout=10).ping(), "the added gateway's user is not in force"
+    token_hash = Node.objects.get(name=deployed.node.name).token_hash
+    node_url = credentials.node_redis_url(f"redis://{deployed.redis_address}/0", deployed.node.name, token_hash)
+    assert redis.Redis.from_url(node_url, socket_timeout=10).ping(), "the enrolled node's user is lost"

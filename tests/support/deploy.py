@@ -213,7 +213,7 @@ class DeployedHost:
         self.run(f"cat > {path} <<'END'\n{text.rstrip()}\nEND")
 
     def remove(self) -> None:
-        for process in self.processes:
+        for process in reversed(self.processes):  # as systemd stops them: what started last (needing the rest) first
             process.stop()
         subprocess.run(["umount", "-l", str(self.mount_ns)], capture_output=True)
 
@@ -247,6 +247,29 @@ def doc_line(starts: str) -> str:
     found = [line.split("  #")[0].strip() for line in FLEET_DOC.read_text().splitlines() if line.startswith(starts)]
     assert found, f"docs/fleet.md has no line starting {starts!r}"
     return found[0]
+
+
+class GuideReader:
+    """docs/fleet.md read top to bottom, as an operator does: each line the walk runs comes after the one before.
+
+    A step placed before one it needs (`llmgw-manage` before its `install`) fails for an operator
+    whichever order a test would run them in.
+    """
+
+    def __init__(self):
+        self.lines = FLEET_DOC.read_text().splitlines()
+        self.at, self.previous = -1, "the start"
+
+    def line(self, starts: str) -> str:
+        at = next((i for i, line in enumerate(self.lines) if i > self.at and line.startswith(starts)), None)
+        first = next((i for i, line in enumerate(self.lines) if line.startswith(starts)), None)
+        assert first is not None, f"docs/fleet.md has no line starting {starts!r}"
+        assert at is not None, (
+            f"docs/fleet.md asks for {starts!r} (its line {first + 1}) before {self.previous!r} (line {self.at + 1}), "
+            "which it needs first"
+        )
+        self.at, self.previous = at, starts
+        return self.lines[at].split("  #")[0].strip()
 
 
 def edit_env_file(host: DeployedHost, path: str, filled: dict[str, str], lab: dict[str, str] | None = None) -> None:
