@@ -460,12 +460,16 @@ def main() -> None:
             redis_process, redis_port = servers.redis()
             redis_pid = redis_process.pid
         proxies = []
+        # One key opens every held stream and then asks a plain request: llmgw's cap on one key's requests
+        # at once (LLMGW_GATEWAY_KEY_CONCURRENCY, 256) refused the other 744 and the plain one, which read
+        # as "completed when let go 256" and "none in 10 s" (2026-12-04). The run measures the process.
+        one_key = {"LLMGW_GATEWAY_KEY_CONCURRENCY": str(args.streams + 64)}
         for name, settings in variants(args, servers.work).items():
             first = name == "llmgw"
-            site = stub_site(servers, stub_port, name, None, redis_port if first else None, **settings)
+            site = stub_site(servers, stub_port, name, None, redis_port if first else None, **one_key, **settings)
             proxies += llmgw_targets(site, args.limits and first, admin_load if first else None)
         if args.baseline:
-            site = stub_site(servers, stub_port, "baseline", Path(args.baseline).resolve(), redis_port)
+            site = stub_site(servers, stub_port, "baseline", Path(args.baseline).resolve(), redis_port, **one_key)
             proxies += llmgw_targets(site, args.limits, admin_load)
         litellm = None if args.no_litellm else ensure_litellm()
         if litellm:

@@ -155,6 +155,11 @@ GATEWAY_MAX_BODY = env_int("LLMGW_GATEWAY_MAX_BODY", 32 * 1024 * 1024, minimum=1
 GATEWAY_CONCURRENCY = env_int("LLMGW_GATEWAY_CONCURRENCY", 4096, minimum=1)
 # Requests one key may have in one gateway process at once, whatever its own limits (docs/gateway.md).
 GATEWAY_KEY_CONCURRENCY = env_int("LLMGW_GATEWAY_KEY_CONCURRENCY", 256, minimum=1)
+# A limited key's request goes on without waiting for Redis's answer while what this process last heard of
+# the key's counters, plus what it asked since, is below this share of every limit (gateway/limits/); 0: always wait.
+LIMITS_FAST_SHARE = env_float("LLMGW_LIMITS_FAST_SHARE", 0.5)
+if LIMITS_FAST_SHARE > 1:
+    raise SettingError("LLMGW_LIMITS_FAST_SHARE is a share of each limit, from 0 (always wait) to 1, not more")
 # Whether clients see how many of their prompt's tokens the engine had cached (cached_tokens): only where
 # every key is one tenant, since the cache is shared and its count tells one key what another sent.
 GATEWAY_SHOW_CACHED_TOKENS = env_bool("LLMGW_GATEWAY_SHOW_CACHED_TOKENS", False)

@@ -1,7 +1,8 @@
 """Per-key limits, kept in Redis so that every gateway process, on every host, counts against the same numbers.
 
 A key with no limits costs nothing here: the gateway does not call Redis for it.
-A key with limits waits for one reply before its request goes on: a Lua script
+A key with limits waits for one reply before its request goes on (unless it is far below
+its limits: then it goes on at once and the reply is heard later, `limiter.Heard`): a Lua script
 that reads the key's windows, refuses when one is full, and otherwise counts the
 request and marks it in flight, atomically, so two processes cannot both take
 the last request of a minute. After the answer, its tokens (from the engine's

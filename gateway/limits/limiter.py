@@ -15,7 +15,7 @@ import hiredis
 from django.conf import settings
 from redis.connection import parse_url
 
-from .connection import Pipe, RedisError, connect, resolve, retrieved, ssl_context
+from .connection import TIMEOUT_S, Pipe, RedisError, connect, resolve, retrieved, ssl_context
 from .refusals import refused
 from .scripts import ADMIT, BATCH, EXPIRES, RESERVE, SETTLE, STALE_IN_FLIGHT_S
 from .windows import Budget, Limits, Windows, zone
@@ -29,6 +29,9 @@ class Ticket:
     request_id: str
     reserved: int = 0  # tokens held in its windows until it settles
     reserved_money: int = 0  # micro-units held in its team's spend
+    # Answers it went on without (a fast admission, a reservation taken as held): it settles after them, so
+    # that its flight ends after it began and what replaces its reservation is what Redis holds.
+    unanswered: list[asyncio.Future] = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +42,46 @@ class Asked:
     limits: Limits
     budget: Budget | None
     answer: asyncio.Future = field(init=False)
+    fast: bool = False  # let go without waiting for the answer: the key is far below its limits
+
+
+# How old the last answer about a key may be for a request to go on without waiting for its own.
+FAST_AGE_S = 1.0
+# How long what no request waits for may wait to be sent with something else.
+LAZY_S = 0.002
+# The counters (1-based, as the scripts number them) that count requests; 10 counts money; the rest tokens.
+REQUEST_COUNTERS = frozenset((1, 5, 6))
+MONEY_COUNTER = 10
+
+
+@dataclass
+class Heard:
+    """What this process last heard of one key's counters (in its windows, under its limits), and what it has
+    asked of them since without an answer yet: together, the most the counters can hold as far as it knows."""
+
+    used: tuple[int, ...] = ()  # each counter, as the last answer said; () before the first
+    at: float = 0.0  # when that answer came (monotonic)
+    asked: int = 0  # admissions on their way
+    tokens: int = 0  # tokens of reservations on their way
+    micro: int = 0  # and their money
+
+    def far_below(self, limits: tuple[int, ...], share: float, requests: int, tokens: int, micro: int) -> bool:
+        """Whether one more request (`requests`), or reservation (`tokens`, `micro`), keeps every counter under
+        `share` of its limit, counting everything on its way; never on an answer older than FAST_AGE_S."""
+        if not self.used or time.monotonic() - self.at > FAST_AGE_S:
+            return False
+        for number, (limit, used) in enumerate(zip(limits, self.used, strict=True), 1):
+            if not limit:
+                continue
+            if number in REQUEST_COUNTERS:
+                more = self.asked + requests
+            elif number == MONEY_COUNTER:
+                more = self.micro + micro
+            else:
+                more = self.tokens + tokens
+            if used + more > limit * share:
+                return False
+        return True
 
 
 class Limiter:
@@ -63,11 +106,15 @@ class Limiter:
         self._settling: dict[Windows, list] = {}
         self._reserving: dict[tuple[Windows, Limits, Budget | None], list[tuple[str, int, int, asyncio.Future]]] = {}
         self._send_soon = False
+        self._lazy: asyncio.TimerHandle | None = None
         self._windows: dict[tuple[str, str], Windows] = {}
         self._ids = itertools.count()
         self._id_prefix = secrets.token_hex(4)
         self._warned_at = 0.0
         self._zone = zone()
+        self._heard: dict[tuple[Windows, Limits, Budget | None], Heard] = {}
+        self._deferring: set[asyncio.Future] = set()  # answers that settlings wait for (Ticket.unanswered)
+        self._fast_share = settings.LIMITS_FAST_SHARE
 
     # --- the two calls --------------------------------------------------------------------
 
@@ -79,17 +126,30 @@ class Limiter:
         return await self.admitted(self.ask(tag, limits, budget))
 
     def ask(self, tag: str, limits: Limits | None, budget: Budget | None = None) -> Asked:
-        """Queue the admission admit() makes, for the next batch, without waiting for it: admitted() waits."""
+        """Queue the admission admit() makes, for the next batch, without waiting for it: admitted() waits,
+        unless the key is far below its limits (`Asked.fast`)."""
         limits = limits or NO_LIMITS
         windows = self.windows(tag, time.time(), budget.tag if budget else "")
         asked = Asked(Ticket(windows, f"{self._id_prefix}{next(self._ids):x}"), limits, budget)
         asked.answer = asyncio.get_running_loop().create_future()
-        self._admitting.setdefault((windows, limits, budget), []).append((asked.ticket.request_id, asked.answer))
-        self._send_later()
+        key = (windows, limits, budget)
+        heard = self._heard.setdefault(key, Heard())
+        asked.fast = self._fast_share > 0 and heard.far_below(_counted(*key)[1:], self._fast_share, 1, 0, 0)
+        heard.asked += 1
+        asked.answer.add_done_callback(functools.partial(self._hear, heard, 1, 0, 0))
+        self._admitting.setdefault(key, []).append((asked.ticket.request_id, asked.answer))
+        self._send_later(urgent=not asked.fast)
         return asked
 
     async def admitted(self, asked: Asked) -> Ticket | None:
-        """The ticket of an admission asked for, or its 429 raised; None when Redis could not be asked."""
+        """The ticket of an admission asked for, or its 429 raised; None when Redis could not be asked.
+
+        A fast one (`Asked.fast`) has its ticket at once: its answer still comes, counted in the
+        key's windows all the same, and is what the key's next requests are judged by.
+        """
+        if asked.fast:
+            asked.ticket.unanswered.append(asked.answer)
+            return asked.ticket
         try:
             which, *used = await asked.answer
         except (RedisError, OSError, TimeoutError) as error:
@@ -108,19 +168,35 @@ class Limiter:
 
         Unchecked (nothing reserved) when Redis cannot be asked, as admit() is.
         """
-        answer = self.ask_to_reserve(ticket, limits, tokens, budget, micro)
-        await self.reserved(ticket, answer, limits, tokens, budget, micro)
+        answer, fast = self.ask_to_reserve(ticket, limits, tokens, budget, micro)
+        if not (fast and self._take_as_held(ticket, answer, tokens, micro)):
+            await self.reserved(ticket, answer, limits, tokens, budget, micro)
 
     def ask_to_reserve(
         self, ticket: Ticket, limits: Limits | None, tokens: int, budget: Budget | None = None, micro: int = 0
-    ) -> asyncio.Future:
+    ) -> tuple[asyncio.Future, bool]:
         """Queue reserve()'s script for the next batch; it may go before the ticket's admission has answered
-        (RESERVE holds nothing for a request ADMIT refused)."""
+        (RESERVE holds nothing for a request ADMIT refused). Its answer to come, and whether the key is far
+        enough below its limits for the reservation to be taken as held without waiting for it."""
         answer = asyncio.get_running_loop().create_future()
         key = (ticket.windows, limits or NO_LIMITS, budget)
+        heard = self._heard.setdefault(key, Heard())
+        # Judged before its own tokens are counted as on their way.
+        fast = self._fast_share > 0 and heard.far_below(_counted(*key)[1:], self._fast_share, 0, tokens, micro)
+        heard.tokens += tokens
+        heard.micro += micro
+        answer.add_done_callback(functools.partial(self._hear, heard, 0, tokens, micro))
         self._reserving.setdefault(key, []).append((ticket.request_id, tokens, micro, answer))
-        self._send_later()
-        return answer
+        self._send_later(urgent=not fast)
+        return answer, fast
+
+    def _take_as_held(self, ticket: Ticket, answer: asyncio.Future, tokens: int, micro: int) -> bool:
+        """A reservation taken as held without waiting for its answer: the ticket holds it, and the answer,
+        when it comes, says whether Redis did."""
+        ticket.reserved, ticket.reserved_money = tokens, micro
+        ticket.unanswered.append(answer)
+        answer.add_done_callback(functools.partial(_reservation_answered, ticket))
+        return True
 
     async def reserved(
         self,
@@ -147,22 +223,29 @@ class Limiter:
     def admitted_and_reserved(self, asked: Asked, tokens: int, micro: int = 0) -> Awaitable[Ticket | None]:
         """admitted() and reserve() in one round trip: the reservation is queued now, before the admission has
         answered, so both scripts go in the same batch; what is returned waits for both."""
-        answer = self.ask_to_reserve(asked.ticket, asked.limits, tokens, asked.budget, micro)
-        return self._admitted_and_reserved(asked, answer, tokens, micro)
+        answer, fast = self.ask_to_reserve(asked.ticket, asked.limits, tokens, asked.budget, micro)
+        return self._admitted_and_reserved(asked, answer, fast, tokens, micro)
 
     async def _admitted_and_reserved(
-        self, asked: Asked, answer: asyncio.Future, tokens: int, micro: int
+        self, asked: Asked, answer: asyncio.Future, fast: bool, tokens: int, micro: int
     ) -> Ticket | None:
         ticket = await self.admitted(asked)
         if ticket is None:
             answer.add_done_callback(retrieved)  # Redis failed both: said once, by admitted()
             return None
-        await self.reserved(ticket, answer, asked.limits, tokens, asked.budget, micro)
+        if not (fast and self._take_as_held(ticket, answer, tokens, micro)):
+            await self.reserved(ticket, answer, asked.limits, tokens, asked.budget, micro)
         return ticket
 
     def settle(self, ticket: Ticket, tokens: int, micro: int = 0) -> None:
         """Count an answer's tokens (and its cost, in micro-units) in place of its reservation and end its flight;
         sent with the next batch."""
+        waiting = [answer for answer in ticket.unanswered if not answer.done()]
+        if waiting:
+            self._deferring.add(waiting[0])
+            waiting[0].add_done_callback(self._deferring.discard)
+            waiting[0].add_done_callback(lambda _: self.settle(ticket, tokens, micro))
+            return
         batch = self._settling.get(ticket.windows)
         if batch is None:
             batch = self._settling[ticket.windows] = [0, 0]
@@ -170,24 +253,38 @@ class Limiter:
         batch[1] += micro - ticket.reserved_money
         ticket.reserved = ticket.reserved_money = 0
         batch.append(ticket.request_id)
-        self._send_later()
+        self._send_later(urgent=False)
 
     def windows(self, tag: str, now: float, team: str = "") -> Windows:
         """The key's windows at `now`: worked out once a minute, not for every request."""
         windows = self._windows.get((tag, team))
         if windows is None or not windows.minute_start <= now < windows.ends[0]:
+            if windows is not None:
+                # What was heard of the last minute's counters says nothing of this one's.
+                for key in [key for key in self._heard if key[0] is windows]:
+                    del self._heard[key]
             windows = self._windows[(tag, team)] = Windows.at(tag, now, team, self._zone)
         return windows
 
     # --- sending --------------------------------------------------------------------------
 
-    def _send_later(self) -> None:
-        if not self._send_soon:
-            self._send_soon = True
-            asyncio.get_running_loop().call_soon(self._send)
+    def _send_later(self, urgent: bool = True) -> None:
+        """The next batch sent at the end of this turn of the loop when a request waits for it (`urgent`), else
+        within LAZY_S: what no request waits for (settlings, fast admissions) goes with the next that does,
+        or with others like it, rather than waking Redis and this loop once a request (bench/gateway.py)."""
+        loop = asyncio.get_running_loop()
+        if urgent:
+            if not self._send_soon:
+                self._send_soon = True
+                loop.call_soon(self._send)
+        elif not self._send_soon and self._lazy is None:
+            self._lazy = loop.call_later(LAZY_S, self._send)
 
     def _send(self) -> None:
         self._send_soon = False
+        if self._lazy is not None:
+            self._lazy.cancel()
+            self._lazy = None
         if self._connecting is not None:
             return  # sent once connected
         if self._pipe is None or self._pipe.transport is None:
@@ -251,6 +348,21 @@ class Limiter:
             self._connecting = None
         self._send()
 
+    def _hear(self, heard: Heard, asked: int, tokens: int, micro: int, answer: asyncio.Future) -> None:
+        """An answer about a key's counters came (or failed): no longer on its way; what it says, kept."""
+        heard.asked -= asked
+        heard.tokens -= tokens
+        heard.micro -= micro
+        if answer.cancelled():
+            return
+        if (error := answer.exception()) is not None:
+            # Retrieved, and said: a request that went on without this answer (a fast one) went on unchecked.
+            self._warn(error)
+            return
+        which, *used = answer.result()
+        if which >= 0:  # -1: a RESERVE for a request not in flight, which says nothing of the counters
+            heard.used, heard.at = tuple(used), time.monotonic()
+
     def _warn(self, error: Exception) -> None:
         if time.monotonic() - self._warned_at > 60:
             self._warned_at = time.monotonic()
@@ -260,6 +372,10 @@ class Limiter:
         """Send what is waiting and wait for its replies (a while at most), then close."""
         if self._connecting is not None:
             await asyncio.gather(self._connecting, return_exceptions=True)
+        if self._deferring:
+            # Settlings waiting for an answer: queued once it comes (a while at most).
+            await asyncio.wait(set(self._deferring), timeout=TIMEOUT_S)
+            await asyncio.sleep(0)
         if self._settling or self._admitting or self._reserving:
             self._send()
             if self._connecting is not None:
@@ -281,6 +397,12 @@ def _counted(windows: Windows, limits: Limits, budget: Budget | None) -> tuple[i
 
 def _chunks(items: list) -> list[list]:
     return [items] if len(items) <= BATCH else [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
+
+
+def _reservation_answered(ticket: Ticket, answer: asyncio.Future) -> None:
+    """A reservation taken as held: what Redis did. Refused, or not asked, it holds nothing, and the ticket neither."""
+    if answer.cancelled() or answer.exception() is not None or answer.result()[0] != 0:
+        ticket.reserved = ticket.reserved_money = 0
 
 
 def _admitted(futures: list[asyncio.Future], size: int, reply) -> None:
