@@ -19,6 +19,7 @@ from .staff_api import token_session
 from .support.factories import add_model, add_replica
 from .support.gateway import chat, clear_of_minute_boundary, client, error_of, held_stream, until_routed
 from .support.gateway_process import start_gateway
+from .support.limits import outcomes, run_limiter
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -200,31 +201,6 @@ def test_with_redis_away_a_limited_key_goes_on_unchecked_and_the_log_says_so(cap
     ticket, took = asyncio.run(ask())
     assert ticket is None and took < 1
     assert "per-key limits are not enforced while Redis cannot be reached" in caplog.text
-
-
-def run_limiter(work):
-    """`work(limiter, tag)` on a fresh event loop, with a Limiter of its own on the tests' Redis; and the key's hash."""
-    import asyncio
-    import secrets
-
-    from gateway.limits import Limiter, tag_of
-
-    key_hash = secrets.token_hex(32)
-
-    async def go():
-        limiter = Limiter()
-        try:
-            return await work(limiter, tag_of(key_hash))
-        finally:
-            await limiter.close()
-
-    return asyncio.run(go()), key_hash
-
-
-def outcomes(results) -> list[str]:
-    from gateway.errors import Refusal
-
-    return ["refused" if isinstance(r, Refusal) else "admitted" if r is not None else "unchecked" for r in results]
 
 
 def test_a_hundred_requests_of_one_turn_of_the_loop_at_60_a_minute_are_60_admitted_and_40_refused(redis_client):

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from gateway.limits import Limiter, Limits, tag_of
+from gateway.limits import Limiter, Limits, tag_of, used_now
 from gateway.limits.limiter import Ticket
 
 from .support.gateway import clear_of_minute_boundary
-from .test_gateway_limits import outcomes, run_limiter, used_now
+from .support.limits import outcomes, run_limiter
 
 
 def went_on_unanswered(ticket) -> bool:
