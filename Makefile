@@ -66,8 +66,10 @@ SQLITE_TESTS := tests/test_postgres.py tests/test_settings.py tests/test_gateway
 # on the processes they start, so even two cores run three workers well (docs/testing.md has
 # the times). `make test TEST_WORKERS=0` runs everything in one process, as before.
 TEST_WORKERS ?= 3
-# The fast tier starts no process: its tests keep the CPU busy themselves, one worker a core.
-FAST_WORKERS ?= 2
+# The fast tier starts no process, but its tests still wait (on PostgreSQL, Redis, a pull's deadline):
+# with one worker a core the two cores were busy 117% of 200 (77 s of pytest); four workers, 148% and
+# 69 s (2026-12-05, docs/testing.md).
+FAST_WORKERS ?= 4
 
 test: test-deps lint
 	$(PY) manage.py check
