@@ -26,12 +26,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200_000)
     args = parser.parse_args()
     django_setup()
+    from gateway.conversations import Conversations
     from gateway.demand import Demand
     from gateway.routes import Route, Table, Upstream
 
     route = Route("stub", (), 1000, 0, 0, (Upstream(1, "http://127.0.0.1:1/v1", 1),))
     routes = Table(routes={"stub": route}, models=[route])
-    demand = Demand({1: 0})
+    demand = Demand({1: 0}, Conversations())
 
     async def forward() -> int:
         return 0

@@ -4,7 +4,7 @@
     .venv/bin/python bench/prefix.py [--replicas 2] [--slots 4] [--clients 8] [--conversations 16]
                                      [--turns 4] [--max-tokens 32] [--system-words 700]
                                      [--cache-ram MIB] [--bound 1.25] [--margin 1.25]
-                                     [--modes prefix,load[,mean]]
+                                     [--modes prefix,load[,mean][,ring]]
                                      [--sticky-clients] [--skip-hot]
 
 Each mode gets fresh replicas (llama-server as the agent starts it, `agent.engines.command`:
@@ -14,6 +14,8 @@ process on its own SQLite and a private redis-server, with its access log on:
   prefix  the model's routing profile `chat`: by the conversation's prefix, bounded by load
   mean    by prefix, bounded by the model's mean load alone (LLMGW_PREFIX_SLOT_MARGIN=0): the
           bound before issue 39, which spilled turns while their replica had free slots
+  ring    by prefix, a conversation's first turn on its key's owner too (LLMGW_PREFIX_OPEN_BY_LOAD=false):
+          before issue 39 placed new conversations by load
   load    the same model with routing profile `load`: the fewest requests in flight (as before)
 
 Goals (issue 39), printed as "met" or "NOT met" against least-in-flight in the same run: first
@@ -346,7 +348,7 @@ def main() -> int:
     parser.add_argument("--cache-ram", type=int, default=None)
     parser.add_argument("--bound", type=float, default=1.25, help="LLMGW_PREFIX_LOAD_BOUND for the gateway")
     parser.add_argument("--margin", type=float, default=1.25, help="LLMGW_PREFIX_SLOT_MARGIN for the gateway")
-    parser.add_argument("--modes", default="prefix,load", help="which of prefix, mean and load to measure")
+    parser.add_argument("--modes", default="prefix,load", help="which of prefix, mean, ring and load to measure")
     parser.add_argument("--skip-hot", action="store_true")
     parser.add_argument("--engine-args", default="", help="more llama-server arguments, as a profile's args (quoted)")
     parser.add_argument(
@@ -373,6 +375,7 @@ def contend(run: Run, options) -> list[dict]:
     contenders = (
         ("prefix", "chat", f"prefix, slots × {options.margin:g} or mean × {options.bound:g}", {}),
         ("mean", "chat", f"prefix, mean × {options.bound:g} alone", {"LLMGW_PREFIX_SLOT_MARGIN": "0"}),
+        ("ring", "chat", "prefix, first turns by hash", {"LLMGW_PREFIX_OPEN_BY_LOAD": "false"}),
         ("load", "load", "least in flight", {}),
     )
     rows = []
@@ -390,6 +393,9 @@ def contend(run: Run, options) -> list[dict]:
         row["load"] = f"{before} → {load_average()}"
         rows.append(row)
         print(f"{label}: {json.dumps(row)}", flush=True)
+        if routing == "chat":
+            _, over, most, routes = over_the_bound(run.work / f"access-{mode}.log", model, options)
+            print(f"  routes {routes}; over the bound {over}, the most in flight on one replica {most}", flush=True)
         if played["errors"]:
             print(f"  errors, the first: {played['errors'][0]}", flush=True)
         run.stop_engines()

@@ -24,6 +24,11 @@ LOAD_STALE_S = 10.0
 # How often a gateway process writes its snapshot.
 LOAD_INTERVAL_S = 1.0
 
+# Where each gateway process started new conversations (gateway/conversations.py): a stream
+# whose entries are {"from": the process's field of LOAD_KEY, "placed": "point:replica,..."},
+# appended and read by the gateways only, with their load.
+CONVERSATIONS_KEY = "llmgw:demand:conversations"
+
 # wake(model: str): sent on the control queue by the gateway's first waiting request.
 WAKE = "fleet.wake"
 WAKE_TTL_S = 30

@@ -30,6 +30,7 @@ from django.db import connection
 from contracts.health import Check, verdict
 
 from . import endpoints, hold, intake, listing, metrics, prometheus, prospects, routes
+from .conversations import Conversations
 from .demand import Demand
 from .errors import ClientGone, Refusal
 from .forward import Forwarding
@@ -89,7 +90,8 @@ class Gateway(Forwarding):
         self._last_refresh_start = 0.0
         self._turn = 0
         self.observer = metrics.Observer()
-        self.demand = Demand(self.in_flight)
+        self.conversations = Conversations()  # where new conversations started (gateway/conversations.py)
+        self.demand = Demand(self.in_flight, self.conversations)
         self.holding = hold.Holding(
             self.demand, settings.HOLD_S, settings.HOLD_QUEUE, lambda: self.table, settings.HOLD_QUEUE_PER_KEY
         )

@@ -6,6 +6,9 @@ the time of each model's last request, and writes that as its own field of the h
 LOAD_KEY about once a second. The write is taken on the event loop (a copy of a few
 dicts) and sent from a thread of its own, so a request never waits for Redis.
 
+The same round trip appends where this process started new conversations to the stream
+CONVERSATIONS_KEY and reads what the others appended (gateway/conversations.py).
+
 It is also how a waiting request asks for its model to wake: SET NX on the model's
 wake key, and only when that set the key, the `fleet.wake` task on the control queue.
 """
@@ -27,11 +30,18 @@ from contracts import demand
 from contracts.tasks import CONTROL_QUEUE
 from fleet.live import redis_client
 
+from . import conversations as placements
+
 log = logging.getLogger("llmgw.gateway")
 
 # Fields of processes gone this long are deleted by whichever gateway looks (once a minute).
 FORGET_AFTER_S = 600
 PRUNE_EVERY_S = 60
+# The stream of where conversations started: about this many entries (each a second of one
+# process's new conversations) are kept, and a process starting reads the last READ_AT_START
+# (five minutes of one process's, a minute of five's: the conversations whose next turn is near).
+STREAM_ENTRIES = 10_000
+READ_AT_START = 300
 # A failure to reach Redis is said in the log at most this often.
 WARN_EVERY_S = 60
 
@@ -39,7 +49,7 @@ WARN_EVERY_S = 60
 class Demand:
     """The process's counts and their writer. One per gateway, used on its event loop."""
 
-    def __init__(self, in_flight_by_replica: dict[int, int]) -> None:
+    def __init__(self, in_flight_by_replica: dict[int, int], conversations: placements.Conversations) -> None:
         self.field = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.in_flight: dict[str, int] = {}
         self.waiting: dict[str, int] = {}
@@ -50,6 +60,8 @@ class Demand:
         # what prefix routing's bound adds to this process's own (gateway/prefix.py). Replaced
         # whole from the writer's thread, so the event loop reads one dict or the next.
         self.others: dict[int, int] = {}
+        self.conversations = conversations
+        self._read_to: bytes | None = None  # the last entry of the conversations' stream read
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-demand")
         self._writer: asyncio.Task | None = None
         self._writing: asyncio.Future | None = None
@@ -111,20 +123,35 @@ class Demand:
             self._soon.clear()
             if self._writing is not None and not self._writing.done():
                 continue  # Redis is slow: the next snapshot goes when this one is through
-            self._writing = loop.run_in_executor(self._thread, self._write, demand.encode(self.snapshot()))
+            unsent = self.conversations.take_unsent()
+            self._writing = loop.run_in_executor(self._thread, self._write, demand.encode(self.snapshot()), unsent)
+            self._writing.add_done_callback(self._heard)
+
+    def _heard(self, writing: asyncio.Future) -> None:
+        """On the event loop: what the other gateways placed, as the writer read it."""
+        if not writing.cancelled() and writing.exception() is None and writing.result():
+            self.conversations.heard(writing.result())
 
     def _redis(self) -> redis.Redis:
         if self._client is None:
             self._client = redis_client()
         return self._client
 
-    def _write(self, encoded: str) -> None:
+    def _write(self, encoded: str, unsent: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Write this process's load and new conversations; return the other processes' new conversations."""
         try:
             client = self._redis()
             pipe = client.pipeline(transaction=False)
             pipe.hset(demand.LOAD_KEY, self.field, encoded)
             pipe.hgetall(demand.LOAD_KEY)
-            _, fields = pipe.execute()
+            if self._read_to is None:
+                pipe.xrevrange(demand.CONVERSATIONS_KEY, count=READ_AT_START)
+            else:
+                pipe.xread({demand.CONVERSATIONS_KEY: self._read_to}, count=STREAM_ENTRIES)
+            if unsent:
+                entry = {"from": self.field, "placed": placements.encode(unsent)}
+                pipe.xadd(demand.CONVERSATIONS_KEY, entry, maxlen=STREAM_ENTRIES, approximate=True)
+            _, fields, read, *_ = pipe.execute()
             now = time.time()
             self.others = self._others(fields, now)
             if now - self._pruned_at > PRUNE_EVERY_S:
@@ -133,6 +160,19 @@ class Demand:
         except (redis.RedisError, OSError) as error:
             self.others = {}  # counts that can no longer be refreshed are not kept as if they were
             self._warn("the gateway's load could not be written to Redis", error)
+            return []  # this second's placements are lost to the others: their later turns go by the ring
+        entries = list(reversed(read)) if self._read_to is None else [e for _, stream in read for e in stream]
+        if entries:
+            self._read_to = entries[-1][0]
+        elif self._read_to is None:
+            self._read_to = b"0-0"
+        mine = self.field.encode()
+        return [
+            placed
+            for _, fields in entries
+            if fields.get(b"from") != mine
+            for placed in placements.decode(fields.get(b"placed", b""))
+        ]
 
     def _others(self, fields: dict, now: float) -> dict[int, int]:
         mine = self.field.encode()

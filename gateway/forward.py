@@ -19,6 +19,7 @@ from django.conf import settings
 from contracts.credentials import bearer
 
 from . import hold, metrics, prefix, prospects, routes
+from .conversations import ON_RING
 from .endpoints import CHAT
 from .errors import Refusal
 from .intake import sentence_of
@@ -75,18 +76,31 @@ class Forwarding:
                 self.demand.finished(route.name)
 
     def pick(
-        self, route: routes.Route, tried: set[int], conversation: bytes | None
+        self, route: routes.Route, tried: set[int], conversation: prefix.Conversation | None
     ) -> tuple[routes.Upstream | None, str]:
-        """The replica for this request and why (gateway/prefix.py): by its conversation's key, else by load."""
+        """The replica for this request and why (gateway/prefix.py): by its conversation, else by load."""
         if conversation is not None and route.ring is not None:
             now = time.monotonic()
+
+            def unusable(replica: int) -> bool:
+                return replica in tried or self.cooling.get(replica, 0.0) > now
+
+            name = prefix.placed_as(route.name, conversation.key)
+            started_on = self.conversations.started_on(name)
+            if started_on is None and conversation.opening and settings.PREFIX_OPEN_BY_LOAD:
+                chosen = prefix.open_new(route.ring, conversation.key, self.load_of, unusable)
+                if chosen is not None:
+                    upstream, why = chosen
+                    self.conversations.started(name, ON_RING if why == prefix.PREFIX else upstream.replica_id)
+                    return chosen
             chosen = prefix.choose(
                 route.ring,
-                conversation,
+                conversation.key,
                 self.load_of,
-                lambda replica: replica in tried or self.cooling.get(replica, 0.0) > now,
+                unusable,
                 settings.PREFIX_LOAD_BOUND,
                 settings.PREFIX_SLOT_MARGIN,
+                started_on=started_on or None,
             )
             if chosen is not None:
                 return chosen
@@ -124,7 +138,7 @@ class Forwarding:
         failures = []
         refused_secret = False
         by_prefix = route.ring is not None and scope["path"] in prefix.BY_PREFIX
-        conversation = prefix.key_of(request.payload) if by_prefix else None
+        conversation = prefix.conversation_of(request.payload) if by_prefix else None
         while True:
             upstream, why = self.pick(route, tried, conversation)
             if upstream is None:

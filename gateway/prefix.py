@@ -21,6 +21,13 @@ The ring is made from the routing table alone (replica ids and weights), so ever
 gateway process on every host builds the same one and sends a conversation to the
 same replica without talking to the others; a replica that joins or leaves moves
 only the keys that fall on its own points.
+
+A conversation's first turn has nothing cached anywhere, so it need not go to its owner:
+it starts on the replica with the fewest requests in flight (the owner when it is among
+them), and where it started is remembered (gateway/conversations.py, shared by every
+gateway process through Redis) for its later turns. Placed by hash alone, 16 new
+conversations fell 11 / 8 / 4 / 9 on four replicas, and first turns queued behind each
+other on one while another idled (issue 39, bench/prefix.py at 2 turns).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import hashlib
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from .endpoints import ENDPOINTS
 
@@ -64,8 +71,9 @@ KEY_CHARS = 512
 PREFIX = "prefix"  # the replica the key's place on the ring names
 BOUNDED = "prefix, bounded → next"  # that one was past the bound; a later one on the ring took it
 UNREACHABLE = "prefix, unreachable → next"  # that one refused a connection a moment ago; the next took it
+NEW = "prefix, new → fewest in flight"  # a first turn no gateway had seen, where the fewest were in flight
 LOAD = "load"  # the fewest requests in flight: a model routed by load, or a request with no conversation
-REASONS = (PREFIX, BOUNDED, UNREACHABLE, LOAD)
+REASONS = (PREFIX, BOUNDED, UNREACHABLE, NEW, LOAD)
 
 # The addresses routed by prefix: those that reach the engine as a chat completion
 # (chat completions, and Anthropic's messages and OpenAI's responses translated to one).
@@ -96,8 +104,13 @@ def _text(content) -> str:
     return ""
 
 
-def key_of(request: dict) -> bytes | None:
-    """The key of a chat-completions body: the start of its conversation, or None when it has none."""
+class Conversation(NamedTuple):
+    key: bytes  # the start of the conversation, the same in every turn
+    opening: bool  # the body is only that start (a first turn): no replica has anything of it yet
+
+
+def conversation_of(request: dict) -> Conversation | None:
+    """The conversation of a chat-completions body, or None when it has none."""
     messages = request.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
@@ -110,7 +123,21 @@ def key_of(request: dict) -> bytes | None:
         pieces.append(f"{role}\x00{_text(message.get('content'))}\x01")
         if role == "user":
             break
-    return "".join(pieces).encode("utf-8", "surrogatepass") if pieces else None
+    if not pieces:
+        return None
+    key = "".join(pieces).encode("utf-8", "surrogatepass")
+    return Conversation(key, len(pieces) == len(messages) and role == "user")
+
+
+def placed_as(model: str, key: bytes) -> int:
+    """A conversation's name in the table of where conversations started: its model's and its key's."""
+    return point(model.encode() + b"\x02" + key)
+
+
+def key_of(request: dict) -> bytes | None:
+    """The key of a chat-completions body: the start of its conversation, or None when it has none."""
+    conversation = conversation_of(request)
+    return conversation.key if conversation is not None else None
 
 
 class Ring:
@@ -156,6 +183,7 @@ def choose(
     unusable: Callable[[int], bool],
     bound: float,
     margin: float = 0.0,
+    started_on: int | None = None,
 ) -> tuple[Upstream, str] | None:
     """The replica for `key` and why, or None when every member is unusable.
 
@@ -163,13 +191,15 @@ def choose(
     ceil(margin × its slots) and ceil(bound × (the model's load + 1) × its weight ÷ the
     members' weights), the paper's capacity; with bound ≥ 1 some member always has room. `load_of` is a
     replica's requests in flight, every gateway's; `unusable` is true of a replica
-    already tried for this request or cooling after a refused connection.
+    already tried for this request or cooling after a refused connection. `started_on` is the
+    replica the conversation started on when that was not its owner (`open_new`): it is asked
+    first, then the ring from the key's place.
     """
     members, weights = ring.members, ring.weights
     total = sum(load_of(u.replica_id) for u in members)
     all_weight = sum(weights)
     skipped_for_load = skipped_unusable = False
-    for index in ring.walk(key):
+    for index in _order(ring, key, started_on):
         upstream = members[index]
         if unusable(upstream.replica_id):
             skipped_unusable = True
@@ -181,3 +211,39 @@ def choose(
             return upstream, UNREACHABLE if skipped_unusable else PREFIX
         skipped_for_load = True
     return None
+
+
+def _order(ring: Ring, key: bytes, started_on: int | None) -> Iterator[int]:
+    """The members' indices to ask: the one the conversation started on, if any and still a member, then the ring's."""
+    first = next((i for i, u in enumerate(ring.members) if u.replica_id == started_on), None)
+    if first is not None:
+        yield first
+    yield from (index for index in ring.walk(key) if index != first)
+
+
+def open_new(
+    ring: Ring, key: bytes, load_of: Callable[[int], int], unusable: Callable[[int], bool]
+) -> tuple[Upstream, str] | None:
+    """Where a conversation no gateway has seen starts: the usable member with the fewest requests in
+    flight for its weight, ties going the ring's way from the key (so an idle model starts it on its owner).
+
+    Its first turn has nothing cached anywhere, so it costs as much everywhere, and the least busy
+    replica starts it soonest. Within the bound by construction: the least loaded member is at or
+    under the mean.
+    """
+    best = best_score = None
+    first_usable = None
+    for rank, index in enumerate(ring.walk(key)):
+        upstream = ring.members[index]
+        if unusable(upstream.replica_id):
+            continue
+        if first_usable is None:
+            first_usable = rank
+        score = (load_of(upstream.replica_id) + 1) / ring.weights[index]
+        if best is None or score < best_score:
+            best, best_score, best_rank = upstream, score, rank
+    if best is None:
+        return None
+    if best_rank != first_usable:
+        return best, NEW
+    return best, PREFIX if best_rank == 0 else UNREACHABLE

@@ -181,6 +181,9 @@ HOLD_QUEUE_PER_KEY = env_int("LLMGW_HOLD_QUEUE_PER_KEY", 64, minimum=1)
 # 1 would be no slack at all; below 1 no replica could ever take the request.
 PREFIX_LOAD_BOUND = env_float("LLMGW_PREFIX_LOAD_BOUND", 1.25, minimum=1.0)
 PREFIX_SLOT_MARGIN = env_float("LLMGW_PREFIX_SLOT_MARGIN", 1.25, minimum=0.0)
+# A conversation's first turn starts on the replica with the fewest in flight, remembered for its later
+# turns (gateway/conversations.py); false places it on its key's owner, as before issue 39.
+PREFIX_OPEN_BY_LOAD = env_bool("LLMGW_PREFIX_OPEN_BY_LOAD", True)
 # Threads that run Django's own pages (admin, API) beside the gateway in the admin server.
 ADMIN_THREADS = env_int("LLMGW_ADMIN_THREADS", 16, minimum=1)
 # Processes `manage.py admin_server` runs on the admin port (its --workers); each has its own threads.

@@ -10,6 +10,8 @@ from gateway.routes import Upstream
 
 from .support.factories import add_model, add_replica
 from .support.gateway import chat, client, until_routed
+from .support.gateway_process import start_gateway
+from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -49,3 +51,53 @@ def test_an_engine_that_closes_every_connection_is_passed_over_for_the_next_repl
     answer = chat(session, gateway.url)
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-llmgw-replica"] != str(owner) and made[owner].dropped == 2
+
+
+def test_a_new_conversation_starts_where_the_fewest_are_in_flight_and_its_later_turns_find_it_through_another_gateway(
+    gateway, replicas, tmp_path
+):
+    """Issue 39: by hash alone a first turn queued on its owner while another replica idled."""
+    add_model()
+    made = {add_replica("chat", r.base).pk: r for r in (replicas("first"), replicas("second"))}
+    _, secret = create_key("k")
+    session = client(secret)
+    other_gateway, other_url = start_gateway(tmp_path, name="gateway-2")
+    try:
+        for url in (gateway.url, other_url):
+            until_routed(session, url)
+        ring = prefix.Ring(tuple(Upstream(pk, "", 1) for pk in sorted(made)))
+        busy = ring.owner(prefix.key_of({"messages": opening(0)}))
+        idle = next(pk for pk in made if pk != busy)
+        held_n, new_n = [n for n in range(1, 100) if ring.owner(prefix.key_of({"messages": opening(n)})) == busy][:2]
+        held = session.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": "chat", "messages": opening(held_n), "stream": True, "hold": True},
+            stream=True,
+            timeout=30,
+        )
+        wait_until(lambda: made[busy].open_streams == 1, timeout=10, what="the held stream at its owner")
+
+        # A new conversation that the ring gives the busy replica starts on the idle one.
+        first = chat(session, gateway.url, messages=opening(new_n))
+        assert first.status_code == 200, first.text
+        assert first.headers["x-llmgw-replica"] == str(idle)
+        made[busy].release.set()
+        held.close()
+        wait_until(lambda: made[busy].open_streams == 0, timeout=10, what="the held stream to end")
+
+        # Its next turn goes where it started, though its owner is idle now; through either gateway.
+        later = [*opening(new_n), {"role": "assistant", "content": "ok"}, {"role": "user", "content": "And then?"}]
+        assert chat(session, gateway.url, messages=later).headers["x-llmgw-replica"] == str(idle)
+        wait_until(
+            lambda: chat(session, other_url, messages=later).headers["x-llmgw-replica"] == str(idle),
+            timeout=10,
+            what="the other gateway process to hear where the conversation started (through Redis)",
+        )
+        # A conversation that started on its owner stays on the ring's owner, in both.
+        assert chat(session, other_url, messages=opening(held_n)).headers["x-llmgw-replica"] == str(busy)
+    finally:
+        other_gateway.stop()
+
+
+def opening(n: int) -> list[dict]:
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Tell me about topic {n}."}]

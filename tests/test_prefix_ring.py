@@ -164,3 +164,88 @@ def test_once_every_replica_is_busy_the_mean_bound_is_the_larger_and_keeps_the_l
     loads = {owner: 14, other: 6}
     upstream, why = prefix.choose(ring, key, lambda r: loads[r], lambda r: False, 1.25, 1.25)
     assert (upstream.replica_id, why) == (other, prefix.BOUNDED)
+
+
+# --- a conversation's first turn, placed by load (issue 39) -------------------------------
+
+
+def test_a_body_that_is_only_its_conversations_start_is_an_opening_and_a_later_turn_is_not():
+    assert prefix.conversation_of(conversation(7, turns=1)).opening
+    assert prefix.conversation_of({"messages": [{"role": "user", "content": "hi"}]}).opening
+    assert not any(prefix.conversation_of(conversation(7, turns=t)).opening for t in range(2, 5))
+    # Two questions before any answer: the key is the first, the body more than it.
+    assert not prefix.conversation_of(
+        {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    ).opening
+    # A system prompt alone has no question yet: a key, but not an opening of a conversation.
+    assert not prefix.conversation_of({"messages": [{"role": "system", "content": "s"}]}).opening
+    assert prefix.conversation_of({"messages": []}) is None
+
+
+def test_a_new_conversation_starts_where_the_fewest_are_in_flight_and_on_its_owner_when_that_is_one_of_them():
+    ring = prefix.Ring(upstreams(1, 2, 3, 4))
+    key = KEYS[4]
+    owner = ring.owner(key)
+    idle = {}
+    assert prefix.open_new(ring, key, lambda r: idle.get(r, 0), lambda r: False) == (
+        ring.members[owner - 1],
+        prefix.PREFIX,
+    )
+    # The owner busy, the others not: the first of the least busy in the ring's order from the key.
+    loads = {r: 1 for r in (1, 2, 3, 4)}
+    loads[owner] = 2
+    least = next(i for i in (3, 1, 4, 2) if i != owner)
+    loads[least] = 0
+    upstream, why = prefix.open_new(ring, key, lambda r: loads[r], lambda r: False)
+    assert (upstream.replica_id, why) == (least, prefix.NEW)
+    # Where the hash alone sent it: its owner, within the bound (the old placement).
+    assert choose(ring, key, loads, bound=2)[0].replica_id == owner
+    # The owner cooling and the loads even: the ring's next, said as before.
+    upstream, why = prefix.open_new(ring, key, lambda r: 0, lambda r: r == owner)
+    assert upstream.replica_id != owner and why == prefix.UNREACHABLE
+    assert prefix.open_new(ring, key, lambda r: 0, lambda r: True) is None
+
+
+def test_sixteen_new_conversations_at_once_fall_four_on_each_of_four_replicas():
+    # Issue 39: by hash alone 16 conversations fell 11 / 8 / 4 / 9 on four replicas (bench/prefix.py).
+    ring = prefix.Ring(upstreams(1, 2, 3, 4))
+    loads = dict.fromkeys((1, 2, 3, 4), 0)
+    for key in KEYS[:16]:
+        upstream, _ = prefix.open_new(ring, key, lambda r: loads[r], lambda r: False)
+        loads[upstream.replica_id] += 1
+    assert sorted(loads.values()) == [4, 4, 4, 4]
+    by_hash = [ring.owner(key) for key in KEYS[:16]]
+    assert max(by_hash.count(r) for r in (1, 2, 3, 4)) > 4, "the keys chosen fall evenly by hash: pick others"
+
+
+def test_a_later_turn_asks_the_replica_its_conversation_started_on_first_and_the_ring_past_its_bound():
+    ring = prefix.Ring(tuple(Upstream(i, "", 1, 4) for i in (1, 2, 3)))
+    key = KEYS[5]
+    owner = ring.owner(key)
+    started = next(r for r in (1, 2, 3) if r != owner)
+    loads = dict.fromkeys((1, 2, 3), 0)
+
+    def pick():
+        return prefix.choose(ring, key, lambda r: loads[r], lambda r: False, 1.25, 1.25, started_on=started)
+
+    assert (pick()[0].replica_id, pick()[1]) == (started, prefix.PREFIX)
+    loads[started] = 5  # ceil(1.25 × 4 slots) = 5: past it, the ring from the key's place, beginning with the owner
+    assert (pick()[0].replica_id, pick()[1]) == (owner, prefix.BOUNDED)
+    # A replica that is gone (not on the ring) is not asked: the ring's owner takes it.
+    gone = prefix.choose(ring, key, lambda r: 0, lambda r: False, 1.25, 1.25, started_on=99)
+    assert gone == (ring.members[owner - 1], prefix.PREFIX)
+
+
+def test_the_table_of_where_conversations_started_keeps_the_most_recent_and_tells_each_placement_once():
+    from gateway.conversations import ON_RING, Conversations, decode, encode
+
+    table = Conversations(most=3)
+    table.started(10, 2)
+    table.started(11, ON_RING)
+    table.heard([(12, 4)])
+    assert table.started_on(10) == 2  # used: the most recent now
+    table.heard([(13, 1)])
+    assert (table.started_on(11), table.started_on(10), table.started_on(13)) == (None, 2, 1)
+    assert table.take_unsent() == [(10, 2), (11, ON_RING)] and table.take_unsent() == []
+    assert decode(encode([(2**63 + 5, 7), (1, 0)])) == [(2**63 + 5, 7), (1, 0)]
+    assert decode("zz:1,5:x,ff:3") == [(255, 3)]
