@@ -133,10 +133,7 @@ class Limiter:
         asked = Asked(Ticket(windows, f"{self._id_prefix}{next(self._ids):x}"), limits, budget)
         asked.answer = asyncio.get_running_loop().create_future()
         key = (windows, limits, budget)
-        heard = self._heard.setdefault(key, Heard())
-        asked.fast = self._fast_share > 0 and heard.far_below(_counted(*key)[1:], self._fast_share, 1, 0, 0)
-        heard.asked += 1
-        asked.answer.add_done_callback(functools.partial(self._hear, heard, 1, 0, 0))
+        asked.fast = self._judge_and_count(key, asked.answer, 1, 0, 0)
         self._admitting.setdefault(key, []).append((asked.ticket.request_id, asked.answer))
         self._send_later(urgent=not asked.fast)
         return asked
@@ -169,7 +166,9 @@ class Limiter:
         Unchecked (nothing reserved) when Redis cannot be asked, as admit() is.
         """
         answer, fast = self.ask_to_reserve(ticket, limits, tokens, budget, micro)
-        if not (fast and self._take_as_held(ticket, answer, tokens, micro)):
+        if fast:
+            self._take_as_held(ticket, answer, tokens, micro)
+        else:
             await self.reserved(ticket, answer, limits, tokens, budget, micro)
 
     def ask_to_reserve(
@@ -180,23 +179,29 @@ class Limiter:
         enough below its limits for the reservation to be taken as held without waiting for it."""
         answer = asyncio.get_running_loop().create_future()
         key = (ticket.windows, limits or NO_LIMITS, budget)
-        heard = self._heard.setdefault(key, Heard())
-        # Judged before its own tokens are counted as on their way.
-        fast = self._fast_share > 0 and heard.far_below(_counted(*key)[1:], self._fast_share, 0, tokens, micro)
-        heard.tokens += tokens
-        heard.micro += micro
-        answer.add_done_callback(functools.partial(self._hear, heard, 0, tokens, micro))
+        fast = self._judge_and_count(key, answer, 0, tokens, micro)
         self._reserving.setdefault(key, []).append((ticket.request_id, tokens, micro, answer))
         self._send_later(urgent=not fast)
         return answer, fast
 
-    def _take_as_held(self, ticket: Ticket, answer: asyncio.Future, tokens: int, micro: int) -> bool:
+    def _judge_and_count(self, key: tuple, answer: asyncio.Future, requests: int, tokens: int, micro: int) -> bool:
+        """Whether the key is far enough below its limits for this admission (`requests`) or reservation
+        (`tokens`, `micro`) to go on without its answer; judged first, then counted as on its way until
+        the answer comes (`_hear`)."""
+        heard = self._heard.setdefault(key, Heard())
+        fast = self._fast_share > 0 and heard.far_below(_counted(*key)[1:], self._fast_share, requests, tokens, micro)
+        heard.asked += requests
+        heard.tokens += tokens
+        heard.micro += micro
+        answer.add_done_callback(functools.partial(self._hear, heard, requests, tokens, micro))
+        return fast
+
+    def _take_as_held(self, ticket: Ticket, answer: asyncio.Future, tokens: int, micro: int) -> None:
         """A reservation taken as held without waiting for its answer: the ticket holds it, and the answer,
         when it comes, says whether Redis did."""
         ticket.reserved, ticket.reserved_money = tokens, micro
         ticket.unanswered.append(answer)
         answer.add_done_callback(functools.partial(_reservation_answered, ticket))
-        return True
 
     async def reserved(
         self,
@@ -233,7 +238,9 @@ class Limiter:
         if ticket is None:
             answer.add_done_callback(retrieved)  # Redis failed both: said once, by admitted()
             return None
-        if not (fast and self._take_as_held(ticket, answer, tokens, micro)):
+        if fast:
+            self._take_as_held(ticket, answer, tokens, micro)
+        else:
             await self.reserved(ticket, answer, asked.limits, tokens, asked.budget, micro)
         return ticket
 
