@@ -98,14 +98,28 @@ def pytest_load_initial_conftests(early_config, parser, args):
         os.environ.pop(name, None)
     if _xdist_controller(early_config):
         return  # it runs no test; each worker, started with this environment, starts its own
+    # pytest does not call pytest_unconfigure when this hook fails: what it started is stopped here (a
+    # PostgreSQL started before a missing redis-server was found ran on, its directory behind it).
+    try:
+        _start_services(var)
+    except BaseException:
+        pytest_unconfigure(early_config)
+        raise
+
+
+def _start_services(var: str) -> None:
     database = os.environ.get("LLMGW_TEST_DATABASE", "postgres")
-    if database == "postgres":
-        os.environ["DATABASE_URL"] = start_postgres()
-    elif database != "sqlite":
+    if database not in ("postgres", "sqlite"):
         raise pytest.UsageError(f"LLMGW_TEST_DATABASE is {database!r}; it takes postgres or sqlite")
     binary = shutil.which("redis-server")
     if binary is None:
         raise pytest.UsageError("the tests need redis-server: `make test` installs it, or apt-get install redis-server")
+    if database == "postgres":
+        os.environ["DATABASE_URL"] = start_postgres()
+    _start_redis(binary, var)
+
+
+def _start_redis(binary: str, var: str) -> None:
     port = free_port()
     process = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", var],
