@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -103,11 +104,14 @@ def _on_status(source: str, progress: Progress) -> Callable[[dict], None]:
 
 def _verify_whole_files(source: str, cache: Path, directory: Path, entries: Manifest, verified: Verified) -> None:
     """Every file fetched held to the manifest's sha256, synced to disk and recorded as verified."""
-    for entry in entries:
+    # Already verified, or no sha256 to hold it to: `_mark_complete` says so.
+    todo = [entry for entry in entries if entry.name not in verified and entry.sha256]
+    # Each file read and hashed in a thread of its own (hashlib lets go of the GIL while it hashes), so the
+    # files' hashes share the cores as their transfer did: 2 GiB in four files took 2 s one after another.
+    with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1)), thread_name_prefix="verify") as pool:
+        actuals = list(pool.map(lambda entry: _hashed_and_synced(directory / entry.name), todo))
+    for entry, actual in zip(todo, actuals, strict=True):
         path = directory / entry.name
-        if entry.name in verified or not entry.sha256:
-            continue  # already verified, or no sha256 to hold it to: `_mark_complete` says so
-        actual = sha256_file(path)
         if actual != entry.sha256:
             # Every piece agreed with the torrent and the file does not with the manifest: a
             # mirror that changed between the two. The file goes, and the next round starts again.
@@ -118,7 +122,13 @@ def _verify_whole_files(source: str, cache: Path, directory: Path, entries: Mani
                 f"{actual}); it was removed and the next attempt fetches it again",
                 transient=True,
             )
-        with open(path, "rb") as fh:
-            os.fsync(fh.fileno())
         verified[entry.name] = (entry.bytes, path.stat().st_mtime_ns, entry.sha256)
         part_of(path).unlink(missing_ok=True)  # an HTTP attempt's, no longer needed
+
+
+def _hashed_and_synced(path: Path) -> str:
+    """The file's sha256, and the file synced to disk (wasted only on a file that does not match, which goes)."""
+    actual = sha256_file(path)
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+    return actual
