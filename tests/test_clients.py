@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import openai
 import pytest
 import requests
 
@@ -20,6 +18,7 @@ from gateway.models import Usage
 
 from .support.factories import add_model, add_replica
 from .support.gateway import client, until_routed
+from .support.sdk import anthropic, openai
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

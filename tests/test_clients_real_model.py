@@ -7,8 +7,6 @@ answers the same, tests/real_model.py), whole and streamed, and every answer mus
 
 from __future__ import annotations
 
-import anthropic
-import openai
 import pytest
 
 from agent import engines
@@ -21,6 +19,7 @@ from . import real_model
 from .real_model import ANSWER, GREEDY, MODEL, QUESTION, SYSTEM
 from .support.gateway import client, until_routed
 from .support.processes import wait_until
+from .support.sdk import anthropic, openai
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 

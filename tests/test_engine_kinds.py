@@ -10,7 +10,6 @@ the switches the control plane sends (`kind_args`), as a node starts it.
 
 from __future__ import annotations
 
-import openai
 import pytest
 import requests
 
@@ -24,6 +23,7 @@ from serving.services import header_kind
 
 from . import bert_model
 from .support.processes import wait_until
+from .support.sdk import openai
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 

@@ -6,7 +6,6 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 import requests
 from django.core.management import call_command
@@ -20,6 +19,7 @@ from .support.factories import add_model, add_replica
 from .support.gateway import chat, clear_of_minute_boundary, client, error_of, held_stream, until_routed
 from .support.gateway_process import start_gateway
 from .support.limits import outcomes, run_limiter
+from .support.sdk import openai
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

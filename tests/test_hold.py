@@ -15,7 +15,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import openai
 import pytest
 import requests
 
@@ -28,6 +27,7 @@ from gateway.keys import create_key
 from .support.factories import add_model, add_replica
 from .support.gateway import client, error_of
 from .support.gateway_process import start_gateway as start_gateway_process
+from .support.sdk import openai
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -14,8 +14,6 @@ import shutil
 import signal
 import threading
 
-import anthropic
-import openai
 import pytest
 import requests
 
@@ -31,6 +29,7 @@ from .real_model import MODEL, ask, streamed_whole
 from .support.gateway import until_routed
 from .support.mirror import settle
 from .support.processes import wait_until
+from .support.sdk import anthropic, openai
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 

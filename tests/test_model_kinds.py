@@ -4,7 +4,6 @@ a chat model refuses it and the other way round, and a rerank model answers /v1/
 from __future__ import annotations
 
 import gguf
-import openai
 import pytest
 import redis
 from django.conf import settings
@@ -28,6 +27,7 @@ from .support.factories import add_model, add_replica
 from .support.factories import add_node as node
 from .support.fleet import sent
 from .support.gateway import client, until_routed
+from .support.sdk import openai
 from .support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -16,8 +16,6 @@ import json
 import re
 import threading
 
-import anthropic
-import openai
 import pytest
 import requests
 from django.contrib.auth.models import User
@@ -35,6 +33,7 @@ from .real_model import MODEL
 from .support.gateway import until_routed
 from .support.gateway_process import start_gateway
 from .support.processes import wait_until
+from .support.sdk import anthropic, openai
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
