@@ -34,9 +34,14 @@ from contracts import keys  # noqa: E402
 
 from .support.database import db_access  # noqa: E402, F401  (a fixture)
 from .support.fleet import send_fetch  # noqa: E402
-from .support.swarm_fleet import swarm_fleet_on_a_bridge  # noqa: E402
+from .support.swarm_fleet import (  # noqa: E402
+    assert_same_as_the_mirror,
+    fetched,
+    progress_of,
+    source_of,
+    swarm_fleet_on_a_bridge,
+)
 from .support.waiting import wait_until  # noqa: E402
-from .test_swarm_fleet import assert_same_as_the_mirror, fetched, progress_of, source_of  # noqa: E402
 
 MIB = 1 << 20
 VERSIONS = {"v1": {"a.bin": 10 * MIB + 3, "b.bin": 6 * MIB, "config.json": 100}, "v2": {"c.bin": 9 * MIB}}

@@ -33,7 +33,6 @@ import sys
 import textwrap
 
 import pytest
-import redis
 import requests
 
 from . import netns
@@ -46,7 +45,6 @@ import libtorrent as lt  # noqa: E402
 from agent.fetch import cache_path  # noqa: E402
 from agent.peers import resume_path  # noqa: E402
 from contracts import credentials, signing  # noqa: E402
-from contracts import progress as contracts_progress  # noqa: E402
 from contracts.swarm import info_hash_of  # noqa: E402
 from fleet.enrolment import revoke_token  # noqa: E402
 
@@ -54,7 +52,13 @@ from .fleet_netns import ControlPlane, Node  # noqa: E402
 from .support.database import db_access  # noqa: E402, F401  (a fixture)
 from .support.fleet import send_fetch  # noqa: E402
 from .support.processes import unaliased  # noqa: E402
-from .support.swarm_fleet import swarm_fleet_on_a_bridge  # noqa: E402
+from .support.swarm_fleet import (  # noqa: E402
+    assert_same_as_the_mirror,
+    fetched,
+    progress_of,
+    source_of,
+    swarm_fleet_on_a_bridge,
+)
 from .support.waiting import wait_until  # noqa: E402
 
 MIB = 1 << 20
@@ -74,41 +78,6 @@ VERSIONS = {
 def swarm_fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported above)
     with swarm_fleet_on_a_bridge(tmp_path_factory.mktemp("swarm-netns"), VERSIONS) as (network, control, nodes):
         yield control, nodes, network.add_host("stranger")
-
-
-def source_of(control: ControlPlane, version: str) -> str:
-    return control.bytes_url + f"tiny/{version}/"
-
-
-def progress_of(control: ControlPlane, node: Node, source: str) -> dict:
-    client = redis.Redis.from_url(control.redis_url, socket_timeout=5)
-    return contracts_progress.read_one(client, node.name, source) or {}
-
-
-def fetched(control: ControlPlane, node: Node, version: str, timeout: float = 90) -> dict:
-    """Until the node's progress on the version says complete (a failure says why at once); its last progress."""
-    source = source_of(control, version)
-
-    def complete():
-        said = progress_of(control, node, source)
-        if said.get("state") == "failed":
-            raise AssertionError(f"{node.name}'s fetch of {version} failed: {said}\n{node.agent.output()[-3000:]}")
-        return said.get("state") == "complete" and said
-
-    return wait_until(
-        complete,
-        timeout,
-        what=lambda: f"{node.name} to fetch {version}: {progress_of(control, node, source)}\n"
-        f"{node.agent.output()[-3000:]}",
-        interval=0.3,
-    )
-
-
-def assert_same_as_the_mirror(control: ControlPlane, node: Node, version: str) -> None:
-    directory = cache_path(source_of(control, version), node.cache)
-    assert (directory / ".complete").exists()
-    for name in VERSIONS[version]:
-        assert (directory / name).read_bytes() == (control.mirror / "tiny" / version / name).read_bytes(), name
 
 
 def file_request(version: str, node: Node):

@@ -13,11 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import redis
+
+from agent.fetch import cache_path
+from contracts import progress as contracts_progress
 from fleet.enrolment import issue_token
 
 from .. import netns
 from ..fleet_netns import ControlPlane, Node
 from .mirror import settle
+from .waiting import wait_until
 
 # Short, so that a stall is seen in seconds: under 64 KiB/s for 3 s is a stall.
 STALL = {"LLMGW_FETCH_STALL_S": "3", "LLMGW_FETCH_STALL_BYTES_S": str(64 << 10)}
@@ -59,3 +64,41 @@ def swarm_fleet_on_a_bridge(
         if control is not None:
             control.stop()
         network.remove()
+
+
+def source_of(control: ControlPlane, version: str) -> str:
+    return control.bytes_url + f"tiny/{version}/"
+
+
+def progress_of(control: ControlPlane, node: Node, source: str) -> dict:
+    client = redis.Redis.from_url(control.redis_url, socket_timeout=5)
+    return contracts_progress.read_one(client, node.name, source) or {}
+
+
+def fetched(control: ControlPlane, node: Node, version: str, timeout: float = 90) -> dict:
+    """Until the node's progress on the version says complete (a failure says why at once); its last progress."""
+    source = source_of(control, version)
+
+    def complete():
+        said = progress_of(control, node, source)
+        if said.get("state") == "failed":
+            raise AssertionError(f"{node.name}'s fetch of {version} failed: {said}\n{node.agent.output()[-3000:]}")
+        return said.get("state") == "complete" and said
+
+    return wait_until(
+        complete,
+        timeout,
+        what=lambda: f"{node.name} to fetch {version}: {progress_of(control, node, source)}\n"
+        f"{node.agent.output()[-3000:]}",
+        interval=0.3,
+    )
+
+
+def assert_same_as_the_mirror(control: ControlPlane, node: Node, version: str) -> None:
+    directory = cache_path(source_of(control, version), node.cache)
+    assert (directory / ".complete").exists()
+    mirrored = control.mirror / "tiny" / version
+    names = sorted(p.name for p in mirrored.iterdir() if not p.name.startswith("."))
+    assert names, f"{mirrored} holds no file"
+    for name in names:
+        assert (directory / name).read_bytes() == (mirrored / name).read_bytes(), name
