@@ -101,10 +101,7 @@ def fetch(
                 run.last_resume = now
                 # Flushed first: libtorrent's record counts only the pieces its disk threads have written.
                 held.handle.flush_cache()
-            # The next look in POLL_S, or at once when the torrent is whole or has failed (the alert thread says).
-            if held.changed.wait(POLL_S):
-                held.changed.clear()
-        _written(held)
+            time.sleep(POLL_S)
         resume.save(held)
         return Fetched(
             bytes_total=payload_bytes(info),
@@ -122,17 +119,6 @@ def fetch(
         run.drop_web_seeds()
         if not keep_seeding:
             swarm.forget(key)
-
-
-def _written(held: Held) -> None:
-    """Wait (up to 10 s) until every piece is on disk: libtorrent says a torrent is whole once its pieces
-    passed their hashes, and may still be writing them; the caller reads the files next."""
-    held.flushed.clear()
-    try:
-        held.handle.flush_cache()
-    except RuntimeError:
-        return
-    held.flushed.wait(10)
 
 
 def _start(swarm: Session, info: lt.torrent_info, key: str, dest: Path, resume_at: Path | None) -> Held:

@@ -37,9 +37,6 @@ class Held:
         self.banned: list[str] = []
         self.error = ""
         self.resume_saved = threading.Event()
-        # Set when the torrent is whole or has failed: a fetch waiting between its looks goes on at once.
-        self.changed = threading.Event()
-        self.flushed = threading.Event()  # its pieces written to disk, after flush_cache()
 
 
 class Session:
@@ -238,7 +235,6 @@ def _on_torrent_alert(held: Held, alert) -> None:
             resume.write(held.resume_path, alert.params)
         held.resume_saved.set()
     elif isinstance(alert, lt.cache_flushed_alert):
-        held.flushed.set()
         if held.resume_path is not None:
             held.handle.save_resume_data(lt.torrent_handle.save_info_dict)
     elif isinstance(alert, lt.save_resume_data_failed_alert):
@@ -252,11 +248,7 @@ def _on_torrent_alert(held: Held, alert) -> None:
         held.events.append(f"piece {int(alert.piece_index)} failed its hash and is fetched again")
     elif isinstance(alert, lt.file_error_alert):
         held.error = f"writing {alert.filename()}: {alert.error.message()}"
-        held.changed.set()
     elif isinstance(alert, lt.torrent_error_alert):
         held.error = alert.message()
-        held.changed.set()
-    elif isinstance(alert, lt.torrent_finished_alert):
-        held.changed.set()
     elif isinstance(alert, lt.url_seed_alert):
         held.events.append(f"the web seed {without_credentials(alert.server_url())} failed: {alert.error_message()}")
