@@ -16,6 +16,7 @@ says since when the table is stale; usage waits in the spool (usage.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import logging
@@ -36,7 +37,7 @@ from .errors import ClientGone, Refusal
 from .forward import Forwarding
 from .intake import Taken, read_body
 from .keys import hash_key
-from .limits import Limiter
+from .limits import Limiter, Ticket
 from .relay import timing
 from .request import HangUp, Request
 from .upstream import IDLE_S, upstream_socket
@@ -386,7 +387,7 @@ class Gateway(Forwarding):
                     ticket = await self.limiter.admitted_and_reserved(asked, prompt + taken.output, most)
                 else:
                     await self.limiter.reserve(ticket, key.limits, prompt + taken.output, key.budget, most)
-            tokens, micro = await self.routed(scope, receive, send, started, key, taken)
+            tokens, micro = await self.routed(scope, receive, send, started, key, taken, ticket)
         finally:
             if ticket is not None:
                 self.limiter.settle(ticket, tokens, micro)
@@ -395,9 +396,11 @@ class Gateway(Forwarding):
         """A body read, taken in by the table of the moment (intake.take); in a thread for a large body."""
         return intake.take(self.table, path, key, body, settings.GATEWAY_ENGINE_KEYS)
 
-    async def routed(self, scope, receive, send, started: float, key: routes.Key, taken: Taken) -> tuple[int, int]:
+    async def routed(
+        self, scope, receive, send, started: float, key: routes.Key, taken: Taken, ticket: Ticket | None
+    ) -> tuple[int, int]:
         """Pass on a request that is admitted, read and checked; the tokens of its answer, and its cost in
-        micro-units."""
+        micro-units. `ticket`: its admission by its key's limits and its team's budgets, if it has any."""
         endpoint, request, route, translation = taken.endpoint, taken.request, taken.route, taken.translation
         self.observer.routed(scope, route.name, request, key.name)
         self.demand.arrived(route.name)
@@ -423,6 +426,7 @@ class Gateway(Forwarding):
             translation=translation,
             client_wants_usage=taken.client_wants_usage,
             started=started,
+            settle=None if ticket is None else functools.partial(self.limiter.settled, ticket),
         )
         try:
             return await self.answer(routed)

@@ -88,7 +88,7 @@ class Forwarding:
             name = prefix.placed_as(route.name, conversation.key)
             started_on = self.conversations.started_on(name)
             if started_on is None and conversation.opening and settings.PREFIX_OPEN_BY_LOAD:
-                chosen = prefix.open_new(route.ring, conversation.key, self.load_of, unusable)
+                chosen = prefix.open_new(route.ring, conversation.key, self.load_of, unusable, self.own_load_of)
                 if chosen is not None:
                     upstream, why = chosen
                     self.conversations.started(name, ON_RING if why == prefix.PREFIX else upstream.replica_id)
@@ -109,6 +109,10 @@ class Forwarding:
     def load_of(self, replica: int) -> int:
         """A replica's requests in flight: this process's now, and every other gateway's as of its last write."""
         return self.in_flight.get(replica, 0) + self.demand.others.get(replica, 0)
+
+    def own_load_of(self, replica: int) -> int:
+        """A replica's requests in flight from this process, now."""
+        return self.in_flight.get(replica, 0)
 
     def least_in_flight(self, upstreams: tuple[routes.Upstream, ...], tried: set[int]) -> routes.Upstream | None:
         """The replica with the fewest requests in flight for its weight; cooling ones last."""
@@ -220,18 +224,33 @@ class Forwarding:
     ) -> tuple[int, int]:
         """Relay the replica's answer and count its usage; its tokens and its cost in micro-units."""
         answer = Answer(request.scope["path"] if request.translation is None else CHAT)
+        counted: list[tuple[int, int]] = []
+
+        def count() -> tuple[int, int]:
+            """The answer's usage written down, once: its tokens and its cost in micro-units."""
+            if not counted:
+                prompt, completion = answer.tokens(len(request.body))
+                cached = answer.cached()
+                spent = cost(request.route.prices, prompt, completion, cached)
+                self.usage.add(request.key.id, request.route.name, prompt, completion, cached, spent)
+                self.observer.answered(request.scope, replica, gateway_s, prompt, completion, cached, why)
+                counted.append((prompt + completion, micro_units(spent)))
+            return counted[0]
+
+        async def count_before_its_end() -> None:
+            """Counted against its key's limits and its team's budgets before its client has the last of it."""
+            tokens, micro = count()
+            if request.settle is not None:
+                await request.settle(tokens, micro)
+
         try:
-            await relay(request, response, replica, gateway_s, answer)
+            await relay(request, response, replica, gateway_s, answer, count_before_its_end)
         finally:
             response.close()
             # Counted however the answer ended: a stream cut short, by either side, is billed for
             # what was relayed, since its usage chunk (the last) never came.
-            prompt, completion = answer.tokens(len(request.body))
-            cached = answer.cached()
-            spent = cost(request.route.prices, prompt, completion, cached)
-            self.usage.add(request.key.id, request.route.name, prompt, completion, cached, spent)
-            self.observer.answered(request.scope, replica, gateway_s, prompt, completion, cached, why)
-        return prompt + completion, micro_units(spent)
+            tokens_and_cost = count()
+        return tokens_and_cost
 
 
 def _unreachable(model: str, failures: list[str], refused_secret: bool) -> Refusal:

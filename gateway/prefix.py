@@ -222,7 +222,11 @@ def _order(ring: Ring, key: bytes, started_on: int | None) -> Iterator[int]:
 
 
 def open_new(
-    ring: Ring, key: bytes, load_of: Callable[[int], int], unusable: Callable[[int], bool]
+    ring: Ring,
+    key: bytes,
+    load_of: Callable[[int], int],
+    unusable: Callable[[int], bool],
+    own_load_of: Callable[[int], int] | None = None,
 ) -> tuple[Upstream, str] | None:
     """Where a conversation no gateway has seen starts: the usable member with the fewest requests in
     flight for its weight, ties going the ring's way from the key (so an idle model starts it on its owner).
@@ -230,20 +234,29 @@ def open_new(
     Its first turn has nothing cached anywhere, so it costs as much everywhere, and the least busy
     replica starts it soonest. Within the bound by construction: the least loaded member is at or
     under the mean.
+
+    `own_load_of`: this process's own requests in flight, counted now, where `load_of` adds every
+    other gateway's as of its last write (a second old at most). It leaves its owner only when the
+    owner is busier in both: a count a second old may be of requests that ended since (a client
+    whose last answer came through another gateway a moment ago), and a conversation moved for it
+    would leave its owner idle for nothing.
     """
-    best = best_score = None
+    best = best_score = owner = None
     first_usable = None
     for rank, index in enumerate(ring.walk(key)):
         upstream = ring.members[index]
         if unusable(upstream.replica_id):
             continue
         if first_usable is None:
-            first_usable = rank
+            first_usable, owner, owner_weight = rank, upstream, ring.weights[index]
         score = (load_of(upstream.replica_id) + 1) / ring.weights[index]
         if best is None or score < best_score:
-            best, best_score, best_rank = upstream, score, rank
+            best, best_score, best_rank, best_weight = upstream, score, rank, ring.weights[index]
     if best is None:
         return None
     if best_rank != first_usable:
-        return best, NEW
+        own = own_load_of or load_of
+        if (own(owner.replica_id) + 1) / owner_weight > (own(best.replica_id) + 1) / best_weight:
+            return best, NEW
+        best, best_rank = owner, first_usable
     return best, PREFIX if best_rank == 0 else UNREACHABLE

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -34,8 +35,20 @@ log = logging.getLogger("llmgw.gateway")
 STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
-async def relay(request: Request, response: aiohttp.ClientResponse, replica: int, gateway_s: float, answer: Answer):
-    """Pass the replica's answer on as it comes, noting in `answer` what usage needs."""
+async def relay(
+    request: Request,
+    response: aiohttp.ClientResponse,
+    replica: int,
+    gateway_s: float,
+    answer: Answer,
+    before_end: Callable[[], Awaitable[None]],
+):
+    """Pass the replica's answer on as it comes, noting in `answer` what usage needs.
+
+    `before_end` (its counting) is awaited before the client can have the last of the answer: before the
+    chunk that completes a body of a stated length or brings a stream's [DONE], else before the end. A
+    client that sends its next request once it has an answer finds it counted, however soon it sends.
+    """
     answered_at = time.perf_counter()
     content_type = response.headers.get("Content-Type", "application/json")
     event_stream = content_type.startswith("text/event-stream")
@@ -43,7 +56,7 @@ async def relay(request: Request, response: aiohttp.ClientResponse, replica: int
     translation = request.translation
     if translation is not None and not (response.status == 200 and event_stream):
         answer.event_stream = False  # read as one chat completion (or an error), whatever it said it was
-        await _relay_whole_translated(request, response, replica, gateway_s, answer)
+        await _relay_whole_translated(request, response, replica, gateway_s, answer, before_end)
         return
     send, hang_up = request.send, request.hang_up
     if translation is not None:
@@ -58,8 +71,11 @@ async def relay(request: Request, response: aiohttp.ClientResponse, replica: int
     hang_up.guard()
     try:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        length = None if event_stream else response.content_length
         async for chunk in response.content.iter_any():
             answer.feed(chunk)
+            if answer.complete(length):
+                await before_end()
             if events is not None:
                 chunk = events.feed(chunk)
                 if not chunk:
@@ -72,6 +88,7 @@ async def relay(request: Request, response: aiohttp.ClientResponse, replica: int
             last = events.rest()
         else:
             last = without_cache_counts(b"".join(whole)) if whole is not None else b""
+        await before_end()
         hang_up.unguard()
         await send({"type": "http.response.body", "body": last})
     except asyncio.CancelledError:
@@ -112,7 +129,9 @@ def _as_it_came(
     return events, whole, headers
 
 
-async def _relay_whole_translated(request: Request, response, replica: int, gateway_s: float, answer: Answer):
+async def _relay_whole_translated(
+    request: Request, response, replica: int, gateway_s: float, answer: Answer, before_end: Callable[[], Awaitable]
+):
     """A translated request's answer that is not a stream: read whole, then translated (or its error put in shape)."""
     answered_at = time.perf_counter()
     translation, dialect = request.translation, request.dialect
@@ -147,6 +166,7 @@ async def _relay_whole_translated(request: Request, response, replica: int, gate
         (b"content-length", str(len(body)).encode()),
         timing(gateway_s + time.perf_counter() - answered_at),
     ]
+    await before_end()
     await request.send({"type": "http.response.start", "status": status, "headers": headers})
     await request.send({"type": "http.response.body", "body": body})
 

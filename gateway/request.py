@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,9 @@ class Request:
     translation: Translation | None  # for a request in Anthropic's or the Responses API
     client_wants_usage: bool  # a stream's usage-only chunk is passed on only when the client asked for it
     started: float  # perf_counter() when the request came
+    # Counts an answer's tokens and cost against its key's limits and its team's budgets (Limiter.settled), for
+    # a request that has any: awaited before its client has the last of the answer.
+    settle: Callable[[int, int], Awaitable[None]] | None = None
 
     @property
     def dialect(self) -> str:

@@ -107,17 +107,25 @@ class Answer:
         self.event_stream = False
         self.client_left = False
         self.generated = 0
+        self.fed = 0  # bytes of it
         endpoint = ENDPOINTS.get(path)
         self._pattern = endpoint.generated if endpoint else None
         self._carry = b""
 
     def feed(self, chunk: bytes) -> None:
+        self.fed += len(chunk)
         self.tail = (self.tail + chunk)[-TAIL_BYTES:]
         if self.event_stream and self._pattern is not None:
             window = self._carry + chunk
             # A match wholly inside the carry was counted with the chunk before.
             self.generated += len(self._pattern.findall(window)) - len(self._pattern.findall(self._carry))
             self._carry = window[-CARRY_BYTES:]
+
+    def complete(self, length: int | None) -> bool:
+        """Whether all of it has come: a stream's [DONE], or the `length` its headers stated."""
+        if self.event_stream:
+            return self.tail[-64:].rstrip().endswith(b"data: [DONE]")
+        return length is not None and self.fed >= length
 
     def cached(self) -> int:
         """The prompt tokens the engine had in its cache, as it said; 0 when it did not say."""

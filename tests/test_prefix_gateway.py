@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from contracts import demand
 from gateway import prefix
 from gateway.keys import create_key
 from gateway.routes import Upstream
@@ -97,6 +100,36 @@ def test_a_new_conversation_starts_where_the_fewest_are_in_flight_and_its_later_
         assert chat(session, other_url, messages=opening(held_n)).headers["x-llmgw-replica"] == str(busy)
     finally:
         other_gateway.stop()
+
+
+def test_a_request_another_gateway_counted_at_its_last_write_does_not_move_a_new_conversation_off_its_idle_owner(
+    gateway, replicas, redis_client
+):
+    """CI, session 7: a client's last answer came through another gateway process, whose last write still
+    counted it in flight on the owner of the client's next conversation; that one started elsewhere."""
+    add_model()
+    made = {add_replica("chat", r.base).pk: r for r in (replicas("first"), replicas("second"))}
+    _, secret = create_key("k")
+    session = client(secret)
+    until_routed(session, gateway.url)
+    ring = prefix.Ring(tuple(Upstream(pk, "", 1) for pk in sorted(made)))
+    owner = ring.owner(prefix.key_of({"messages": opening(0)}))
+
+    # Another gateway process's write, as it was taken while its request to the owner was on its way.
+    written_at = time.time()
+    phantom = {"at": written_at, "models": {}, "replicas": {str(owner): 1}}
+    redis_client.hset(demand.LOAD_KEY, "other-host:1:000000", demand.encode(phantom))
+
+    def read_it() -> bool:
+        # The gateway reads every field in the round trip that writes its own: a write after ours has read ours.
+        # (its snapshot is taken before it is sent, so one taken after ours was written was sent after it).
+        loads = [demand.decode(raw) for raw in redis_client.hgetall(demand.LOAD_KEY).values()]
+        return any(load is not None and load["at"] > written_at for load in loads)
+
+    wait_until(read_it, timeout=10, what="the gateway to write its load after ours, reading ours")
+    answer = chat(session, gateway.url, messages=opening(0))
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-llmgw-replica"] == str(owner)
 
 
 def opening(n: int) -> list[dict]:

@@ -206,6 +206,26 @@ def test_a_new_conversation_starts_where_the_fewest_are_in_flight_and_on_its_own
     assert prefix.open_new(ring, key, lambda r: 0, lambda r: True) is None
 
 
+def test_a_count_another_gateway_wrote_a_moment_ago_alone_does_not_move_a_new_conversation_off_its_owner():
+    # CI, session 7: another gateway's last write still counted a request that had ended on the owner,
+    # and a client's new conversation started on the other replica, its owner idle.
+    ring = prefix.Ring(upstreams(1, 2))
+    key = KEYS[0]
+    owner = ring.owner(key)
+    other = 3 - owner
+    everyone = {owner: 1, other: 0}  # this process's none, and another gateway's one on the owner
+    mine = {owner: 0, other: 0}
+    upstream, why = prefix.open_new(ring, key, everyone.get, lambda r: False, mine.get)
+    assert (upstream.replica_id, why) == (owner, prefix.PREFIX)
+    # Busier as this process counts its own too: it starts on the other.
+    mine[owner] = 1
+    upstream, why = prefix.open_new(ring, key, everyone.get, lambda r: False, mine.get)
+    assert (upstream.replica_id, why) == (other, prefix.NEW)
+    # The owner cooling: the ring's next, whatever the counts.
+    upstream, why = prefix.open_new(ring, key, everyone.get, lambda r: r == owner, {owner: 0, other: 0}.get)
+    assert (upstream.replica_id, why) == (other, prefix.UNREACHABLE)
+
+
 def test_sixteen_new_conversations_at_once_fall_four_on_each_of_four_replicas():
     # Issue 39: by hash alone 16 conversations fell 11 / 8 / 4 / 9 on four replicas (bench/prefix.py).
     ring = prefix.Ring(upstreams(1, 2, 3, 4))

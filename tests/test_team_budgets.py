@@ -13,6 +13,7 @@ from zoneinfo import ZoneInfo
 import pytest
 import requests
 from django.contrib.auth import get_user_model
+from django.db import transaction
 from django.utils import timezone
 
 from accounts.models import Team, TeamMember
@@ -28,8 +29,10 @@ from .support.waiting import wait_until
 
 
 def team_key(name: str, team: Team, owner=None, **fields) -> tuple[ApiKey, str]:
-    key, secret = create_key(name)
-    ApiKey.objects.filter(pk=key.pk).update(team=team, owner=owner, **fields)
+    # One transaction: a gateway reading its table between the two would know the key a moment without its team.
+    with transaction.atomic():
+        key, secret = create_key(name)
+        ApiKey.objects.filter(pk=key.pk).update(team=team, owner=owner, **fields)
     key.refresh_from_db()
     return key, secret
 
@@ -267,3 +270,31 @@ def test_the_catalog_api_shows_and_sets_a_models_prices_and_refuses_a_negative_o
     refused = api.patch(api.base + f"/api/catalog/models/{shown['id']}/", json={"price_output": "-1"})
     assert refused.status_code == 400
     assert refused.json()["price_output"] == ["Ensure this value is greater than or equal to 0."]
+
+
+def test_a_clients_next_request_is_judged_with_its_last_answer_counted_though_redis_answered_after_the_engine(
+    gateway, replicas, redis_client
+):
+    """CI, session 7: a request let through without waiting for Redis (far below its budget) had its answer
+    before Redis had answered; its cost was sent only after those answers, behind the client's next request,
+    which Redis judged without it. Here Redis is paused while the second answer comes back."""
+    add_model()
+    # 1,000 micro-units a prompt token: an answer of 100 prompt tokens costs 0.1, and reserves ~0.03 (its size).
+    Model.objects.filter(name="chat").update(price_input=Decimal("1000"), price_output=Decimal("0"))
+    replica = replicas()
+    replica.usage = {"prompt_tokens": 100, "completion_tokens": 1}
+    add_replica("chat", replica.base)
+    team = Team.objects.create(name="finance", spend_per_month=Decimal("0.15"))
+    _, secret = team_key("finance-one", team)
+    session = client(secret)
+    until_routed(session, gateway.url)
+
+    assert chat(session, gateway.url).status_code == 200  # 0.1 spent: under the budget of 0.15
+    # The next is far enough below it, as the gateway last heard (the first's reservation), to go on at once.
+    redis_client.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+    second = chat(session, gateway.url)
+    assert second.status_code == 200, second.text  # 0.2 spent: over the budget
+    third = chat(session, gateway.url)
+    assert third.status_code == 429, f"the third request was let through: {third.status_code}"
+    assert error_of(third)["message"].startswith("The team finance is over its monthly spend budget of 0.15: ")
+    assert len(replica.requests) == 2

@@ -33,7 +33,7 @@ windows they are counted in, and what was used in them), `refusals` (the 429s an
 `connection` (the one connection to Redis and its watchdog).
 """
 
-from .limiter import Limiter
+from .limiter import Limiter, Ticket
 from .scripts import BATCH
 from .windows import (
     BUDGET_FIELDS,
@@ -58,6 +58,7 @@ __all__ = [
     "Budget",
     "Limiter",
     "Limits",
+    "Ticket",
     "Windows",
     "budget_of",
     "calendar",

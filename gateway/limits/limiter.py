@@ -32,6 +32,7 @@ class Ticket:
     # Answers it went on without (a fast admission, a reservation taken as held): it settles after them, so
     # that its flight ends after it began and what replaces its reservation is what Redis holds.
     unanswered: list[asyncio.Future] = field(default_factory=list)
+    settled: bool = False  # its answer counted: settle() counts it once
 
 
 @dataclass
@@ -244,14 +245,29 @@ class Limiter:
             await self.reserved(ticket, answer, asked.limits, tokens, asked.budget, micro)
         return ticket
 
+    async def settled(self, ticket: Ticket, tokens: int, micro: int = 0) -> None:
+        """settle(), once the answers its request went on without have come (at most TIMEOUT_S: an answer
+        overdue by that cuts the connection, and fails). Awaited before the client has the last of its
+        answer (gateway/relay.py), so that the next request it sends after it is judged with it counted:
+        settle() alone would wait for them behind the client's back, and a next request could overtake it."""
+        waiting = [answer for answer in ticket.unanswered if not answer.done()]
+        if waiting:
+            await asyncio.wait(waiting)
+        self.settle(ticket, tokens, micro)
+
     def settle(self, ticket: Ticket, tokens: int, micro: int = 0) -> None:
-        """Count an answer's tokens (and its cost, in micro-units) in place of its reservation and end its flight;
-        sent with the next batch."""
+        """Count an answer's tokens (and its cost, in micro-units) in place of its reservation and end its flight,
+        once however often it is called; sent with the next batch."""
+        if not ticket.settled:
+            ticket.settled = True
+            self._settle(ticket, tokens, micro)
+
+    def _settle(self, ticket: Ticket, tokens: int, micro: int) -> None:
         waiting = [answer for answer in ticket.unanswered if not answer.done()]
         if waiting:
             self._deferring.add(waiting[0])
             waiting[0].add_done_callback(self._deferring.discard)
-            waiting[0].add_done_callback(lambda _: self.settle(ticket, tokens, micro))
+            waiting[0].add_done_callback(lambda _: self._settle(ticket, tokens, micro))
             return
         batch = self._settling.get(ticket.windows)
         if batch is None:
