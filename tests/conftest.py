@@ -165,6 +165,15 @@ def gateway(transactional_db, tmp_path):
 
 
 @pytest.fixture
+def processes():
+    """Processes started by a test (support/processes.py), stopped at its end whatever happened."""
+    started = []
+    yield started
+    for process in started:
+        process.stop()
+
+
+@pytest.fixture
 def redis_client():
     """The tests' Redis, as the control plane reaches it; llmgw's progress keys are gone after each test."""
     from fleet.live import redis_client
@@ -298,6 +307,20 @@ def real_model_weights() -> Path:
     from . import real_model
 
     return real_model.gguf()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One real llama.cpp replica on the real model (tests/real_model.py), as the supervisor would start it, for
+    a module's tests: its endpoint."""
+    from agent import engines
+
+    from . import real_model
+
+    process, endpoint, _ = real_model.start_engine(real_model.gguf(), tmp_path_factory.mktemp("engine"))
+    yield endpoint
+    engines.stop_group(process.pid, grace=5)
+    process.wait(timeout=10)
 
 
 @pytest.fixture

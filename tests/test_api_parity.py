@@ -114,13 +114,13 @@ def pages(root) -> Client:
 
 
 @pytest.fixture
-def api(root) -> APIClient:
+def root_api_client(root) -> APIClient:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION="Token " + tokens.issue(root))
     return client
 
 
-def test_the_replicas_page_figures_are_each_in_the_replicas_api(running_replica, pages, api):
+def test_the_replicas_page_figures_are_each_in_the_replicas_api(running_replica, pages, root_api_client):
     html = pages.get("/admin/fleet/replica/").content.decode()
     words = text_of(html)
     busy, slots, deferred, kv, tps = re.search(
@@ -129,7 +129,7 @@ def test_the_replicas_page_figures_are_each_in_the_replicas_api(running_replica,
     measured = dict(re.findall(r"(RSS|PSS|GPU) ([\d.]+ [MG]B)", words))
     assert set(measured) == {"RSS", "PSS"}, words
 
-    [row] = api.get("/api/fleet/replicas/?model=smol").json()["results"]
+    [row] = root_api_client.get("/api/fleet/replicas/?model=smol").json()["results"]
     load = row["engine_load"]
     assert (load["slots_busy"], load["slots"], load["requests_deferred"]) == (int(busy), int(slots), int(deferred))
     assert round(100 * load["kv_cache_used"]) == int(kv) and load["tokens_per_second"] == float(tps)
@@ -140,16 +140,16 @@ def test_the_replicas_page_figures_are_each_in_the_replicas_api(running_replica,
     assert shown["host_bytes"] == PSS and shown["gpu_bytes"] == 0
     # The page's "asked" is the replica's booking; no mirror headers here, so no estimate on either.
     assert row["memory_gb"] == 2 and row["memory_estimate"] is None
-    assert api.get(f"/api/fleet/replicas/{running_replica.pk}/").json()["engine_load"] == load
+    assert root_api_client.get(f"/api/fleet/replicas/{running_replica.pk}/").json()["engine_load"] == load
 
 
-def test_the_overview_and_the_measured_memory_page_figures_are_each_in_the_api(running_replica, pages, api):
+def test_the_overview_and_the_measured_memory_page_figures_are_each_in_the_api(running_replica, pages, root_api_client):
     html = pages.get("/admin/").content.decode()
     [engines] = [cells for cells in rows_of(html, "smol") if any(cls == "busy" for cls, _ in cells)]
     [prompt_cache] = [cells for cells in rows_of(html, "smol") if any(cls == "hit-rate" for cls, _ in cells)]
     placed = re.search(r'data-node="n1".*?(\d+)(?: GB)? of (\d+) GB', html, re.S).groups()
 
-    fleet = api.get("/api/fleet/overview/").json()
+    fleet = root_api_client.get("/api/fleet/overview/").json()
     [engine_row] = [r for r in fleet["engines"] if r["model"] == "smol"]
     _, busy, deferred, kv, tps = (text for _, text in engines)
     assert f"{engine_row['busy']} of {engine_row['slots']}" == busy
@@ -161,13 +161,13 @@ def test_the_overview_and_the_measured_memory_page_figures_are_each_in_the_api(r
     [bar] = [b for b in fleet["nodes"]["bars"] if b["name"] == "n1"]
     assert (str(bar["placed"]), str(bar["total"])) == placed == ("2", "8")
 
-    [cache_row] = api.get("/api/gateway/prompt-cache/").json()["models"]
+    [cache_row] = root_api_client.get("/api/gateway/prompt-cache/").json()["models"]
     _, prompt, cached, rate = (text for _, text in prompt_cache)
     assert (str(cache_row["prompt"]), str(cache_row["cached"]), f"{cache_row['percent']}%") == (prompt, cached, rate)
     assert rate == "25%"
 
     measured_page = text_of(pages.get("/admin/fleet/measuredmemory/").content.decode())
-    [peak] = api.get("/api/fleet/measured-memory/?model=smol").json()["results"]
+    [peak] = root_api_client.get("/api/fleet/measured-memory/?model=smol").json()["results"]
     number, unit = as_page_shows(peak["host_bytes"])
     assert f"{number:g} {unit}" in measured_page and peak["host_bytes"] == PSS
     assert (peak["profile"], peak["node"], peak["replica"]) == ("cpu", "n1", running_replica.pk)

@@ -23,7 +23,7 @@ SOURCE = "http://127.0.0.1:8001/m/v1/"
 
 
 @pytest.fixture
-def api(settings):
+def staff_api_client(settings):
     settings.BYTES_URL = "http://127.0.0.1:8001/"
     user = get_user_model().objects.create_user("robot", is_staff=True, is_superuser=True)
     client = APIClient()
@@ -74,7 +74,7 @@ CASES = [
 ]
 
 
-def api_refusal(api, fields: dict) -> list[str]:
+def api_refusal(staff_api_client, fields: dict) -> list[str]:
     body = {
         "name": "m",
         "source": SOURCE,
@@ -82,7 +82,7 @@ def api_refusal(api, fields: dict) -> list[str]:
         "profiles": [{"name": "cpu", "engine": "llamacpp"}],
         **fields,
     }
-    answer = api.post("/api/catalog/models/", body, format="json")
+    answer = staff_api_client.post("/api/catalog/models/", body, format="json")
     assert answer.status_code == 400, answer.content
     return sentences(answer.json())
 
@@ -97,8 +97,10 @@ def file_refusal(tmp_path, fields: dict) -> str:
 
 
 @pytest.mark.parametrize("rule, api_fields, file_fields", CASES, ids=[c[0] for c in CASES])
-def test_the_file_refuses_what_the_api_refuses_with_the_same_sentence(api, tmp_path, rule, api_fields, file_fields):
-    said = api_refusal(api, api_fields)
+def test_the_file_refuses_what_the_api_refuses_with_the_same_sentence(
+    staff_api_client, tmp_path, rule, api_fields, file_fields
+):
+    said = api_refusal(staff_api_client, api_fields)
     assert len(said) == 1, said
     assert said[0] in file_refusal(tmp_path, file_fields)
     assert not Model.objects.exists()
@@ -113,10 +115,10 @@ def test_the_file_refuses_what_the_api_refuses_with_the_same_sentence(api, tmp_p
     ids=["an alias another model has", "a name that is another model's alias"],
 )
 def test_a_name_or_alias_taken_by_a_model_added_here_is_refused_by_both_with_the_same_sentence(
-    api, tmp_path, api_fields, file_fields
+    staff_api_client, tmp_path, api_fields, file_fields
 ):
     Model.objects.create(name="mine", aliases=["tiny"], source=SOURCE, context_length=1)
-    said = api_refusal(api, api_fields)
+    said = api_refusal(staff_api_client, api_fields)
     assert len(said) == 1, said
     assert said[0] in file_refusal(tmp_path, file_fields)
     assert list(Model.objects.values_list("name", flat=True)) == ["mine"]

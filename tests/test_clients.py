@@ -37,7 +37,7 @@ WEATHER_FUNCTION = {
 
 
 @pytest.fixture
-def served(gateway, replicas):  # noqa: F811
+def sdk_clients(gateway, replicas):  # noqa: F811
     """The model `chat` on one steerable replica; (replica, Anthropic client, OpenAI client)."""
     add_model("chat", aliases=["assistant"])
     replica = replicas()
@@ -52,8 +52,8 @@ def served(gateway, replicas):  # noqa: F811
 # --- Anthropic Messages --------------------------------------------------------------
 
 
-def test_a_message_goes_to_the_engine_as_a_chat_and_comes_back_in_anthropics_shape(served):
-    replica, claude, _ = served
+def test_a_message_goes_to_the_engine_as_a_chat_and_comes_back_in_anthropics_shape(sdk_clients):
+    replica, claude, _ = sdk_clients
     message = claude.messages.create(
         model="assistant",
         system=[{"type": "text", "text": "Be brief."}],
@@ -73,8 +73,8 @@ def test_a_message_goes_to_the_engine_as_a_chat_and_comes_back_in_anthropics_sha
     assert (sent["max_tokens"], sent["temperature"], sent["top_p"], sent["stop"]) == (20, 0.5, 0.9, ["END"])
 
 
-def test_an_answer_ended_by_a_stop_sequence_says_which_when_the_engine_does(served):
-    replica, claude, _ = served
+def test_an_answer_ended_by_a_stop_sequence_says_which_when_the_engine_does(sdk_clients):
+    replica, claude, _ = sdk_clients
     replica.stop_reason = "END"
     message = claude.messages.create(
         model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=20, stop_sequences=["END"]
@@ -82,8 +82,8 @@ def test_an_answer_ended_by_a_stop_sequence_says_which_when_the_engine_does(serv
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
 
 
-def test_a_streamed_message_comes_as_anthropics_events_in_order_with_usage(served):
-    _, claude, _ = served
+def test_a_streamed_message_comes_as_anthropics_events_in_order_with_usage(sdk_clients):
+    _, claude, _ = sdk_clients
     stream = claude.messages.create(
         model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=20, stream=True
     )
@@ -110,8 +110,8 @@ def test_a_streamed_message_comes_as_anthropics_events_in_order_with_usage(serve
     assert (final.usage.input_tokens, final.usage.output_tokens) == (11, 3)
 
 
-def test_a_tool_call_is_a_tool_use_block_whole_and_streamed_and_its_result_goes_back(served):
-    replica, claude, _ = served
+def test_a_tool_call_is_a_tool_use_block_whole_and_streamed_and_its_result_goes_back(sdk_clients):
+    replica, claude, _ = sdk_clients
     replica.tool_call = {"name": "weather", "arguments": json.dumps({"city": "Paris"})}
     question = [{"role": "user", "content": "Weather in Paris?"}]
     message = claude.messages.create(
@@ -163,16 +163,16 @@ def test_a_tool_call_is_a_tool_use_block_whole_and_streamed_and_its_result_goes_
     ]
 
 
-def test_a_key_is_taken_as_x_api_key_or_as_a_bearer_token(served, gateway):
-    _, claude, _ = served
+def test_a_key_is_taken_as_x_api_key_or_as_a_bearer_token(sdk_clients, gateway):
+    _, claude, _ = sdk_clients
     secret = claude.api_key
     bearer = anthropic.Anthropic(base_url=gateway.url, auth_token=secret, max_retries=0)
     for each in (claude, bearer):
         assert each.messages.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=5).id
 
 
-def test_anthropics_client_raises_its_own_error_for_each_refusal_in_anthropics_shape(served, gateway):
-    replica, claude, _ = served
+def test_anthropics_client_raises_its_own_error_for_each_refusal_in_anthropics_shape(sdk_clients, gateway):
+    replica, claude, _ = sdk_clients
     hi = [{"role": "user", "content": "hi"}]
     with pytest.raises(anthropic.BadRequestError) as bad:
         claude.messages.create(model="chat", messages=hi, max_tokens=0)
@@ -202,8 +202,8 @@ def test_anthropics_client_raises_its_own_error_for_each_refusal_in_anthropics_s
 # --- OpenAI Responses ---------------------------------------------------------------------
 
 
-def test_a_response_goes_to_the_engine_as_a_chat_and_comes_back_in_the_responses_shape(served):
-    replica, _, gpt = served
+def test_a_response_goes_to_the_engine_as_a_chat_and_comes_back_in_the_responses_shape(sdk_clients):
+    replica, _, gpt = sdk_clients
     response = gpt.responses.create(
         model="assistant", instructions="Be brief.", input="hi", max_output_tokens=20, temperature=0.5, top_p=0.9
     )
@@ -219,8 +219,8 @@ def test_a_response_goes_to_the_engine_as_a_chat_and_comes_back_in_the_responses
     assert replica.requests[-1]["messages"] == [{"role": "user", "content": "hi"}]
 
 
-def test_a_streamed_response_comes_as_the_responses_events_in_order_with_usage(served):
-    _, _, gpt = served
+def test_a_streamed_response_comes_as_the_responses_events_in_order_with_usage(sdk_clients):
+    _, _, gpt = sdk_clients
     events = list(gpt.responses.create(model="chat", input="hi", stream=True))
     assert [e.type for e in events] == [
         "response.created",
@@ -241,8 +241,8 @@ def test_a_streamed_response_comes_as_the_responses_events_in_order_with_usage(s
     assert completed.output_text == "c0c1c2" and completed.usage.total_tokens == 14
 
 
-def test_a_tool_call_is_a_function_call_item_whole_and_streamed_and_its_output_goes_back(served):
-    replica, _, gpt = served
+def test_a_tool_call_is_a_function_call_item_whole_and_streamed_and_its_output_goes_back(sdk_clients):
+    replica, _, gpt = sdk_clients
     replica.tool_call = {"name": "weather", "arguments": json.dumps({"city": "Paris"})}
     response = gpt.responses.create(model="chat", input="Weather in Paris?", tools=[WEATHER_FUNCTION])
     (call,) = response.output
@@ -289,8 +289,10 @@ def test_a_tool_call_is_a_function_call_item_whole_and_streamed_and_its_output_g
     ]
 
 
-def test_openais_client_raises_its_own_error_for_each_refusal_and_stored_responses_are_a_clear_400(served, gateway):
-    replica, _, gpt = served
+def test_openais_client_raises_its_own_error_for_each_refusal_and_stored_responses_are_a_clear_400(
+    sdk_clients, gateway
+):
+    replica, _, gpt = sdk_clients
     with pytest.raises(openai.BadRequestError) as stored:
         gpt.responses.create(model="chat", input="hi", previous_response_id="resp_123", store=True)
     assert "keeps no responses" in stored.value.message and stored.value.code == "stored_responses_unsupported"
@@ -308,8 +310,8 @@ def test_openais_client_raises_its_own_error_for_each_refusal_and_stored_respons
         gpt.responses.create(model="chat", input="hi")
 
 
-def test_both_apis_are_counted_as_usage_streamed_or_not(served):
-    _, claude, gpt = served
+def test_both_apis_are_counted_as_usage_streamed_or_not(sdk_clients):
+    _, claude, gpt = sdk_clients
     claude.messages.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     list(claude.messages.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True))
     gpt.responses.create(model="chat", input="hi")
@@ -323,8 +325,8 @@ def test_both_apis_are_counted_as_usage_streamed_or_not(served):
     assert (row.prompt_tokens, row.completion_tokens) == (44, 12)
 
 
-def test_structured_output_is_asked_of_the_engine_as_chats_response_format(served):
-    replica, _, gpt = served
+def test_structured_output_is_asked_of_the_engine_as_chats_response_format(sdk_clients):
+    replica, _, gpt = sdk_clients
     schema = {"type": "object", "properties": {"city": {"type": "string"}}}
     gpt.responses.create(
         model="chat", input="hi", text={"format": {"type": "json_schema", "name": "place", "schema": schema}}
@@ -335,8 +337,10 @@ def test_structured_output_is_asked_of_the_engine_as_chats_response_format(serve
     }
 
 
-def test_a_replicas_refusal_of_a_streamed_request_is_the_clients_own_error_and_odd_blocks_are_named(served, gateway):
-    replica, claude, gpt = served
+def test_a_replicas_refusal_of_a_streamed_request_is_the_clients_own_error_and_odd_blocks_are_named(
+    sdk_clients, gateway
+):
+    replica, claude, gpt = sdk_clients
     replica.status = 400
     with pytest.raises(anthropic.BadRequestError) as refused:
         list(
@@ -357,8 +361,8 @@ def test_a_replicas_refusal_of_a_streamed_request_is_the_clients_own_error_and_o
     assert nothing.status_code == 404 and nothing.json()["error"]["type"] == "not_found_error"
 
 
-def test_a_client_that_hangs_up_mid_stream_closes_the_replicas_connection_on_both_apis(served, gateway):
-    replica, claude, _ = served
+def test_a_client_that_hangs_up_mid_stream_closes_the_replicas_connection_on_both_apis(sdk_clients, gateway):
+    replica, claude, _ = sdk_clients
     replica.hold = True
     bodies = {
         "/v1/messages": {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},

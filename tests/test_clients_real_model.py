@@ -9,27 +9,17 @@ from __future__ import annotations
 
 import pytest
 
-from agent import engines
 from catalog.models import Model, Profile
 from fleet.models import Node, Replica
 from gateway.keys import create_key
 from gateway.models import Usage
 
-from . import real_model
 from .real_model import ANSWER, GREEDY, MODEL, QUESTION, SYSTEM
 from .support.gateway import client, until_routed
 from .support.processes import wait_until
 from .support.sdk import anthropic, openai
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    process, endpoint, _ = real_model.start_engine(real_model.gguf(), tmp_path_factory.mktemp("engine"))
-    yield endpoint
-    engines.stop_group(process.pid, grace=5)
-    process.wait(timeout=10)
 
 
 @pytest.fixture

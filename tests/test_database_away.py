@@ -81,7 +81,7 @@ def test_pages_and_the_api_answer_a_sentence_while_the_database_is_away_and_serv
 
 
 @pytest.fixture
-def broker():
+def collections_broker():
     client = redis.Redis.from_url(settings.REDIS_URL)
     shared = (tasks.COLLECT_PENDING_KEY, tasks.CONTROL_QUEUE)
     client.delete(*shared, *node.node_keys(client, *NAMES))
@@ -90,14 +90,16 @@ def broker():
 
 
 def test_heartbeats_and_reports_taken_when_the_database_goes_away_are_collected_once_it_is_back(
-    broker, monkeypatch, caplog
+    collections_broker, monkeypatch, caplog
 ):
     for name in NAMES:
         issue_token(name)
     replica = Replica.objects.create(model_name="m", profile_name="cpu", node=Node.objects.get(name="a"))
     for name in NAMES:
-        node.post_heartbeat(broker, name, node.heartbeat(name, {"memory_gb": 8}))
-    node.post_report(broker, "a", replica.pk, node.report("a", replica.pk, "ready", "http://127.0.0.1:9/v1"))
+        node.post_heartbeat(collections_broker, name, node.heartbeat(name, {"memory_gb": 8}))
+    node.post_report(
+        collections_broker, "a", replica.pk, node.report("a", replica.pk, "ready", "http://127.0.0.1:9/v1")
+    )
     # Signed before the outage (the test reads each node's key from the database); posted during it.
     newer = node.heartbeat("c", {"memory_gb": 16})
     late = node.heartbeat("b", {"memory_gb": 12})
@@ -114,9 +116,11 @@ def test_heartbeats_and_reports_taken_when_the_database_goes_away_are_collected_
     try:
         fleet_tasks.collect()
         monkeypatch.setattr(tasks, "take", taken)
-        assert broker.exists(*node.node_keys(broker, *NAMES)) == 4, "what was taken was not given back"
-        node.post_heartbeat(broker, "c", newer)
-        node.post_heartbeat(broker, "b", late)
+        assert collections_broker.exists(*node.node_keys(collections_broker, *NAMES)) == 4, (
+            "what was taken was not given back"
+        )
+        node.post_heartbeat(collections_broker, "c", newer)
+        node.post_heartbeat(collections_broker, "b", late)
         # The control worker's passes meanwhile wait, each with a line, and take nothing.
         fleet_tasks.collect()
         fleet_tasks.reconcile()
@@ -130,7 +134,7 @@ def test_heartbeats_and_reports_taken_when_the_database_goes_away_are_collected_
     assert (nodes["b"].memory_gb, nodes["c"].memory_gb) == (12, 16), "a heartbeat posted during the outage was lost"
     replica.refresh_from_db()
     assert (replica.state, replica.endpoint) == ("ready", "http://127.0.0.1:9/v1")
-    assert not broker.exists(*node.node_keys(broker, *NAMES))
+    assert not collections_broker.exists(*node.node_keys(collections_broker, *NAMES))
 
 
 class StopsPostgresAfterItsFirstScript:
@@ -152,10 +156,12 @@ class StopsPostgresAfterItsFirstScript:
         return getattr(self.client, name)
 
 
-def test_a_report_whose_save_met_the_database_away_is_applied_once_it_is_back(broker, monkeypatch, caplog):
+def test_a_report_whose_save_met_the_database_away_is_applied_once_it_is_back(collections_broker, monkeypatch, caplog):
     issue_token("a")
     replica = Replica.objects.create(model_name="m", profile_name="cpu", node=Node.objects.get(name="a"))
-    node.post_report(broker, "a", replica.pk, node.report("a", replica.pk, "ready", "http://127.0.0.1:9/v1"))
+    node.post_report(
+        collections_broker, "a", replica.pk, node.report("a", replica.pk, "ready", "http://127.0.0.1:9/v1")
+    )
     real = reports.redis_client()
     away = StopsPostgresAfterItsFirstScript(real)
     monkeypatch.setattr(reports, "redis_client", lambda: away)
@@ -172,19 +178,19 @@ def test_a_report_whose_save_met_the_database_away_is_applied_once_it_is_back(br
     assert (replica.state, replica.endpoint) == ("ready", "http://127.0.0.1:9/v1"), caplog.text[-2000:]
 
 
-def test_a_replica_that_failed_while_the_database_was_away_is_started_again_once_it_is_back(broker, caplog):
+def test_a_replica_that_failed_while_the_database_was_away_is_started_again_once_it_is_back(collections_broker, caplog):
     add_node("a")
     add_served_model("tiny", scaling_min=1, scaling_max=1)
     reconcile.reconcile()
     replica = Replica.objects.get()
     replica.enter(Replica.State.READY, "", "http://127.0.0.1:9/v1")
     replica.save()
-    sent(broker, "node.a")  # its start, sent before the outage
+    sent(collections_broker, "node.a")  # its start, sent before the outage
     # Signed before the outage (the test reads the node's key from the database); posted during it.
     died = node.report("a", replica.pk, "stopped", "", "the engine exited with code 1")
     stop_postgres()
     try:
-        node.post_report(broker, "a", replica.pk, died)
+        node.post_report(collections_broker, "a", replica.pk, died)
         fleet_tasks.reconcile()  # the beat's pass: collecting and placing both wait
         assert "reconcile waits for the database" in caplog.text
     finally:
@@ -195,4 +201,6 @@ def test_a_replica_that_failed_while_the_database_was_away_is_started_again_once
     reconcile.reconcile(now=replica.since + reconcile.retry_delay(1))
     replica.refresh_from_db()
     assert replica.state == "pending" and replica.reason.startswith("starting again after: the engine exited")
-    assert [(task, args[0]) for task, args, *_ in sent(broker, "node.a")] == [(tasks.START_REPLICA, replica.pk)]
+    assert [(task, args[0]) for task, args, *_ in sent(collections_broker, "node.a")] == [
+        (tasks.START_REPLICA, replica.pk)
+    ]

@@ -126,7 +126,7 @@ def engine_user() -> tuple[str, int]:
 
 
 @pytest.fixture
-def node(tmp_path):
+def node_files(tmp_path):
     """A node's files where another user may look: pytest's own directory is root's alone (0700).
 
     `node.env` as deploy/ has it (root's, mode 0600), a cache with another replica's set in it
@@ -159,9 +159,9 @@ def node(tmp_path):
     shutil.rmtree(root, ignore_errors=True)
 
 
-def agent_env(node, **extra) -> dict:
+def agent_env(node_files, **extra) -> dict:
     return {
-        "PATH": f"{node['bin']}{os.pathsep}{os.environ['PATH']}",
+        "PATH": f"{node_files['bin']}{os.pathsep}{os.environ['PATH']}",
         CANARY: "canary-of-another-service",
         **extra,
     }
@@ -171,11 +171,11 @@ def secret(replica_id: int, nonce: str) -> str:
     return credentials.replica_secret(signing.token_hash(TOKEN), replica_id, nonce)
 
 
-def found_by_the_engine(node, agent: Process) -> dict:
+def found_by_the_engine(node_files, agent: Process) -> dict:
     def written():
         if not agent.alive():
             raise AssertionError(f"the agent exited:\n{agent.output()}")
-        files = list(node["record"].glob("found-*.json"))
+        files = list(node_files["record"].glob("found-*.json"))
         return json.loads(files[0].read_text()) if files else None
 
     return wait_until(written, timeout=60, what=f"the engine to write down what it found\n{agent.output()[-2000:]}")
@@ -218,14 +218,14 @@ def assert_nothing_of_the_agents(environ: dict, replica_id: int, nonce: str, eng
 
 @pytest.mark.engine
 def test_an_engine_run_as_the_engine_user_reads_no_secret_of_the_node_and_writes_no_other_replicas_weights(
-    tmp_path, node, engine_user
+    tmp_path, node_files, engine_user
 ):
     user, uid = engine_user
-    cache = node["cache"]
-    agent = start_agent("fence", TOKEN, cache, tmp_path, **agent_env(node, LLMGW_ENGINE_USER=user))
+    cache = node_files["cache"]
+    agent = start_agent("fence", TOKEN, cache, tmp_path, **agent_env(node_files, LLMGW_ENGINE_USER=user))
     try:
-        engine_state.want(cache, 7, "vllm", "http://127.0.0.1:8001/m/v1/", node["weights"], [], "m", nonce="n7")
-        found = found_by_the_engine(node, agent)
+        engine_state.want(cache, 7, "vllm", "http://127.0.0.1:8001/m/v1/", node_files["weights"], [], "m", nonce="n7")
+        found = found_by_the_engine(node_files, agent)
         assert found["agent"] == agent.popen.pid, "the engine's grandparent is the agent"
         assert found["uid"] == uid and found["groups"] == [], found
         assert_nothing_of_the_agents(found["environ"], 7, "n7", "vllm")
@@ -239,8 +239,8 @@ def test_an_engine_run_as_the_engine_user_reads_no_secret_of_the_node_and_writes
             "add a file beside another replica's weights",
         ):
             assert found[what].startswith("refused"), (what, found[what])
-        assert node["other"].read_bytes() == b"GGUF another replica's weights"
-        assert not Path(str(node["other"]) + ".planted").exists()
+        assert node_files["other"].read_bytes() == b"GGUF another replica's weights"
+        assert not Path(str(node_files["other"]) + ".planted").exists()
 
         # Its own: a scratch it writes in, which is its home, its temporary directory and where it runs.
         scratch = engine_state.state_dir(cache) / "scratch" / "replica-7"
@@ -281,17 +281,17 @@ def read_environ_without_capabilities(pid: int) -> subprocess.CompletedProcess:
 
 @pytest.mark.engine
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")
-def test_an_engine_run_as_the_agents_own_user_cannot_read_the_agents_or_the_supervisors_environ(tmp_path, node):
-    cache = node["cache"]
+def test_an_engine_run_as_the_agents_own_user_cannot_read_the_agents_or_the_supervisors_environ(tmp_path, node_files):
+    cache = node_files["cache"]
     # The agent as a node's agent is: root here, but with no capability, as llmgw has none.
-    env = node_env(LLMGW_NODE_TOKEN=TOKEN, LLMGW_HEARTBEAT_S=1, **agent_env(node))
+    env = node_env(LLMGW_NODE_TOKEN=TOKEN, LLMGW_HEARTBEAT_S=1, **agent_env(node_files))
     argv = [*WITHOUT_CAPABILITIES, sys.executable, "manage.py", "agent"]
     agent = Process("agent-fence", [*argv, "--node", "fence", "--cache", str(cache)], env, tmp_path)
     try:
         wait_until(lambda: "ready." in agent.output() or not agent.alive(), timeout=60, what="the agent to start")
         assert agent.alive(), agent.output()
-        engine_state.want(cache, 8, "vllm", "http://127.0.0.1:8001/m/v1/", node["weights"], [], "m", nonce="n8")
-        found = found_by_the_engine(node, agent)
+        engine_state.want(cache, 8, "vllm", "http://127.0.0.1:8001/m/v1/", node_files["weights"], [], "m", nonce="n8")
+        found = found_by_the_engine(node_files, agent)
         assert found["agent"] == agent.popen.pid
         assert_nothing_of_the_agents(found["environ"], 8, "n8", "vllm")
         entry = ready_entry(cache, 8, agent)
@@ -308,13 +308,13 @@ def test_an_engine_run_as_the_agents_own_user_cannot_read_the_agents_or_the_supe
         agent.stop()
 
 
-def llama_server_for(node) -> Path:
+def llama_server_for(node_files) -> Path:
     """llama-server where the engine's user can run it: `make engine` keeps it under root's home."""
     built = engine_binary.llama_server()
     if built is None:
         pytest.skip(engine_binary.MISSING)
     built = Path(built).resolve()
-    here = node["root"] / "llama-server"
+    here = node_files["root"] / "llama-server"
     here.mkdir()
     for part in built.parent.iterdir():  # the binary and any library built beside it
         if part.is_file():
@@ -323,17 +323,19 @@ def llama_server_for(node) -> Path:
 
 
 @pytest.mark.engine
-def test_the_real_llama_server_starts_answers_and_is_stopped_as_the_engine_user(tmp_path, node, engine_user):
+def test_the_real_llama_server_starts_answers_and_is_stopped_as_the_engine_user(tmp_path, node_files, engine_user):
     user, uid = engine_user
-    cache = node["cache"]
-    write_tiny_llama(node["weights"])
-    server = llama_server_for(node)
+    cache = node_files["cache"]
+    write_tiny_llama(node_files["weights"])
+    server = llama_server_for(node_files)
     agent = start_agent(
-        "fence", TOKEN, cache, tmp_path, **agent_env(node, LLMGW_ENGINE_USER=user, LLMGW_LLAMA_SERVER=str(server))
+        "fence", TOKEN, cache, tmp_path, **agent_env(node_files, LLMGW_ENGINE_USER=user, LLMGW_LLAMA_SERVER=str(server))
     )
     try:
         source = "http://127.0.0.1:8001/tiny/v1/"
-        engine_state.want(cache, 9, "llamacpp", source, node["weights"], ["--ctx-size", "256"], "tiny", nonce="n9")
+        engine_state.want(
+            cache, 9, "llamacpp", source, node_files["weights"], ["--ctx-size", "256"], "tiny", nonce="n9"
+        )
         entry = ready_entry(cache, 9, agent)
         process = psutil.Process(entry["pid"])
         assert process.uids().real == uid and process.gids().real == pwd.getpwnam(user).pw_gid

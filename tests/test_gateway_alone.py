@@ -29,15 +29,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 OUTAGE_S = 60
 
 
-@pytest.fixture
-def processes():
-    """Processes started by a test, stopped at its end whatever happened."""
-    started = []
-    yield started
-    for process in started:
-        process.stop()
-
-
 def test_v1_answers_on_the_gateways_port_and_the_admin_port_sends_clients_there(tmp_path, processes, replicas):
     add_model()
     add_replica("chat", replicas().base)

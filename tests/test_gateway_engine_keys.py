@@ -81,7 +81,7 @@ CLIENT_ONLY = {"self", "extra_headers", "extra_query", "extra_body", "timeout"}
 
 
 @pytest.fixture
-def served(tmp_path, replicas):
+def replica_and_gateways(tmp_path, replicas):
     """One replica of a chat, an embedding and a rerank model: (replica, make); make(**env) starts a gateway to it."""
     replica = replicas()
     add_model("chat")
@@ -115,8 +115,10 @@ def message_of(response: requests.Response) -> dict:
     return {key: body["error"][key] for key in ("message", "param", "code")}
 
 
-def test_each_engine_key_is_refused_on_every_address_with_a_sentence_that_names_it_and_the_setting(served):
-    replica, make = served
+def test_each_engine_key_is_refused_on_every_address_with_a_sentence_that_names_it_and_the_setting(
+    replica_and_gateways,
+):
+    replica, make = replica_and_gateways
     session, url, _ = make()
     for path, body in BODIES.items():
         for key, value in {**ENGINE_KEYS, **ALSO_REFUSED.get(path, {})}.items():
@@ -138,8 +140,8 @@ def test_every_key_the_official_clients_send_is_passed_on():
         assert sent - NOT_PASSED.get(path, set()) <= PASSED[path], (path, sent - PASSED[path])
 
 
-def test_openais_keys_and_the_samplers_reach_the_engine_as_sent_on_each_address(served):
-    replica, make = served
+def test_openais_keys_and_the_samplers_reach_the_engine_as_sent_on_each_address(replica_and_gateways):
+    replica, make = replica_and_gateways
     session, url, secret = make()
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     sent = {
@@ -198,8 +200,8 @@ def test_openais_keys_and_the_samplers_reach_the_engine_as_sent_on_each_address(
         assert refused.status_code == 400 and message_of(refused)["param"] == key, refused.text
 
 
-def test_the_operator_lets_a_named_engine_key_through_on_every_address_and_no_other(served):
-    replica, make = served
+def test_the_operator_lets_a_named_engine_key_through_on_every_address_and_no_other(replica_and_gateways):
+    replica, make = replica_and_gateways
     session, url, _ = make(LLMGW_GATEWAY_ENGINE_KEYS="cache_prompt, n_cache_reuse")
     for path, body in BODIES.items():
         answered = session.post(url + path, json={**body, "cache_prompt": False, "n_cache_reuse": 0}, timeout=30)

@@ -178,18 +178,3 @@ def test_one_of_two_gateways_on_two_hosts_killed_under_load_behind_nginx_fails_n
     finally:
         nginx.terminate()
         nginx.wait(timeout=10)
-
-
-@pytest.fixture
-def replicas():
-    from .fake_replica import FakeReplica
-
-    made = []
-
-    def make(name: str = "fake") -> FakeReplica:
-        made.append(FakeReplica(name))
-        return made[-1]
-
-    yield make
-    for replica in made:
-        replica.stop()

@@ -28,14 +28,6 @@ from .support.processes import (
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-@pytest.fixture
-def processes():
-    started = []
-    yield started
-    for process in started:
-        process.stop()
-
-
 def logs(tmp_path, name: str):
     folder = tmp_path / name
     folder.mkdir(exist_ok=True)

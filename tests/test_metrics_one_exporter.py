@@ -30,14 +30,6 @@ def families(text: str) -> set[str]:
     return {family.name for family in text_string_to_metric_families(text)}
 
 
-@pytest.fixture
-def processes():
-    started = []
-    yield started
-    for process in started:
-        process.stop()
-
-
 def test_the_fleets_gauges_are_the_admin_servers_alone_and_a_gateway_scrapes_while_postgresql_is_away(
     tmp_path, processes
 ):

@@ -44,20 +44,20 @@ def wanted(cache: Path, replica_id: int, weights: Path) -> None:
 
 
 @pytest.fixture
-def cache(tmp_path) -> Path:
+def agent_cache(tmp_path) -> Path:
     found = tmp_path / "agent-cache"
     found.mkdir()
     return found
 
 
-def test_unused_sets_go_oldest_first_until_the_cache_is_under_its_bound_and_a_set_in_use_stays(cache):
-    oldest_in_use = fetched_set(cache, "running", 1, used_ago_s=9 * 3600)
-    old = fetched_set(cache, "old", 1, used_ago_s=5 * 3600)
-    older = fetched_set(cache, "older", 1, used_ago_s=7 * 3600)
-    newer = fetched_set(cache, "newer", 1, used_ago_s=3 * 3600)
-    wanted(cache, 1, oldest_in_use / "model.gguf")
+def test_unused_sets_go_oldest_first_until_the_cache_is_under_its_bound_and_a_set_in_use_stays(agent_cache):
+    oldest_in_use = fetched_set(agent_cache, "running", 1, used_ago_s=9 * 3600)
+    old = fetched_set(agent_cache, "old", 1, used_ago_s=5 * 3600)
+    older = fetched_set(agent_cache, "older", 1, used_ago_s=7 * 3600)
+    newer = fetched_set(agent_cache, "newer", 1, used_ago_s=3 * 3600)
+    wanted(agent_cache, 1, oldest_in_use / "model.gguf")
 
-    removed = evict(cache, Bounds(max_bytes=int(2.5 * MiB)))
+    removed = evict(agent_cache, Bounds(max_bytes=int(2.5 * MiB)))
 
     assert removed == [older, old]
     assert not older.exists() and not old.exists()
@@ -66,33 +66,33 @@ def test_unused_sets_go_oldest_first_until_the_cache_is_under_its_bound_and_a_se
     assert time.time() - (oldest_in_use / COMPLETE_MARKER).stat().st_mtime < 60
 
 
-def test_a_set_being_fetched_or_just_found_complete_is_never_evicted(cache):
-    fetching = fetched_set(cache, "fetching", 1, used_ago_s=9 * 3600)
-    just_found = fetched_set(cache, "just-found", 1, used_ago_s=10)
-    idle = fetched_set(cache, "idle", 1, used_ago_s=3600)
-    (cache / STATE_DIR).mkdir(exist_ok=True)
-    fd = os.open(cache / STATE_DIR / f"{_key(fetching)}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+def test_a_set_being_fetched_or_just_found_complete_is_never_evicted(agent_cache):
+    fetching = fetched_set(agent_cache, "fetching", 1, used_ago_s=9 * 3600)
+    just_found = fetched_set(agent_cache, "just-found", 1, used_ago_s=10)
+    idle = fetched_set(agent_cache, "idle", 1, used_ago_s=3600)
+    (agent_cache / STATE_DIR).mkdir(exist_ok=True)
+    fd = os.open(agent_cache / STATE_DIR / f"{_key(fetching)}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)  # as a fetch of that set holds it
     try:
-        assert evict(cache, Bounds(max_bytes=1)) == [idle]
+        assert evict(agent_cache, Bounds(max_bytes=1)) == [idle]
     finally:
         os.close(fd)
     assert (fetching / "model.gguf").exists() and (just_found / "model.gguf").exists()
     # Its fetch over, it goes like any other.
-    assert evict(cache, Bounds(max_bytes=1)) == [fetching]
+    assert evict(agent_cache, Bounds(max_bytes=1)) == [fetching]
 
 
-def test_a_free_space_floor_evicts_and_without_bounds_nothing_is_touched(cache):
-    only = fetched_set(cache, "only", 1, used_ago_s=3600)
-    assert evict(cache, Bounds()) == []
-    assert evict(cache, Bounds(free_bytes=1)) == []  # a disk with a byte free is within a floor of one
+def test_a_free_space_floor_evicts_and_without_bounds_nothing_is_touched(agent_cache):
+    only = fetched_set(agent_cache, "only", 1, used_ago_s=3600)
+    assert evict(agent_cache, Bounds()) == []
+    assert evict(agent_cache, Bounds(free_bytes=1)) == []  # a disk with a byte free is within a floor of one
     huge_floor = Bounds(free_bytes=1 << 62)  # more than any disk has free
-    assert evict(cache, huge_floor) == [only]
+    assert evict(agent_cache, huge_floor) == [only]
 
 
 @pytest.mark.processes  # a stand-in engine writing its log (a Python child the collection cannot see)
-def test_an_engines_log_is_rotated_while_it_writes_and_only_a_few_are_kept(cache):
-    log_path = engine_state.state_dir(cache) / "replica-5.log"
+def test_an_engines_log_is_rotated_while_it_writes_and_only_a_few_are_kept(agent_cache):
+    log_path = engine_state.state_dir(agent_cache) / "replica-5.log"
     writer = (
         "import sys, time\n"
         "n = 0\n"
@@ -104,7 +104,7 @@ def test_an_engines_log_is_rotated_while_it_writes_and_only_a_few_are_kept(cache
     try:
         for _ in range(5):
             wait_until(lambda: log_path.stat().st_size > 64 * 1024, what="the engine to write 64 KiB")
-            assert rotate_logs(cache, max_bytes=32 * 1024, keep=3) == [log_path]
+            assert rotate_logs(agent_cache, max_bytes=32 * 1024, keep=3) == [log_path]
         # Its next lines land at the start of the emptied file, not after a hole as long as the old log.
         wait_until(lambda: log_path.stat().st_size > 0, what="the engine to write again")
         assert log_path.read_bytes().startswith(b"line ")
@@ -116,13 +116,13 @@ def test_an_engines_log_is_rotated_while_it_writes_and_only_a_few_are_kept(cache
     assert b"starting:" not in log_path.with_name("replica-5.log.1").read_bytes()  # the newest kept is the latest
 
 
-def test_the_supervisors_thread_keeps_the_disk_until_it_is_told_to_stop(cache):
-    fetched_set(cache, "gone", 1, used_ago_s=3600)
+def test_the_supervisors_thread_keeps_the_disk_until_it_is_told_to_stop(agent_cache):
+    fetched_set(agent_cache, "gone", 1, used_ago_s=3600)
     stop = threading.Event()
-    thread = threading.Thread(target=cache_evict.keep, args=(cache, Bounds(max_bytes=1), stop, 0.05))
+    thread = threading.Thread(target=cache_evict.keep, args=(agent_cache, Bounds(max_bytes=1), stop, 0.05))
     thread.start()
     try:
-        wait_until(lambda: not cache_evict.complete_sets(cache), what="the unused set to be evicted")
+        wait_until(lambda: not cache_evict.complete_sets(agent_cache), what="the unused set to be evicted")
     finally:
         stop.set()
         thread.join(timeout=10)

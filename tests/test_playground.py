@@ -13,13 +13,11 @@ import pytest
 import requests
 from django.test import Client
 
-from agent import engines
 from catalog.models import Model, Profile
 from fleet.models import Node, Replica
 from gateway.keys import create_key
 from gateway.models import ApiKey
 
-from . import real_model
 from .real_model import ANSWER, MODEL, QUESTION
 from .staff_browser import chromium_page, log_in_as_staff
 from .support.gateway import client, until_routed
@@ -28,14 +26,6 @@ from .support.waiting import wait_until
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
 TWIN = MODEL + "-twin"
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    process, endpoint, _ = real_model.start_engine(real_model.gguf(), tmp_path_factory.mktemp("engine"))
-    yield endpoint
-    engines.stop_group(process.pid, grace=5)
-    process.wait(timeout=10)
 
 
 @pytest.fixture

@@ -33,15 +33,6 @@ from .support.processes import wait_until
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def engine(real_model_weights, tmp_path_factory):
-    """One real llama.cpp replica on the real model, as the supervisor would start it."""
-    process, endpoint, log_path = real_model.start_engine(real_model_weights, tmp_path_factory.mktemp("engine"))
-    yield endpoint
-    engines.stop_group(process.pid, grace=5)
-    process.wait(timeout=10)
-
-
 class Reports(list):
     def __call__(self, replica_id, state, endpoint, reason):
         self.append((replica_id, state, endpoint, reason))
@@ -84,7 +75,7 @@ def test_the_real_quantized_model_answers_through_the_agents_own_engine_start(tm
 
 
 @pytest.fixture
-def served(transactional_db, engine, gateway):
+def model_behind_gateway(transactional_db, engine, gateway):
     """The real engine as the one ready replica of `smollm2-135m`, and a client with a key."""
     Model.objects.create(name=MODEL, source="http://127.0.0.1:1/smollm2-135m/instruct-q4_1/", context_length=2048)
     Profile.objects.create(model=Model.objects.get(name=MODEL), name="cpu", engine="llamacpp")
@@ -102,8 +93,8 @@ def served(transactional_db, engine, gateway):
     return client, gateway.url
 
 
-def test_through_the_gateway_the_real_model_says_paris_whole_and_streamed_and_both_are_counted(served):
-    client, url = served
+def test_through_the_gateway_the_real_model_says_paris_whole_and_streamed_and_both_are_counted(model_behind_gateway):
+    client, url = model_behind_gateway
     whole = client.post(url + "/v1/chat/completions", json={"model": MODEL, **ask()}, timeout=120)
     assert whole.status_code == 200, whole.text
     answer = whole.json()
@@ -135,17 +126,17 @@ def test_through_the_gateway_the_real_model_says_paris_whole_and_streamed_and_bo
     assert row.completion_tokens == 2 * answer["usage"]["completion_tokens"]
 
 
-def test_the_readmes_own_question_with_its_sampling_spelled_out_says_paris(served):
+def test_the_readmes_own_question_with_its_sampling_spelled_out_says_paris(model_behind_gateway):
     """The README's curl (its system message and question), greedy as both engines take it spelled out."""
-    client, url = served
+    client, url = model_behind_gateway
     body = {"model": MODEL, **ask(real_model.README_QUESTION), **real_model.README_SAMPLING}
     answer = client.post(url + "/v1/chat/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     assert assert_chat_answer(answer.json()) == "The capital of France is Paris."
 
 
-def test_a_plain_completion_through_the_gateway_continues_the_fact(served):
-    client, url = served
+def test_a_plain_completion_through_the_gateway_continues_the_fact(model_behind_gateway):
+    client, url = model_behind_gateway
     answer = client.post(url + "/v1/completions", json={"model": MODEL, **complete()}, timeout=120)
     assert answer.status_code == 200, answer.text
     choice = answer.json()["choices"][0]
@@ -153,8 +144,8 @@ def test_a_plain_completion_through_the_gateway_continues_the_fact(served):
     assert answer.json()["usage"]["completion_tokens"] == 4
 
 
-def test_a_prompt_longer_than_the_engines_context_is_the_engines_own_400(served):
-    client, url = served
+def test_a_prompt_longer_than_the_engines_context_is_the_engines_own_400(model_behind_gateway):
+    client, url = model_behind_gateway
     # About 3,000 tokens for a context of 2,048: the gateway cannot count them, the engine can.
     too_long = client.post(
         url + "/v1/chat/completions", json={"model": MODEL, **ask("Paris is lovely. " * 750)}, timeout=120
@@ -169,10 +160,10 @@ SECONDS = 60
 PROMPTS = [real_model.QUESTION, "Name three colours.", "Count from 1 to 10.", "Say hello."]
 
 
-def test_sixteen_clients_streaming_at_once_for_a_minute_each_get_their_whole_answer(served):
+def test_sixteen_clients_streaming_at_once_for_a_minute_each_get_their_whole_answer(model_behind_gateway):
     """PyPI's server cut a running stream whenever another request arrived; started as the agent
     starts it, every stream must end in [DONE] with its finish_reason and usage."""
-    client, url = served
+    client, url = model_behind_gateway
     done, broken = real_model.streaming_clients(url, client.headers["Authorization"], PROMPTS, STREAMS, SECONDS, 24)
     assert not broken, f"{len(broken)} of {len(broken) + len(done)} streams broken, the first: {broken[0]}"
     # Every client got at least one whole answer: queued behind the others, not dropped.

@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
-def node(tmp_path, mirror_root, byte_listener, control_worker, settings):
+def agent_with_real_weights(tmp_path, mirror_root, byte_listener, control_worker, settings):
     """One real agent (n1) with its engine supervisor, the weights in the mirror: (source, cache)."""
     weights = real_model.gguf()
     version = mirror_root / MODEL / "instruct-q4_1"
@@ -125,8 +125,8 @@ def whole_answer(lines: list[str]) -> str:
     return text
 
 
-def test_a_request_arriving_during_a_rolling_replacement_waits_and_is_answered(node, gateway, beat):
-    source, cache = node
+def test_a_request_arriving_during_a_rolling_replacement_waits_and_is_answered(agent_with_real_weights, gateway, beat):
+    source, cache = agent_with_real_weights
     # The profile asks for more than half the node's memory: the old replica holds the room the
     # new one needs, so it is stopped first (fleet/placement/stopping.py, retire) and the model has no
     # ready replica until the new one has started; the widest gap a rolling replacement leaves.
@@ -177,8 +177,10 @@ def test_a_request_arriving_during_a_rolling_replacement_waits_and_is_answered(n
     wait_until(lambda: not Replica.objects.filter(pk=old.pk).exists(), timeout=60, what="the old replica to go")
 
 
-def test_streamed_requests_sent_right_after_the_only_engine_is_killed_are_all_answered(node, gateway, beat):
-    source, cache = node
+def test_streamed_requests_sent_right_after_the_only_engine_is_killed_are_all_answered(
+    agent_with_real_weights, gateway, beat
+):
+    source, cache = agent_with_real_weights
     serve(source)
     replica = ready_replica()
     _, secret = create_key("k")
@@ -210,14 +212,14 @@ def test_streamed_requests_sent_right_after_the_only_engine_is_killed_are_all_an
     assert engine_state.read_state(cache)["replicas"][str(replica.pk)]["pid"] != pid
 
 
-def test_streams_in_flight_on_a_replica_being_replaced_finish_whole(node, gateway, beat):
+def test_streams_in_flight_on_a_replica_being_replaced_finish_whole(agent_with_real_weights, gateway, beat):
     """Room for both: the old replica serves until the new one is ready, then is drained, then stopped.
 
     Before fleet/drain.py its engine was stopped the moment the new one was ready, and the
     streams it was answering ended with an error event (PyPI's llama.cpp server ends them on
     SIGTERM).
     """
-    source, cache = node
+    source, cache = agent_with_real_weights
     profile = serve(source)
     old = ready_replica()
     _, secret = create_key("k")

@@ -146,7 +146,7 @@ def orders(broker, queue: str) -> list[tuple[str, list, dict]]:
 
 
 @pytest.fixture
-def fleet(db):
+def three_rpc_nodes(db):
     now = timezone.now()
     for name, memory in (("a", 30), ("b", 20), ("c", 10)):
         issue_token(name)
@@ -158,7 +158,7 @@ def fleet(db):
 
 
 @pytestmark_db
-def test_workers_are_started_first_and_the_head_gets_each_key_sealed_for_it(fleet, broker):
+def test_workers_are_started_first_and_the_head_gets_each_key_sealed_for_it(three_rpc_nodes, broker):
     reconcile.reconcile(models=big())
     replica = Replica.objects.get()
     share = ReplicaShare.objects.get()
@@ -174,31 +174,33 @@ def test_workers_are_started_first_and_the_head_gets_each_key_sealed_for_it(flee
     [worker] = group["workers"]
     assert (worker["node"], worker["endpoint"], worker["share"]) == ("b", f"10.0.0.2:{share.port}", 0.4)
     # The key the worker derives for itself, which the head opens with its own token hash ...
-    psk = groups.rpc_psk(fleet["b"].token_hash, replica.pk, kwargs["nonce"])
-    opened = groups.open_psk(fleet["a"].token_hash, worker["sealed_psk"], replica.pk, kwargs["nonce"], "b")
+    psk = groups.rpc_psk(three_rpc_nodes["b"].token_hash, replica.pk, kwargs["nonce"])
+    opened = groups.open_psk(three_rpc_nodes["a"].token_hash, worker["sealed_psk"], replica.pk, kwargs["nonce"], "b")
     assert opened == psk
     # ... never crosses the broker as itself, and opens to nothing under another node's key.
     assert worker["sealed_psk"] != psk
-    assert groups.open_psk(fleet["c"].token_hash, worker["sealed_psk"], replica.pk, kwargs["nonce"], "b") != psk
+    assert (
+        groups.open_psk(three_rpc_nodes["c"].token_hash, worker["sealed_psk"], replica.pk, kwargs["nonce"], "b") != psk
+    )
 
 
 @pytestmark_db
-def test_each_worker_port_is_unique_on_its_node(fleet, broker, settings):
+def test_each_worker_port_is_unique_on_its_node(three_rpc_nodes, broker, settings):
     reconcile.reconcile(models=big())
     # The first port of the range on b; a port taken on a node is never given to another share there.
     assert ReplicaShare.objects.get().port == settings.RPC_PORT_RANGE[0]
     ReplicaShare.objects.create(
-        replica=Replica.objects.create(model_name="x", profile_name="cpu", node=fleet["c"]),
-        node=fleet["c"],
+        replica=Replica.objects.create(model_name="x", profile_name="cpu", node=three_rpc_nodes["c"]),
+        node=three_rpc_nodes["c"],
         share=0.5,
         port=settings.RPC_PORT_RANGE[0] + 1,
     )
-    assert reconcile.free_port(fleet["c"]) == settings.RPC_PORT_RANGE[0]
-    assert reconcile.free_port(fleet["b"]) == settings.RPC_PORT_RANGE[0] + 1
+    assert reconcile.free_port(three_rpc_nodes["c"]) == settings.RPC_PORT_RANGE[0]
+    assert reconcile.free_port(three_rpc_nodes["b"]) == settings.RPC_PORT_RANGE[0] + 1
 
 
 @pytestmark_db
-def test_a_worker_failure_fails_the_group_naming_it_and_reconcile_places_a_new_group(fleet, broker):
+def test_a_worker_failure_fails_the_group_naming_it_and_reconcile_places_a_new_group(three_rpc_nodes, broker):
     reconcile.reconcile(models=big())
     replica = Replica.objects.get()
     orders(broker, "node.a"), orders(broker, "node.b")
@@ -225,7 +227,9 @@ def test_a_worker_failure_fails_the_group_naming_it_and_reconcile_places_a_new_g
 
 
 @pytestmark_db
-def test_the_heads_own_restarts_after_its_worker_failed_keep_the_group_failed_until_it_is_placed_again(fleet, broker):
+def test_the_heads_own_restarts_after_its_worker_failed_keep_the_group_failed_until_it_is_placed_again(
+    three_rpc_nodes, broker
+):
     # Found end to end (test_rpc_group_fleet.py): the head's supervisor starts its engine again
     # after its backoff, each start reported `starting` then `failed`, and each report put off
     # the group's retry: no new group was ever placed.
@@ -247,7 +251,7 @@ def test_the_heads_own_restarts_after_its_worker_failed_keep_the_group_failed_un
 
 
 @pytestmark_db
-def test_a_worker_node_lost_places_the_group_again_on_the_nodes_left(fleet, broker):
+def test_a_worker_node_lost_places_the_group_again_on_the_nodes_left(three_rpc_nodes, broker):
     reconcile.reconcile(models=big())
     old = Replica.objects.get()
     Node.objects.filter(name="b").update(last_heartbeat=timezone.now() - timedelta(hours=1))
@@ -261,7 +265,7 @@ def test_a_worker_node_lost_places_the_group_again_on_the_nodes_left(fleet, brok
 
 
 @pytestmark_db
-def test_a_stranger_nodes_report_for_the_group_is_refused(fleet, broker):
+def test_a_stranger_nodes_report_for_the_group_is_refused(three_rpc_nodes, broker):
     reconcile.reconcile(models=big())
     replica = Replica.objects.get()
     replica_report(node.report("c", replica.pk, "failed", reason="forged"))
@@ -379,7 +383,7 @@ def _answers(url: str) -> bool:
 
 
 @pytestmark_db
-def test_a_worker_still_running_a_share_of_a_group_that_is_gone_is_told_to_stop_its_rpc_worker(fleet, broker):
+def test_a_worker_still_running_a_share_of_a_group_that_is_gone_is_told_to_stop_its_rpc_worker(three_rpc_nodes, broker):
     reconcile.reconcile(models=big())
     replica = Replica.objects.get()
     orders(broker, "node.b")
@@ -390,7 +394,7 @@ def test_a_worker_still_running_a_share_of_a_group_that_is_gone_is_told_to_stop_
 
 
 @pytestmark_db
-def test_a_heartbeat_says_whether_the_node_can_lead_a_group_and_an_older_one_says_it_cannot(fleet, broker):
+def test_a_heartbeat_says_whether_the_node_can_lead_a_group_and_an_older_one_says_it_cannot(three_rpc_nodes, broker):
     heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10, "rpc": False}))
     assert Node.objects.get(name="c").rpc is False
     heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10, "rpc": True}))
@@ -404,7 +408,7 @@ def test_a_heartbeat_says_whether_the_node_can_lead_a_group_and_an_older_one_say
 
 
 @pytestmark_db
-def test_a_heartbeat_says_apart_whether_the_node_can_be_a_worker_and_whether_it_can_lead(fleet, broker):
+def test_a_heartbeat_says_apart_whether_the_node_can_be_a_worker_and_whether_it_can_lead(three_rpc_nodes, broker):
     heartbeat(node.heartbeat("c", {"engines": ["llamacpp"], "memory_gb": 10, "rpc": True, "rpc_head": False}))
     c = Node.objects.get(name="c")
     assert (c.rpc, c.rpc_head) == (True, False)

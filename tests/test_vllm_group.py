@@ -83,7 +83,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported above)
+def ray_group_fleet(db_access, tmp_path_factory):  # noqa: F811  (the fixture imported above)
     log_dir = tmp_path_factory.mktemp("vllm-group")
     bin_dir = log_dir / "bin"
     ray_stand_in.install(bin_dir)
@@ -165,27 +165,35 @@ def stop_big(fleet: Fleet) -> None:
     )
 
 
-def test_the_head_starts_ray_then_the_worker_joins_it_then_vllm_serves_with_a_pipeline_stage_on_each_node(fleet):
-    replica = serve_big(fleet)
+def test_the_head_starts_ray_then_the_worker_joins_it_then_vllm_serves_with_a_pipeline_stage_on_each_node(
+    ray_group_fleet,
+):
+    replica = serve_big(ray_group_fleet)
     [share] = replica.shares.select_related("node")
     assert (replica.node.name, share.node.name) == (HEAD, WORKER)
 
-    head, join, serve = fleet.events()
+    head, join, serve = ray_group_fleet.events()
     assert (head["event"], head["node"]) == ("head", HEAD)
-    assert head["argv"] == ["start", "--head", f"--port={fleet.ray_port}", "--node-ip-address=127.0.0.1", "--block"]
+    assert head["argv"] == [
+        "start",
+        "--head",
+        f"--port={ray_group_fleet.ray_port}",
+        "--node-ip-address=127.0.0.1",
+        "--block",
+    ]
     assert (join["event"], join["node"]) == ("join", WORKER)
     assert join["argv"] == [
         "start",
-        f"--address=127.0.0.1:{fleet.ray_port}",
+        f"--address=127.0.0.1:{ray_group_fleet.ray_port}",
         "--node-ip-address=127.0.0.1",
         "--block",
     ]
     # vllm serve came last, on the head, over the Ray both nodes had joined.
     assert (serve["event"], serve["node"]) == ("serve", HEAD)
-    assert serve["ray_address"] == f"127.0.0.1:{fleet.ray_port}"
+    assert serve["ray_address"] == f"127.0.0.1:{ray_group_fleet.ray_port}"
     assert serve["ray_nodes"] == 2
     argv = serve["argv"]
-    assert argv[:2] == ["serve", str(Path(argv[1]))] and argv[1].startswith(str(fleet.caches[HEAD]))
+    assert argv[:2] == ["serve", str(Path(argv[1]))] and argv[1].startswith(str(ray_group_fleet.caches[HEAD]))
     for flag, value in (
         ("--pipeline-parallel-size", "2"),
         ("--tensor-parallel-size", "1"),
@@ -196,15 +204,17 @@ def test_the_head_starts_ray_then_the_worker_joins_it_then_vllm_serves_with_a_pi
         assert argv[argv.index(flag) + 1] == value, argv
     assert replica.endpoint.startswith("http://127.0.0.1:")
     wait_until(
-        lambda: replica.shares.get().state == "ready", timeout=30, what=lambda: f"the worker's share: {fleet.said()}"
+        lambda: replica.shares.get().state == "ready",
+        timeout=30,
+        what=lambda: f"the worker's share: {ray_group_fleet.said()}",
     )
 
 
-def test_stopping_the_group_stops_vllm_on_the_head_and_ray_on_each_node(fleet):
-    pids = {e["event"]: e["pid"] for e in fleet.events()}
+def test_stopping_the_group_stops_vllm_on_the_head_and_ray_on_each_node(ray_group_fleet):
+    pids = {e["event"]: e["pid"] for e in ray_group_fleet.events()}
     assert set(pids) == {"head", "join", "serve"}
     assert all(alive(pid) for pid in pids.values())
-    stop_big(fleet)
+    stop_big(ray_group_fleet)
     wait_until(
         lambda: not any(alive(pid) for pid in pids.values()),
         timeout=30,
@@ -212,19 +222,19 @@ def test_stopping_the_group_stops_vllm_on_the_head_and_ray_on_each_node(fleet):
     )
 
 
-def test_a_workers_ray_failing_fails_the_group_with_a_sentence_naming_the_worker(fleet):
-    before = len(fleet.events())
-    serve_big(fleet)
-    [join] = [e for e in fleet.events()[before:] if e["event"] == "join"]
+def test_a_workers_ray_failing_fails_the_group_with_a_sentence_naming_the_worker(ray_group_fleet):
+    before = len(ray_group_fleet.events())
+    serve_big(ray_group_fleet)
+    [join] = [e for e in ray_group_fleet.events()[before:] if e["event"] == "join"]
     os.kill(join["pid"], signal.SIGKILL)
     failed = wait_until(
         lambda: Replica.objects.filter(model_name="big", state="failed").first(),
         timeout=60,
         interval=0.3,
-        what=lambda: f"the group to fail: {fleet.said()}",
+        what=lambda: f"the group to fail: {ray_group_fleet.said()}",
     )
     assert failed.reason.startswith(f"worker {WORKER} failed: this worker's ray exited"), failed.reason
-    stop_big(fleet)
+    stop_big(ray_group_fleet)
 
 
 # --- the head alone: its supervisor in this process, the worker played by the test ---------------
