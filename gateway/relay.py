@@ -32,38 +32,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmgw.gateway")
 
+# What a relay awaits before the last of an answer: its counting (gateway/forward.py).
+Counts = Callable[[], Awaitable[None]]
+
 STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 async def relay(
-    request: Request,
-    response: aiohttp.ClientResponse,
-    replica: int,
-    gateway_s: float,
-    answer: Answer,
-    before_end: Callable[[], Awaitable[None]],
+    request: Request, response: aiohttp.ClientResponse, replica: int, gateway_s: float, answer: Answer, count: Counts
 ):
-    """Pass the replica's answer on as it comes, noting in `answer` what usage needs.
-
-    `before_end` (its counting) is awaited before the client can have the last of the answer: before the
-    chunk that completes a body of a stated length or brings a stream's [DONE], else before the end. A
-    client that sends its next request once it has an answer finds it counted, however soon it sends.
-    """
+    """Pass the replica's answer on as it comes, noting in `answer` what usage needs; `count` (its counting)
+    awaited before the client can have the last of it: before the chunk that completes a body of a stated length or
+    brings a stream's [DONE], else before the end, so that a client's next request finds its last answer counted."""
     answered_at = time.perf_counter()
     content_type = response.headers.get("Content-Type", "application/json")
     event_stream = content_type.startswith("text/event-stream")
     answer.event_stream = event_stream
-    translation = request.translation
-    if translation is not None and not (response.status == 200 and event_stream):
+    if request.translation is not None and not (response.status == 200 and event_stream):
         answer.event_stream = False  # read as one chat completion (or an error), whatever it said it was
-        await _relay_whole_translated(request, response, replica, gateway_s, answer, before_end)
+        await _relay_whole_translated(request, response, replica, gateway_s, answer, count)
         return
     send, hang_up = request.send, request.hang_up
-    if translation is not None:
-        events, whole = translation.stream(), None
-        headers = [(b"content-type", b"text/event-stream"), *STREAM_HEADERS]
-    else:
-        events, whole, headers = _as_it_came(request, response, content_type, event_stream)
+    events, whole, headers = _passed_on_as(request, response, content_type, event_stream)
     headers.append((b"x-llmgw-replica", str(replica).encode()))
     headers.append(timing(gateway_s + time.perf_counter() - answered_at))
 
@@ -75,7 +65,7 @@ async def relay(
         async for chunk in response.content.iter_any():
             answer.feed(chunk)
             if answer.complete(length):
-                await before_end()
+                await count()
             if events is not None:
                 chunk = events.feed(chunk)
                 if not chunk:
@@ -84,11 +74,8 @@ async def relay(
                 whole.append(chunk)
                 continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        if events is not None:
-            last = events.rest()
-        else:
-            last = without_cache_counts(b"".join(whole)) if whole is not None else b""
-        await before_end()
+        last = _rest(events, whole)
+        await count()
         hang_up.unguard()
         await send({"type": "http.response.body", "body": last})
     except asyncio.CancelledError:
@@ -111,11 +98,20 @@ async def relay(
         hang_up.unguard()
 
 
-def _as_it_came(
+def _rest(events: EventFilter | None, whole: list[bytes] | None) -> bytes:
+    """What is left to send once all of the replica's answer has come."""
+    if events is not None:
+        return events.rest()
+    return without_cache_counts(b"".join(whole)) if whole is not None else b""
+
+
+def _passed_on_as(
     request: Request, response: aiohttp.ClientResponse, content_type: str, event_stream: bool
 ) -> tuple[EventFilter | None, list[bytes] | None, list[tuple[bytes, bytes]]]:
-    """For an answer passed on in its own format: its event filter (a stream), the list a whole
-    answer is gathered in (when its cache counts are taken out), and its headers."""
+    """Its event filter (a stream, or a translation's stream), the list a whole answer is gathered in (when its
+    cache counts are taken out), and its headers."""
+    if request.translation is not None:
+        return request.translation.stream(), None, [(b"content-type", b"text/event-stream"), *STREAM_HEADERS]
     hide_cache = not settings.GATEWAY_SHOW_CACHED_TOKENS
     events = EventFilter(not request.client_wants_usage, hide_cache) if event_stream else None
     # A whole answer is passed on whole when what it says of the cache is taken out: a count split
@@ -130,7 +126,7 @@ def _as_it_came(
 
 
 async def _relay_whole_translated(
-    request: Request, response, replica: int, gateway_s: float, answer: Answer, before_end: Callable[[], Awaitable]
+    request: Request, response, replica: int, gateway_s: float, answer: Answer, count: Counts
 ):
     """A translated request's answer that is not a stream: read whole, then translated (or its error put in shape)."""
     answered_at = time.perf_counter()
@@ -166,7 +162,7 @@ async def _relay_whole_translated(
         (b"content-length", str(len(body)).encode()),
         timing(gateway_s + time.perf_counter() - answered_at),
     ]
-    await before_end()
+    await count()
     await request.send({"type": "http.response.start", "status": status, "headers": headers})
     await request.send({"type": "http.response.body", "body": body})
 
