@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from decimal import Decimal
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -224,33 +225,33 @@ class Forwarding:
     ) -> tuple[int, int]:
         """Relay the replica's answer and count its usage; its tokens and its cost in micro-units."""
         answer = Answer(request.scope["path"] if request.translation is None else CHAT)
-        counted: list[tuple[int, int]] = []
+        tallied: list[tuple[int, int, int, Decimal]] = []
 
-        def count() -> tuple[int, int]:
-            """The answer's usage written down, once: its tokens and its cost in micro-units."""
-            if not counted:
+        def tally() -> tuple[int, int, int, Decimal]:
+            """The answer's prompt, completion and cached tokens, and its cost: worked out once."""
+            if not tallied:
                 prompt, completion = answer.tokens(len(request.body))
                 cached = answer.cached()
-                spent = cost(request.route.prices, prompt, completion, cached)
-                self.usage.add(request.key.id, request.route.name, prompt, completion, cached, spent)
-                self.observer.answered(request.scope, replica, gateway_s, prompt, completion, cached, why)
-                counted.append((prompt + completion, micro_units(spent)))
-            return counted[0]
+                tallied.append((prompt, completion, cached, cost(request.route.prices, prompt, completion, cached)))
+            return tallied[0]
 
-        async def count_before_its_end() -> None:
-            """Counted against its key's limits and its team's budgets before its client has the last of it."""
-            tokens, micro = count()
+        async def settle_before_its_end() -> None:
+            """Counted against its key's limits and its team's budgets before its client has the last of it; its
+            usage and metrics are written after, off the client's way."""
             if request.settle is not None:
-                await request.settle(tokens, micro)
+                prompt, completion, _, spent = tally()
+                await request.settle(prompt + completion, micro_units(spent))
 
         try:
-            await relay(request, response, replica, gateway_s, answer, count_before_its_end)
+            await relay(request, response, replica, gateway_s, answer, settle_before_its_end)
         finally:
             response.close()
             # Counted however the answer ended: a stream cut short, by either side, is billed for
             # what was relayed, since its usage chunk (the last) never came.
-            tokens_and_cost = count()
-        return tokens_and_cost
+            prompt, completion, cached, spent = tally()
+            self.usage.add(request.key.id, request.route.name, prompt, completion, cached, spent)
+            self.observer.answered(request.scope, replica, gateway_s, prompt, completion, cached, why)
+        return prompt + completion, micro_units(spent)
 
 
 def _unreachable(model: str, failures: list[str], refused_secret: bool) -> Refusal:

@@ -33,6 +33,7 @@ class Ticket:
     # that its flight ends after it began and what replaces its reservation is what Redis holds.
     unanswered: list[asyncio.Future] = field(default_factory=list)
     settled: bool = False  # its answer counted: settle() counts it once
+    heard: Heard | None = None  # what the process knows of its key's counters (Limiter.settled judges by it)
 
 
 @dataclass
@@ -60,18 +61,19 @@ class Heard:
     """What this process last heard of one key's counters (in its windows, under its limits), and what it has
     asked of them since without an answer yet: together, the most the counters can hold as far as it knows."""
 
+    limits: tuple[int, ...]  # the key's limits and its team's budgets, as the scripts number their counters
     used: tuple[int, ...] = ()  # each counter, as the last answer said; () before the first
     at: float = 0.0  # when that answer came (monotonic)
     asked: int = 0  # admissions on their way
     tokens: int = 0  # tokens of reservations on their way
     micro: int = 0  # and their money
 
-    def far_below(self, limits: tuple[int, ...], share: float, requests: int, tokens: int, micro: int) -> bool:
+    def far_below(self, share: float, requests: int, tokens: int, micro: int) -> bool:
         """Whether one more request (`requests`), or reservation (`tokens`, `micro`), keeps every counter under
         `share` of its limit, counting everything on its way; never on an answer older than FAST_AGE_S."""
         if not self.used or time.monotonic() - self.at > FAST_AGE_S:
             return False
-        for number, (limit, used) in enumerate(zip(limits, self.used, strict=True), 1):
+        for number, (limit, used) in enumerate(zip(self.limits, self.used, strict=True), 1):
             if not limit:
                 continue
             if number in REQUEST_COUNTERS:
@@ -135,6 +137,7 @@ class Limiter:
         asked.answer = asyncio.get_running_loop().create_future()
         key = (windows, limits, budget)
         asked.fast = self._judge_and_count(key, asked.answer, 1, 0, 0)
+        asked.ticket.heard = self._heard[key]
         self._admitting.setdefault(key, []).append((asked.ticket.request_id, asked.answer))
         self._send_later(urgent=not asked.fast)
         return asked
@@ -189,8 +192,10 @@ class Limiter:
         """Whether the key is far enough below its limits for this admission (`requests`) or reservation
         (`tokens`, `micro`) to go on without its answer; judged first, then counted as on its way until
         the answer comes (`_hear`)."""
-        heard = self._heard.setdefault(key, Heard())
-        fast = self._fast_share > 0 and heard.far_below(_counted(*key)[1:], self._fast_share, requests, tokens, micro)
+        heard = self._heard.get(key)
+        if heard is None:
+            heard = self._heard[key] = Heard(_counted(*key)[1:])
+        fast = self._fast_share > 0 and heard.far_below(self._fast_share, requests, tokens, micro)
         heard.asked += requests
         heard.tokens += tokens
         heard.micro += micro
@@ -246,12 +251,25 @@ class Limiter:
         return ticket
 
     async def settled(self, ticket: Ticket, tokens: int, micro: int = 0) -> None:
-        """settle(), once the answers its request went on without have come (at most TIMEOUT_S: an answer
-        overdue by that cuts the connection, and fails). Awaited before the client has the last of its
-        answer (gateway/relay.py), so that the next request it sends after it is judged with it counted:
-        settle() alone would wait for them behind the client's back, and a next request could overtake it."""
+        """settle(), awaited before the client has the last of its answer (gateway/relay.py), so that a next
+        request it sends after it is judged with it counted.
+
+        A request that went on without its answers (a fast one) settles once they have come, and settle()
+        alone would wait for them behind the client's back: a next request could overtake its counting,
+        and Redis judge it on counters short of this answer. So where that could matter, this waits for
+        them (sent now, and at most TIMEOUT_S: an answer overdue by that cuts the connection, and fails):
+        when the key, with what this answer adds to its reservation, is no longer far below a limit
+        (Heard.far_below). Far below, it waits for nothing, as the request did: a next request judged
+        without this answer is judged on counters short of it while they are under half of every limit.
+        """
         waiting = [answer for answer in ticket.unanswered if not answer.done()]
-        if waiting:
+        heard = ticket.heard
+        if waiting and not (
+            heard is not None
+            and self._fast_share > 0
+            and heard.far_below(self._fast_share, 0, tokens - ticket.reserved, micro - ticket.reserved_money)
+        ):
+            self._send_later(urgent=True)  # its admission may wait for a lazy batch
             await asyncio.wait(waiting)
         self.settle(ticket, tokens, micro)
 
