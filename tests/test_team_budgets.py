@@ -298,3 +298,31 @@ def test_a_clients_next_request_is_judged_with_its_last_answer_counted_though_re
     assert third.status_code == 429, f"the third request was let through: {third.status_code}"
     assert error_of(third)["message"].startswith("The team finance is over its monthly spend budget of 0.15: ")
     assert len(replica.requests) == 2
+
+
+def test_a_clients_next_request_through_another_gateway_process_is_judged_with_its_last_answer_counted(
+    gateway, replicas, tmp_path
+):
+    """An answer's settling went within 2 ms of its last byte, in the next batch; a client whose next request went
+    to another gateway process (another worker, another host) could be judged before it, and got past its budget."""
+    add_model()
+    # 1,000 micro-units a prompt token: an answer of 100 prompt tokens costs 0.1, and reserves ~0.03 (its size).
+    Model.objects.filter(name="chat").update(price_input=Decimal("1000"), price_output=Decimal("0"))
+    replica = replicas()
+    replica.usage = {"prompt_tokens": 100, "completion_tokens": 1}
+    add_replica("chat", replica.base)
+    other, other_url = start_gateway(tmp_path, name="gateway-2")
+    try:
+        for round in range(5):
+            team = Team.objects.create(name=f"finance-{round}", spend_per_month=Decimal("0.2"))
+            _, secret = team_key(f"finance-{round}", team)
+            first, second = client(secret), client(secret)
+            until_routed(first, gateway.url)
+            until_routed(second, other_url)
+            assert chat(first, gateway.url).status_code == 200  # 0.1 spent
+            assert chat(first, gateway.url).status_code == 200  # 0.2: the budget, spent
+            third = chat(second, other_url)
+            assert third.status_code == 429, f"round {round}: the third request was let through: {third.status_code}"
+            assert error_of(third)["message"].startswith(f"The team finance-{round} is over its monthly spend budget")
+    finally:
+        other.stop()

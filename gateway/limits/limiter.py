@@ -252,26 +252,33 @@ class Limiter:
 
     async def settled(self, ticket: Ticket, tokens: int, micro: int = 0) -> None:
         """settle(), awaited before the client has the last of its answer (gateway/relay.py), so that a next
-        request it sends after it is judged with it counted.
+        request it sends after it, to this process or another, is judged with it counted.
 
-        A request that went on without its answers (a fast one) settles once they have come, and settle()
-        alone would wait for them behind the client's back: a next request could overtake its counting,
-        and Redis judge it on counters short of this answer. So where that could matter, this waits for
-        them (sent now, and at most TIMEOUT_S: an answer overdue by that cuts the connection, and fails):
-        when the key, with what this answer adds to its reservation, is no longer far below a limit
-        (Heard.far_below). Far below, it waits for nothing, as the request did: a next request judged
-        without this answer is judged on counters short of it while they are under half of every limit.
+        Where that could matter (the key, with what this answer adds to its reservation, no longer far
+        below a limit: Heard.far_below), it waits for the answers its request went on without (a fast one
+        settles only after them; at most TIMEOUT_S, after which the connection is cut and they fail), then
+        sends its settling at once and lets the loop write it before the client's last byte: settle()
+        alone would send it within LAZY_S, behind the client's back, and a next request through another
+        gateway process could reach Redis first. Far below, nothing waits, as the request did not: a next
+        request judged before this settling is judged on counters short of it while they are under half
+        of every limit.
         """
-        waiting = [answer for answer in ticket.unanswered if not answer.done()]
         heard = ticket.heard
-        if waiting and not (
-            heard is not None
-            and self._fast_share > 0
-            and heard.far_below(self._fast_share, 0, tokens - ticket.reserved, micro - ticket.reserved_money)
+        delta_tokens, delta_micro = tokens - ticket.reserved, micro - ticket.reserved_money
+        if (
+            self._fast_share > 0
+            and heard is not None
+            and heard.far_below(self._fast_share, 0, delta_tokens, delta_micro)
         ):
+            self.settle(ticket, tokens, micro)
+            return
+        waiting = [answer for answer in ticket.unanswered if not answer.done()]
+        if waiting:
             self._send_later(urgent=True)  # its admission may wait for a lazy batch
             await asyncio.wait(waiting)
         self.settle(ticket, tokens, micro)
+        self._send_later(urgent=True)
+        await asyncio.sleep(0)  # the batch is sent (Limiter._send) before this goes on
 
     def settle(self, ticket: Ticket, tokens: int, micro: int = 0) -> None:
         """Count an answer's tokens (and its cost, in micro-units) in place of its reservation and end its flight,
