@@ -313,16 +313,16 @@ def test_a_clients_next_request_through_another_gateway_process_is_judged_with_i
     add_replica("chat", replica.base)
     other, other_url = start_gateway(tmp_path, name="gateway-2")
     try:
-        for round in range(5):
-            team = Team.objects.create(name=f"finance-{round}", spend_per_month=Decimal("0.2"))
-            _, secret = team_key(f"finance-{round}", team)
+        for turn in range(5):
+            team = Team.objects.create(name=f"finance-{turn}", spend_per_month=Decimal("0.2"))
+            _, secret = team_key(f"finance-{turn}", team)
             first, second = client(secret), client(secret)
             until_routed(first, gateway.url)
             until_routed(second, other_url)
             assert chat(first, gateway.url).status_code == 200  # 0.1 spent
             assert chat(first, gateway.url).status_code == 200  # 0.2: the budget, spent
             third = chat(second, other_url)
-            assert third.status_code == 429, f"round {round}: the third request was let through: {third.status_code}"
-            assert error_of(third)["message"].startswith(f"The team finance-{round} is over its monthly spend budget")
+            assert third.status_code == 429, f"turn {turn}: the third request was let through: {third.status_code}"
+            assert error_of(third)["message"].startswith(f"The team finance-{turn} is over its monthly spend budget")
     finally:
         other.stop()
