@@ -107,8 +107,10 @@ def test_a_running_replica_s_measured_memory_reaches_the_replicas_page_and_bench
     assert '<td class="field-memory_asked">1 GB</td>' in page
     peak = MeasuredMemory.objects.get(model_name="tiny", profile_name="cpu")
     assert peak.node_name == "n1" and peak.replica_id == replica.pk
-    # llama-server on the tiny GGUF holds a few MB (its own 21 MB footprint is mostly shared pages).
-    assert 4 * (1 << 20) < peak.host_bytes < (1 << 30)
+    # llama-server on the tiny GGUF holds a few MB (its own 21 MB footprint is mostly shared pages). PSS
+    # divides a shared page among the processes mapping it, so with other tests' llama-servers running
+    # beside it the figure is lower (3.97 MB was seen in CI): more than a MB, less than a GB.
+    assert (1 << 20) < peak.host_bytes < (1 << 30)
     assert peak.gpu_bytes == 1234 * (1 << 20)
 
     # --- manage.py bench_replica, through the gateway ---
