@@ -321,6 +321,9 @@ class CountingProxy:
         # (`/.seed/3/m/v1/a.bin` is `/m/v1/a.bin`: a fetch asks for one file over several addresses).
         self.path_bytes: dict[str, int] = {}
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
+        # The tracker's, apart: a node's session announces what it holds by itself (after each `.complete`,
+        # then every 5 s, agent/peers.py), at any moment of a test; `requests` is what fetches asked.
+        self.announces: list[str] = []
         # Bytes of a request that began before reset_counts (say, to a process
         # just killed) are not counted after it.
         self._generation = 0
@@ -376,7 +379,10 @@ class CountingProxy:
 
         path = handler.path
         with self._lock:
-            self.requests.append((method, path, handler.headers.get("Range", "")))
+            if path.startswith("/announce?"):
+                self.announces.append(path)
+            else:
+                self.requests.append((method, path, handler.headers.get("Range", "")))
         while self.hold is not None and self.hold(handler.client_address[0], path, handler.headers.get("Range", "")):
             time.sleep(0.1)
         if path in self.overrides:
@@ -418,6 +424,7 @@ class CountingProxy:
             self.body_bytes = 0
             self.path_bytes = {}
             self.requests = []
+            self.announces = []
             self._generation += 1
 
     def stop(self) -> None:
